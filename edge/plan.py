@@ -27,7 +27,8 @@ class MemoryItem(BaseModel):
 
     name: str  # e.g. "quantized linears (packed codes)", "kv cache"
     bytes: int
-    phase: Literal["resident", "load-transient"]  # settled footprint, or a transient on top during load
+    # settled footprint, or a transient on top of it: while loading, or while running (a prefill's dequantize)
+    phase: Literal["resident", "load-transient", "run-transient"]
     detail: str  # how the number was computed, with the shapes
     avoidable_bytes: int | None = Field(
         default=None, description="What a stated change (named in detail) would save, e.g. capping RoPE."
@@ -36,7 +37,7 @@ class MemoryItem(BaseModel):
 
 class MemoryLedger(BaseModel):
     resident_bytes: int  # sum of resident items
-    peak_bytes: int  # resident + the largest load-time transient
+    peak_bytes: int  # resident + the largest transient (load or run)
     budget_bytes: int | None
     fits: bool  # peak within budget (True when no budget is known)
     items: list[MemoryItem]

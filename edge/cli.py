@@ -1,0 +1,131 @@
+"""edge-select: how should a model run on this CPU (or on a described device)?
+
+Probes the host (or reads --device), reads the model's shapes, and prints a Plan: the weight path and layout,
+the memory ledger (resident and load-time peak against the budget), the reasons with their measurements,
+the vLLM configuration, and the alternatives with why not.
+
+Exit codes: 0 a plan that fits; 3 nothing fits the budget (the closest option is printed with what would make
+it fit); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from edge.errors import InputError
+from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edge-select", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--priority", choices=PRIORITIES, default="speed",
+                        help="fidelity never quantizes activations; speed takes the fastest measured path")
+    parser.add_argument("--model", metavar="DIR|config.json",
+                        help="a local Hugging Face model directory or its config.json "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--memory-budget", metavar="SIZE",
+                        help="e.g. 3GiB or 512MiB (default: the memory the probe finds available)")
+    parser.add_argument("--max-model-len", type=int, metavar="TOKENS")
+    parser.add_argument("--max-num-seqs", type=int, metavar="N")
+    parser.add_argument("--device", metavar="FILE",
+                        help="plan for a described device: a JSON profile, a saved /proc/cpuinfo, or "
+                             "node-feature-discovery labels as JSON (the format is detected)")
+    parser.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
+    parser.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
+    parser.add_argument("--force", action="store_true", help="run a pinned path that a gate refuses")
+    parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    return parser  # fmt: skip
+
+
+def _device(path: str | None):
+    if path is None:
+        from edge.probe import probe
+
+        return probe()
+    from edge.describe import load_device
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise InputError("--device", path, f"a readable file ({error.strerror})") from None
+    return load_device(data)
+
+
+def _model(path: str | None):
+    from edge.model_reader import default_model, read_model
+
+    return default_model() if path is None else read_model(path)
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    from edge.describe import parse_size
+    from edge.planner import make_plan
+
+    budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    return make_plan(
+        _device(args.device), _model(args.model), priority=args.priority, budget_bytes=budget,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, path=args.path,
+        layout=args.layout, force=args.force,
+    )  # fmt: skip
+
+
+def _gib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def render(plan: Plan) -> str:
+    """The short human summary: chosen path, memory line, top reasons, runner-up, warnings."""
+    device, memory = plan.device, plan.memory
+    where = device.name or ("this host" if device.described_by == "probe" else "the described device")
+    isa = ", ".join(device.isa.value or []) or "unknown ISA"
+    layout = f"  layout {plan.layout}" if plan.layout else ""
+    group = f"  group {plan.group_size}" if plan.group_size else ""
+    fits = "fits" if memory.fits else "DOES NOT FIT"
+    lines = [
+        f"{plan.model.name} on {where}: {device.cpu_model.value or 'unknown CPU'} "
+        f"[{device.isa_class}: {isa}], {device.compute_cores or '?'} cores, {_gib(device.usable_memory_bytes)} usable",
+        f"  path      {plan.path}{layout}{group}  (priority {plan.priority})",
+        f"  verified  {'yes' if plan.verified else 'no'}: {plan.verified_detail}",
+        f"  memory    resident {_gib(memory.resident_bytes)}, load peak {_gib(memory.peak_bytes)}, "
+        f"budget {_gib(memory.budget_bytes)}: {fits}",
+    ]  # fmt: skip
+    if plan.vllm is not None:
+        env = " ".join(f"{k}={v}" for k, v in sorted(plan.vllm.env.items()))
+        lines.append(f"  vllm      {env} vllm serve MODEL_DIR {' '.join(plan.vllm.args)}")
+    lines.append("  why")
+    lines += [f"    - {r.text}" + (f" [{r.value:g} {r.unit}, {r.source}]" if isinstance(r.value, float) else "")
+              for r in plan.reasons[:5]]  # fmt: skip
+    runner_up = next((a for a in plan.alternatives if a.status != "incompatible"), None)
+    if runner_up is not None:
+        label = runner_up.path + (f"/{runner_up.layout}" if runner_up.layout else "")
+        hint = f" (hint: {runner_up.hint})" if runner_up.hint else ""
+        lines.append(f"  runner-up {label}: {runner_up.status}, {runner_up.why_not}{hint}")
+    incompatible = [a for a in plan.alternatives if a.status == "incompatible"]
+    for alt in incompatible:
+        lines.append(f"  not here  {alt.path}: {alt.why_not}")
+    lines += [f"  warning   {w}" for w in plan.warnings]
+    if not memory.fits:
+        hints = [f"{a.path}{'/' + a.layout if a.layout else ''} with {a.hint}" for a in plan.alternatives if a.hint]
+        lines.append("  to fit    " + ("; ".join(hints) if hints else "a larger --memory-budget"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = plan_from_args(args)
+    except InputError as error:
+        print(f"edge-select: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(plan.model_dump_json(indent=2) if args.json else render(plan))
+    return EXIT_OK if plan.memory.fits else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""What the converter writes (quantization_config) and how vLLM is started (args, env) for a chosen option."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from edge import rules
+from edge.device import DeviceProfile
+from edge.facts import fact
+from edge.plan import Layout, VllmConfig, WeightPath
+from edge.shapes import ModelShape
+
+# vLLM reserves one core for its front end on x86 by default (FACTS.md: on a 2-core box it then runs one
+# compute thread). On boxes this small, the GEMMs get every core instead.
+SMALL_BOX_CORES = 4
+
+
+def dequant_threshold(device: DeviceProfile) -> int:
+    """Rows from which a batch dequantizes instead of using tinygemm (only in dual/direct layouts).
+
+    AMX: 2 — tinygemm on a multi-row batch followed by vLLM's CPU attention dies with SIGILL (reference study).
+    Elsewhere the hazard does not exist; the crossover is the ISA's measured one.
+    """
+    if device.isa_class == "amx":
+        return int(fact("amx.dequant_threshold").value)
+    return int(fact("avx2.dequant_threshold").value)
+
+
+def quantization_config(
+    device: DeviceProfile, model: ModelShape, path: WeightPath, layout: Layout | None, group_size: int | None
+) -> dict[str, Any] | None:
+    if path == "w4a16-tinygemm":
+        assert group_size is not None and layout is not None
+        ignore = [lin.name for lin in model.linears if not rules.packable(lin, group_size)]
+        return {
+            "quant_method": "cpu_int4",
+            "bits": 4,
+            "group_size": group_size,
+            # Part of the checkpoint's config so it reaches vLLM's compile-cache key (FACTS.md: an env-var
+            # toggle against a warm cache loaded the wrong graph).
+            "direct_dequant": layout == "direct",
+            "prefill_dequant": layout != "kernel-only",
+            "dequant_threshold": dequant_threshold(device),
+            "quantize_embedding": model.tie_word_embeddings,
+            "ignore": ignore,
+        }
+    if path == "w4a8-gptq":
+        assert group_size is not None
+        return {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "sym": True,  # vLLM's W4A8 kernel pins the zero point at 8 (uint4b8)
+            "desc_act": False,  # act-order (g_idx) sends vLLM to cpu_gemm_wna16 instead of W4A8
+            "lm_head": True,  # an unquantized head costs more per step than the 4-bit saving (FACTS.md)
+        }
+    return None
+
+
+def _cache_key(model: ModelShape, path: WeightPath, qconfig: dict[str, Any] | None) -> str:
+    blob = json.dumps({"model": model.name, "path": path, "quantization_config": qconfig}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def vllm_config(
+    device: DeviceProfile,
+    model: ModelShape,
+    path: WeightPath,
+    qconfig: dict[str, Any] | None,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_cache_bytes: int,
+) -> VllmConfig | None:
+    if path == "export-only":
+        return None
+    args = [
+        "--dtype", "bfloat16",
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs),
+        # Exact bytes; VLLM_CPU_KVCACHE_SPACE only takes whole GiB, and without either vLLM's CPU worker
+        # reserves 92% of the node's memory.
+        "--kv-cache-memory-bytes", str(kv_cache_bytes),
+    ]  # fmt: skip
+    if path == "w4a16-tinygemm":
+        args += ["--quantization", "cpu_int4"]
+    elif path == "w4a8-gptq":
+        args += ["--quantization", "gptq"]
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "auto",
+        # Plans that build different graphs get different compile caches (FACTS.md, compile-cache key).
+        "VLLM_CACHE_ROOT": f"~/.cache/edge-select/vllm/{_cache_key(model, path, qconfig)}",
+    }
+    cores = device.compute_cores
+    if cores is not None and cores <= SMALL_BOX_CORES:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    if path == "w4a8-gptq":
+        env["VLLM_CPU_INT4_W4A8"] = "1"
+    return VllmConfig(args=args, env=env)

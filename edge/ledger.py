@@ -1,0 +1,430 @@
+"""The memory ledger: every byte a plan costs, named, computed from shapes, with the arithmetic shown.
+
+Peak model: peak_bytes = resident_bytes + the largest single transient. Transients are not summed: the loader
+converts one tensor (or one chunk of one tensor) at a time, and a w4a16 batch dequantizes one layer at a time.
+That run-time working set is filed under phase "run-transient". Memory means RssAnon summed over the vLLM
+process tree (FACTS.md), which is what engine_baseline_bytes was measured as.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from edge import rules
+from edge.facts import fact
+from edge.plan import Layout, MemoryItem, MemoryLedger, WeightPath
+from edge.shapes import LinearShape, ModelShape
+
+BF16 = 2  # bytes; the engine runs every path with bf16 activations and bf16 non-quantized tensors
+LM_HEAD = "lm_head"
+
+
+def estimate(
+    model: ModelShape,
+    path: WeightPath,
+    layout: Layout | None,
+    group_size: int | None,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    tinygemm_block: int,
+    budget_bytes: int | None,
+    engine_baseline_bytes: int,
+    dequant_threshold: int | None = None,
+) -> MemoryLedger:
+    """Itemized resident footprint and load-time peak of running `model` on `path`.
+
+    dequant_threshold: rows from which a w4a16 layer dequantizes instead of running tinygemm (the plan's
+    quantization_config value); None assumes the smallest in use, amx.dequant_threshold (conservative).
+    """
+    if path == "export-only":
+        items = _export_weights(model)
+    else:
+        if path == "bf16":
+            weights = _bf16_weights(model)
+        elif path == "w4a16-tinygemm":
+            assert layout is not None and group_size is not None, (layout, group_size)
+            weights = _tinygemm_weights(model, layout, group_size, tinygemm_block)
+        else:
+            assert path == "w4a8-gptq" and group_size is not None, (path, group_size)
+            weights = _gptq_weights(model, group_size)
+        items = [
+            *weights,
+            _norms(model),
+            *_biases(model),
+            _rope(model, max_model_len),
+            _kv_cache(model, max_model_len, max_num_seqs),
+            _resident(
+                "engine baseline",
+                engine_baseline_bytes,
+                "the vLLM process tree's RssAnon without weights and KV cache (measured, passed in)",
+            ),
+            _allocator_retention(),
+            *_transients(model, path, group_size),
+        ]
+        if path == "w4a16-tinygemm":
+            assert layout is not None and group_size is not None
+            threshold = dequant_threshold or int(fact("amx.dequant_threshold").value)
+            items += _dequant_working_set(
+                model, layout, group_size, tinygemm_block, threshold, max_model_len, max_num_seqs
+            )
+    resident = sum(item.bytes for item in items if item.phase == "resident")
+    transient = max((item.bytes for item in items if item.phase != "resident"), default=0)
+    peak = resident + transient
+    return MemoryLedger(
+        resident_bytes=resident,
+        peak_bytes=peak,
+        budget_bytes=budget_bytes,
+        fits=budget_bytes is None or peak <= budget_bytes,
+        items=items,
+    )
+
+
+# --- bytes of one kind of linear, all `count` layers of it -------------------------------------------------
+
+
+def bf16_bytes(lin: LinearShape) -> int:
+    return lin.count * lin.n * lin.k * BF16
+
+
+def tinygemm_bytes(lin: LinearShape, group: int) -> int:
+    """Packed codes [N, K/2] uint8 + scales and zeros bf16 [K/group, N, 2].
+
+    The row-major copy is the same size: qweight uint8 [N, K/2] + scales and zeros bf16 [N, K/g] each.
+    """
+    return lin.count * (lin.n * lin.k // 2 + 2 * BF16 * lin.n * (lin.k // group))
+
+
+def gptq_bytes(lin: LinearShape, group: int) -> int:
+    """qweight int32 [K/8, N] + scales bf16 [K/g, N] + qzeros int32 [K/g, N/8]; group -1: one group a row."""
+    groups = 1 if group == -1 else lin.k // group
+    return lin.count * (lin.n * lin.k // 2 + BF16 * lin.n * groups + 4 * (lin.n // 8) * groups)
+
+
+def _resident(name: str, size: int, detail: str, avoidable_bytes: int | None = None) -> MemoryItem:
+    return MemoryItem(name=name, bytes=size, phase="resident", detail=detail, avoidable_bytes=avoidable_bytes)
+
+
+def _transient(name: str, size: int, detail: str) -> MemoryItem:
+    return MemoryItem(name=name, bytes=size, phase="load-transient", detail=detail)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _times(lin: LinearShape) -> str:
+    return f"{lin.count} x " if lin.count > 1 else ""
+
+
+def _bf16_detail(lin: LinearShape) -> str:
+    return f"{_times(lin)}{lin.n} x {lin.k} x 2 B = {_mib(bf16_bytes(lin))}"
+
+
+def _tinygemm_detail(lin: LinearShape, group: int) -> str:
+    return (
+        f"{_times(lin)}({lin.n} x {lin.k} / 2 B codes + 2 x 2 B x {lin.n} x {lin.k}/{group} scales and zeros)"
+        f" = {_mib(tinygemm_bytes(lin, group))}"
+    )
+
+
+def _embedding(model: ModelShape) -> LinearShape:
+    return LinearShape(name="embedding", n=model.vocab_size, k=model.hidden_size, count=1)
+
+
+def _layer_linears(model: ModelShape) -> list[LinearShape]:
+    return [lin for lin in model.linears if lin.name != LM_HEAD]
+
+
+def _head(model: ModelShape) -> LinearShape:
+    heads = [lin for lin in model.linears if lin.name == LM_HEAD]
+    return heads[0] if heads else _embedding(model).model_copy(update={"name": LM_HEAD})
+
+
+# --- weights per path ----------------------------------------------------------------------------------
+
+
+def _bf16_weights(model: ModelShape) -> list[MemoryItem]:
+    emb = _embedding(model)
+    tied = " (tied: the head reads this same tensor)" if model.tie_word_embeddings else ""
+    items = [_resident("embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb) + tied)]
+    linears = _layer_linears(model) + ([] if model.tie_word_embeddings else [_head(model)])
+    items += [_resident(f"{lin.name} (bf16)", bf16_bytes(lin), _bf16_detail(lin)) for lin in linears]
+    return items
+
+
+def _kept_bf16(lin: LinearShape, why: str) -> MemoryItem:
+    return _resident(f"{lin.name} kept bf16", bf16_bytes(lin), f"{why}: {_bf16_detail(lin)}")
+
+
+def _tinygemm_weights(model: ModelShape, layout: Layout, group: int, block: int) -> list[MemoryItem]:
+    """int4 tinygemm buffers, bf16 for layers that cannot pack, and the row-major copies the layout keeps.
+
+    A tied embedding is quantized once (quantize_embedding): the head runs through tinygemm and a row-major
+    copy serves the embedding lookups (dequantizing the gathered rows), so it never needs a layout duplicate.
+    """
+    head = _head(model)
+    items: list[MemoryItem] = []
+    quantized: list[LinearShape] = []
+    if model.tie_word_embeddings and rules.packable(head, group):
+        items += [
+            _resident(
+                "lm_head (tied embedding) int4 tinygemm",
+                tinygemm_bytes(head, group),
+                _tinygemm_detail(head, group),
+            ),
+            _resident(
+                "tied embedding row-major int4 copy (lookups)",
+                tinygemm_bytes(head, group),
+                "second copy of the quantized embedding, row-major qweight + "
+                f"scales + zeros: {_tinygemm_detail(head, group)}",
+            ),
+        ]
+    else:
+        emb = _embedding(model)
+        why = "tied embedding cannot pack" if model.tie_word_embeddings else "embedding lookups"
+        items.append(_kept_bf16(emb, f"{why} (N % {rules.PACK_N_MULTIPLE}, K % {group})"))
+        if not model.tie_word_embeddings:
+            quantized.append(head)
+    for lin in _layer_linears(model) + quantized:
+        if rules.packable(lin, group):
+            items.append(
+                _resident(
+                    f"{lin.name} int4 tinygemm", tinygemm_bytes(lin, group), _tinygemm_detail(lin, group)
+                )
+            )
+        else:
+            items.append(
+                _kept_bf16(lin, f"cannot pack: N={lin.n} % {rules.PACK_N_MULTIPLE} or K={lin.k} % {group}")
+            )
+    packed = [lin for lin in _layer_linears(model) + quantized if rules.packable(lin, group)]
+    return items + _row_major_copies(packed, layout, group, block)
+
+
+def _row_major_copies(
+    packed: Iterable[LinearShape], layout: Layout, group: int, block: int
+) -> list[MemoryItem]:
+    """The row-major copies a layout keeps beside the tinygemm buffers.
+
+    dual: every quantized layer, for prefill dequantize; direct: only layers whose N does not tile the host
+    block (FACTS.md: direct saved 615 MB of dual's 3542 MB resident on Spark); kernel-only: none.
+    """
+    if layout == "kernel-only":
+        return []
+    items = []
+    for lin in packed:
+        if layout == "dual":
+            why = "dual layout: row-major copy for prefill dequantize"
+        elif not rules.tiles_block(lin, block):
+            why = f"direct layout, but N={lin.n} does not tile the {block}-channel block: row-major copy kept"
+        else:
+            continue
+        items.append(
+            _resident(
+                f"{lin.name} row-major copy",
+                tinygemm_bytes(lin, group),
+                f"{why}: {_tinygemm_detail(lin, group)}",
+            )
+        )
+    return items
+
+
+def _gptq_weights(model: ModelShape, group: int) -> list[MemoryItem]:
+    """GPTQ: the head is quantized too (FACTS.md: a bf16 head costs more per step than the 4-bit saving),
+    so a tied embedding is untied and the embedding stays bf16 beside it."""
+    emb = _embedding(model)
+    if model.tie_word_embeddings:
+        embedding = _resident(
+            "embedding kept bf16 (cost of untying the head)",
+            bf16_bytes(emb),
+            f"the head is quantized apart: {_bf16_detail(emb)}",
+        )
+    else:
+        embedding = _resident("embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb))
+    items = [embedding]
+    for lin in [*_layer_linears(model), _head(model)]:
+        if rules.gptq_compatible(lin, group):
+            groups = "1" if group == -1 else f"{lin.k}/{group}"
+            detail = (
+                f"{_times(lin)}({lin.n} x {lin.k} / 2 B qweight + 2 B x {lin.n} x {groups} scales"
+                f" + 4 B x {lin.n}/8 x {groups} qzeros) = {_mib(gptq_bytes(lin, group))}"
+            )
+            items.append(_resident(f"{lin.name} GPTQ int4", gptq_bytes(lin, group), detail))
+        else:
+            items.append(_kept_bf16(lin, f"not GPTQ-compatible at group {group} (N, K multiples of 32)"))
+    return items
+
+
+def _export_weights(model: ModelShape) -> list[MemoryItem]:
+    """The exported graph's weights; no engine and no KV cache on a phone.
+
+    Assumed: calibrated w8a16 (FACTS.md: "calibrated w8a16 was the only scheme correct on device"), 1 byte
+    per weight + one bf16 scale per output channel; norms stay bf16.
+    """
+    linears = [_embedding(model), *_layer_linears(model)]
+    if not model.tie_word_embeddings:
+        linears.append(_head(model))
+    items = []
+    for lin in linears:
+        size = lin.count * (lin.n * lin.k + BF16 * lin.n)
+        items.append(
+            _resident(
+                f"{lin.name} w8a16 (exported graph)",
+                size,
+                f"{_times(lin)}({lin.n} x {lin.k} x 1 B + 2 B x {lin.n} scales) = {_mib(size)}",
+            )
+        )
+    return [*items, _norms(model)]
+
+
+# --- everything else the engine holds ------------------------------------------------------------------
+
+
+def _norms(model: ModelShape) -> MemoryItem:
+    """RMSNorm weights: two per layer and a final one; Gemma2 has four per layer; Qwen3 adds q_norm/k_norm."""
+    per_layer = 4 if model.model_type == "gemma2" else 2
+    params = (per_layer * model.num_layers + 1) * model.hidden_size
+    detail = f"({per_layer} x {model.num_layers} + 1) x {model.hidden_size}"
+    if model.model_type == "qwen3":
+        params += 2 * model.num_layers * model.head_dim
+        detail += f" + 2 x {model.num_layers} x {model.head_dim} (q_norm, k_norm)"
+    return _resident("norms (bf16)", params * BF16, f"{detail} x 2 B = {_mib(params * BF16)}")
+
+
+def _biases(model: ModelShape) -> list[MemoryItem]:
+    """Qwen2 carries q/k/v biases (vLLM qwen2.py builds QKVParallelLinear with bias=True)."""
+    if model.model_type != "qwen2":
+        return []
+    n = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    size = model.num_layers * n * BF16
+    return [_resident("q/k/v biases (bf16)", size, f"{model.num_layers} x {n} x 2 B = {_mib(size)}")]
+
+
+def _rope(model: ModelShape, max_model_len: int) -> MemoryItem:
+    """The rotary cos/sin table, as vLLM 0.28 builds it (model_executor/layers/rotary_embedding/).
+
+    One table per distinct rope (__init__.py:83 caches by key). Rows = max_position_embeddings (FACTS.md:
+    Llama passes max_position_embeddings, not max_model_len); columns = rotary_dim, the cos half and the sin
+    half (base.py:94-103, computed in fp32); then cast to get_rope's dtype (base.py:59-61), which defaults
+    to torch.get_default_dtype() (__init__.py:41-42), set to the model dtype while the model is built
+    (model_loader/base_loader.py:53): bf16 resident.
+    """
+    rows, cols = model.max_position_embeddings, model.rotary_dim
+    row_bytes = cols * BF16
+    avoidable = max(0, rows - max_model_len) * row_bytes
+    return _resident(
+        "RoPE cos/sin table",
+        rows * row_bytes,
+        f"{rows} positions x {cols} (cos + sin halves) x 2 B bf16 = {_mib(rows * row_bytes)}; capping "
+        f"the table at max_model_len={max_model_len} would save {_mib(avoidable)}. Built in fp32 at "
+        f"model construction (~10 x {rows} x {cols} B of intermediates, before any weight loads)",
+        avoidable_bytes=avoidable,
+    )
+
+
+def _kv_cache(model: ModelShape, max_model_len: int, max_num_seqs: int) -> MemoryItem:
+    tokens = rules.kv_tokens_per_layer(model, max_model_len)
+    counts: dict[int, int] = {}
+    for t in tokens:
+        counts[t] = counts.get(t, 0) + 1
+    layers = " + ".join(f"{n} layers x {t} tokens" for t, n in sorted(counts.items(), reverse=True))
+    size = rules.kv_cache_bytes(model, max_model_len, max_num_seqs)
+    return _resident(
+        "KV cache",
+        size,
+        f"2 (K, V) x {model.num_kv_heads} kv heads x {model.head_dim} x 2 B x ({layers}) x "
+        f"{max_num_seqs} seqs = {_mib(size)}; sliding layers hold min(window, max_model_len); "
+        "given to vLLM as --kv-cache-memory-bytes",
+    )
+
+
+def _allocator_retention() -> MemoryItem:
+    retained = fact("any.allocator_retention_bytes")
+    return _resident(
+        "allocator retention",
+        int(retained.value),
+        f"{retained.note} ({retained.source}, fact any.allocator_retention_bytes)",
+    )
+
+
+# --- load-time transients ------------------------------------------------------------------------------
+
+
+def _weight_matrices(model: ModelShape) -> list[LinearShape]:
+    return [_embedding(model), *model.linears]
+
+
+def _transients(model: ModelShape, path: WeightPath, group: int | None) -> list[MemoryItem]:
+    largest = max(_weight_matrices(model), key=lambda lin: lin.n * lin.k)
+    one = largest.model_copy(update={"count": 1})
+    if path != "w4a16-tinygemm":
+        return [
+            _transient(
+                "largest tensor's load copy",
+                bf16_bytes(one),
+                f"{largest.name}: {_bf16_detail(one)} copied while it loads",
+            )
+        ]
+    assert group is not None
+    rows = int(fact("any.repack_chunk_rows").value)
+    packed = [lin for lin in model.linears if rules.packable(lin, group)]  # a tied embedding is the head
+    items = [
+        _transient(
+            "bf16 source tensor being converted",
+            bf16_bytes(one),
+            f"largest single weight in bf16, {largest.name}: {_bf16_detail(one)}, held while it is quantized "
+            "(the checkpoint conversion on this box) or loaded (an untied bf16 embedding)",
+        )
+    ]
+    if packed:
+        widest = max(packed, key=lambda lin: min(rows, lin.n) * lin.k)
+        chunk = min(rows, widest.n)
+        items.append(
+            _transient(
+                "repack transient (int32 codes)",
+                4 * chunk * widest.k,
+                f"{widest.name}: 4 B x {chunk} rows x {widest.k} = {_mib(4 * chunk * widest.k)} (codes "
+                f"expanded to int32 a chunk of {rows} output channels at a time, any.repack_chunk_rows)",
+            )
+        )
+    return items
+
+
+def _dequant_working_set(
+    model: ModelShape,
+    layout: Layout,
+    group: int,
+    block: int,
+    threshold: int,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> list[MemoryItem]:
+    """At run time, not load: a batch of >= threshold rows dequantizes the whole layer before its GEMM.
+
+    kernels/int4_ops.py dequantizes to [N, K]: uint8 codes (1 B) then fp32 arithmetic (4 B, kernels/int4.py
+    apply_scales), cast to the prefill dtype: fp32 without native bf16 (block 32 = the AVX2 layout,
+    FACTS.md), else bf16 (+2 B). Decoder layers see prompt-length batches; the head one row per running
+    sequence. kernels/cpu_int4.py runs a tied head dual whatever the layout, so even kernel-only dequantizes
+    it. Freed after each layer: a transient on top of the resident total, not resident itself.
+    """
+    per_weight = 1 + 4 + (0 if block == 32 else 2)
+    candidates = []
+    if layout != "kernel-only" and max_model_len >= threshold:
+        candidates += _layer_linears(model)
+    if max_num_seqs >= threshold and (layout != "kernel-only" or model.tie_word_embeddings):
+        candidates.append(_head(model))
+    candidates = [lin for lin in candidates if rules.packable(lin, group)]
+    if not candidates:
+        return []
+    widest = max(candidates, key=lambda lin: lin.n * lin.k)
+    size = per_weight * widest.n * widest.k
+    cast = "" if per_weight == 5 else " + bf16 cast"
+    return [
+        MemoryItem(
+            name="prefill dequantize working set",
+            phase="run-transient",
+            bytes=size,
+            detail=f"{widest.name}: {widest.n} x {widest.k} x {per_weight} B (uint8 codes + fp32 values{cast})"
+            f" = {_mib(size)}, once a batch reaches {threshold} rows",
+        )
+    ]

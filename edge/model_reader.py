@@ -1,0 +1,247 @@
+"""Read a Hugging Face config.json into a ModelShape: every linear's (N, K), the attention layout, the head.
+
+No torch, no transformers: the reader follows the defaults transformers 5.24 applies per architecture
+(read from site-packages transformers/models/*/configuration_*.py) and the shapes vLLM 0.28 loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib import resources
+from pathlib import Path
+
+from edge.errors import InputError
+from edge.shapes import LinearShape, ModelShape
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_MODEL_FILE = "data/smollm2-135m-instruct.json"
+
+# architecture -> (model_type, tie_word_embeddings default as transformers' config class has it)
+ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "LlamaForCausalLM": ("llama", False),
+    "MistralForCausalLM": ("mistral", False),
+    "Qwen2ForCausalLM": ("qwen2", False),
+    "Qwen3ForCausalLM": ("qwen3", False),
+    "GemmaForCausalLM": ("gemma", True),  # GemmaConfig and Gemma2Config tie by default
+    "Gemma2ForCausalLM": ("gemma2", True),
+    "Phi3ForCausalLM": ("phi3", False),
+}
+_BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _) in ARCHITECTURES.items()}
+# Gemma/Gemma2 configs may omit vocab_size; transformers' default for both is 256000.
+_VOCAB_DEFAULTS = {"gemma": 256000, "gemma2": 256000}
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def default_model() -> ModelShape:
+    """The embedded default model's shapes (its real config.json ships inside the package)."""
+    text = resources.files("edge").joinpath(_DEFAULT_MODEL_FILE).read_text(encoding="utf-8")
+    return read_model_config(json.loads(text), DEFAULT_MODEL_NAME)
+
+
+def read_model(path: str | Path) -> ModelShape:
+    """Shapes of the model in a local HF directory (its config.json) or of a config.json file."""
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise InputError("model", str(path), "a model directory holding config.json, or a config.json file")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(str(config_file), str(err), "a readable JSON file") from err
+    name = path.name if path.is_dir() else (path.parent.name if path.name == "config.json" else path.stem)
+    return read_model_config(config, name or str(path))
+
+
+def read_model_config(config: dict, name: str) -> ModelShape:
+    """Shapes from a parsed config.json. Multimodal: the language model under `text_config` is read."""
+    if not isinstance(config, dict):
+        raise InputError("config.json", type(config).__name__, "a JSON object")
+    architecture = _architecture(config)
+    source = "config.json"
+    text = config
+    if isinstance(config.get("text_config"), dict):
+        text, source = config["text_config"], "config.json: text_config"
+        log.info("%s: reading the language model from text_config", name)
+        if architecture is None:
+            architecture = _BY_MODEL_TYPE.get(str(text.get("model_type")).removesuffix("_text"))
+    if architecture is None:
+        raise InputError(
+            "config.json: architectures", config.get("architectures"), f"one of {list(ARCHITECTURES)}"
+        )
+    model_type, tie_default = ARCHITECTURES[architecture]
+    return _shape(_Fields(text, source), name, architecture, model_type, tie_default, config)
+
+
+def _architecture(config: dict) -> str | None:
+    archs = config.get("architectures")
+    if isinstance(archs, list):
+        known = [a for a in archs if a in ARCHITECTURES]
+        if known:
+            return known[0]
+    return _BY_MODEL_TYPE.get(config.get("model_type")) if archs is None else None
+
+
+class _Fields:
+    """Typed reads from one config dict; every error names the field."""
+
+    def __init__(self, config: dict, source: str) -> None:
+        self.config, self.source = config, source
+
+    def _field(self, key: str) -> str:
+        return f"{self.source}: {key}" if self.source == "config.json" else f"{self.source}.{key}"
+
+    def positive_int(self, key: str, default: int | None = None) -> int:
+        value = self.config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InputError(self._field(key), value, "a positive integer")
+        return value
+
+    def optional_positive_int(self, key: str) -> int | None:
+        return None if self.config.get(key) is None else self.positive_int(key)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.config.get(key, default)
+        if not isinstance(value, bool):
+            raise InputError(self._field(key), value, "true or false")
+        return value
+
+    def fraction(self, key: str) -> float | None:
+        value = self.config.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+            raise InputError(self._field(key), value, "a number in (0, 1]")
+        return float(value)
+
+
+def _shape(
+    f: _Fields, name: str, architecture: str, model_type: str, tie_default: bool, top: dict
+) -> ModelShape:
+    hidden = f.positive_int("hidden_size")
+    intermediate = f.positive_int("intermediate_size")
+    layers = f.positive_int("num_hidden_layers")
+    heads = f.positive_int("num_attention_heads")
+    kv_heads = f.positive_int("num_key_value_heads", default=heads)  # transformers: absent -> MHA
+    if heads % kv_heads:
+        raise InputError(
+            f._field("num_key_value_heads"), kv_heads, f"a divisor of num_attention_heads={heads}"
+        )
+    head_dim = f.optional_positive_int("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise InputError(
+                f._field("head_dim"), None, f"present when hidden_size={hidden} % heads={heads} != 0"
+            )
+        head_dim = hidden // heads
+    vocab = f.positive_int("vocab_size", default=_VOCAB_DEFAULTS.get(model_type))
+    # A multimodal wrapper may carry tie_word_embeddings at the top level rather than in text_config.
+    tie = f.boolean("tie_word_embeddings", default=top.get("tie_word_embeddings", tie_default))
+    max_pos = f.positive_int("max_position_embeddings")
+    layer_types, window = _attention_layout(f, model_type, layers)
+    return ModelShape(
+        name=name,
+        architecture=architecture,
+        model_type=model_type,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        tie_word_embeddings=tie,
+        max_position_embeddings=max_pos,
+        rotary_dim=_rotary_dim(f, head_dim),
+        layer_types=layer_types,
+        sliding_window=window,
+        torch_dtype=f.config.get("torch_dtype") or f.config.get("dtype") or top.get("torch_dtype"),
+        linears=_linears(model_type, hidden, intermediate, layers, heads, kv_heads, head_dim, vocab),
+    )
+
+
+def _rotary_dim(f: _Fields, head_dim: int) -> int:
+    # Phi-3 style partial rotary; vLLM's get_rope: rotary_dim = int(head_size * partial_rotary_factor).
+    rope = f.config.get("rope_parameters")
+    factor = f.fraction("partial_rotary_factor")
+    if factor is None and isinstance(rope, dict):
+        factor = _Fields(rope, f._field("rope_parameters")).fraction("partial_rotary_factor")
+    return int(head_dim * (factor or 1.0))
+
+
+def _attention_layout(f: _Fields, model_type: str, layers: int) -> tuple[list[str] | None, int | None]:
+    """Per-layer attention types and the window, None/None when every layer attends to the full context.
+
+    Mirrors what vLLM 0.28 ends up with: explicit `layer_types` win; Gemma2 alternates (transformers
+    Gemma2Config: layer i slides when (i+1) % 2); Qwen2/3 slide only with use_sliding_window, from layer
+    max_window_layers on; otherwise a model-level sliding_window applies to every layer (vLLM
+    engine/arg_utils.py sets CacheConfig.sliding_window when there are no layer_types — Mistral v0.1, Phi-3).
+    """
+    window = f.optional_positive_int("sliding_window")
+    explicit = f.config.get("layer_types")
+    if explicit is not None:
+        if (
+            not isinstance(explicit, list)
+            or len(explicit) != layers
+            or not all(isinstance(t, str) for t in explicit)
+        ):
+            raise InputError(f._field("layer_types"), explicit, f"a list of {layers} attention type names")
+        types = list(explicit)
+    elif window is None:
+        return None, None
+    elif model_type == "gemma2":
+        types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+    elif model_type in ("qwen2", "qwen3"):
+        if not f.boolean("use_sliding_window", default=False):
+            return None, None
+        first = f.positive_int("max_window_layers", default=28)
+        types = [SLIDING if i >= first else FULL for i in range(layers)]
+    else:
+        types = [SLIDING] * layers
+    if SLIDING not in types:
+        return None, None
+    if window is None:
+        raise InputError(
+            f._field("sliding_window"), None, "a positive integer when layer_types has sliding layers"
+        )
+    return types, window
+
+
+def _linears(
+    model_type: str,
+    hidden: int,
+    inter: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    vocab: int,
+) -> list[LinearShape]:
+    """Every quantizable linear, weight [N, K].
+
+    Phi-3 checkpoints (and vLLM) hold qkv_proj and gate_up_proj fused; the others list q/k/v and gate/up
+    apart as their checkpoints do (vLLM fuses them at load; the sum of N is the same).
+    """
+    q, kv = heads * head_dim, kv_heads * head_dim
+    if model_type == "phi3":
+        blocks = [
+            ("qkv_proj", q + 2 * kv, hidden),
+            ("o_proj", hidden, q),
+            ("gate_up_proj", 2 * inter, hidden),
+            ("down_proj", hidden, inter),
+        ]
+    else:
+        blocks = [
+            ("q_proj", q, hidden),
+            ("k_proj", kv, hidden),
+            ("v_proj", kv, hidden),
+            ("o_proj", hidden, q),
+            ("gate_proj", inter, hidden),
+            ("up_proj", inter, hidden),
+            ("down_proj", hidden, inter),
+        ]
+    linears = [LinearShape(name=name, n=n, k=k, count=layers) for name, n, k in blocks]
+    return [*linears, LinearShape(name="lm_head", n=vocab, k=hidden, count=1)]

@@ -1,0 +1,257 @@
+"""make_plan: how should model M run on device D, given priority P and budget B.
+
+Pure: no I/O, no clock, no environment. Everything it knows arrives in its arguments.
+Order of work: gates (can it run?) -> rank by priority (edge.rank) -> memory (edge.ledger) -> the first ranked
+option that runs and fits; every other option becomes an alternative with why not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edge import ledger, rules
+from edge.device import DeviceProfile
+from edge.engine_config import dequant_threshold, quantization_config, vllm_config
+from edge.errors import InputError
+from edge.facts import fact
+from edge.gates import Gate, all_gates
+from edge.plan import (
+    LAYOUTS,
+    PRIORITIES,
+    WEIGHT_PATHS,
+    Alternative,
+    Layout,
+    MemoryLedger,
+    Plan,
+    Priority,
+    Reason,
+    WeightPath,
+)
+from edge.rank import Option, rank
+from edge.shapes import ModelShape
+from edge.verified import verification
+
+DEFAULT_MAX_MODEL_LEN = 2048  # an edge deployment's context; capped by the model's own maximum
+DEFAULT_MAX_NUM_SEQS = 4
+MIN_MAX_MODEL_LEN = 256  # below this a hint to shrink the context is no help to anyone
+
+
+class PlanRefused(InputError):
+    """A pinned path or layout that a gate refuses (exit code 2 unless forced)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one planning call was asked, resolved to concrete values."""
+
+    device: DeviceProfile
+    model: ModelShape
+    priority: Priority
+    budget: int | None
+    max_model_len: int
+    max_num_seqs: int
+    block: int
+
+
+@dataclass
+class Evaluated:
+    option: Option
+    gate: Gate
+    memory: MemoryLedger
+
+
+def _check_inputs(priority: str, path: str | None, layout: str | None, max_model_len: int | None,
+                  max_num_seqs: int | None, budget_bytes: int | None, model: ModelShape) -> None:
+    if priority not in PRIORITIES:
+        raise InputError("priority", priority, f"one of {', '.join(PRIORITIES)}")
+    if path is not None and path not in WEIGHT_PATHS:
+        raise InputError("path", path, f"one of {', '.join(WEIGHT_PATHS)}")
+    if layout is not None and layout not in LAYOUTS:
+        raise InputError("layout", layout, f"one of {', '.join(LAYOUTS)}")
+    if layout is not None and path not in (None, "w4a16-tinygemm"):
+        raise InputError("layout", layout, "no layout unless the path is w4a16-tinygemm")
+    if max_model_len is not None and not 1 <= max_model_len <= model.max_position_embeddings:
+        raise InputError("max_model_len", max_model_len,
+                         f"1 to the model's max_position_embeddings ({model.max_position_embeddings})")
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise InputError("max_num_seqs", max_num_seqs, "a positive integer")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise InputError("memory_budget", budget_bytes, "a positive number of bytes")  # fmt: skip
+
+
+def tinygemm_block(device: DeviceProfile) -> int:
+    """The host's measured n-block when the device says it; else the ISA class's (derived) value."""
+    if device.runtime.tinygemm_block.value:
+        return device.runtime.tinygemm_block.value
+    key = "avx512.tinygemm_block" if device.has_avx512 else "avx2.tinygemm_block"
+    return int(fact(key).value)
+
+
+def _estimate(option: Option, gate: Gate, req: Request, max_model_len: int | None = None) -> MemoryLedger:
+    return ledger.estimate(
+        req.model, option.path, option.layout, gate.group_size,
+        max_model_len=max_model_len or req.max_model_len, max_num_seqs=req.max_num_seqs,
+        tinygemm_block=req.block, budget_bytes=req.budget,
+        engine_baseline_bytes=int(fact("any.vllm_engine_baseline_bytes").value),
+        dequant_threshold=dequant_threshold(req.device),
+    )  # fmt: skip
+
+
+def _options(device: DeviceProfile, priority: Priority) -> list[Option]:
+    """The ranked options, then every path the ranking has no measurement for, so that each is accounted for."""
+    export = Option("export-only", None, None, "", [Reason(
+        text="vLLM has no phone/NPU backend; a calibrated w8a16 export was the only scheme correct on device "
+        "(36.9 dB; int8 activations gave 5.1 dB)", source="reference study")])
+    ranked = rank(device.isa_class, priority)
+    options = [export, *ranked] if device.is_phone else [*ranked, export]
+    covered = {o.path for o in options}
+    return options + [Option(p, None, None, "unmeasured") for p in WEIGHT_PATHS if p not in covered]
+
+
+def _largest_fitting_len(ev: Evaluated, req: Request) -> int | None:
+    """Binary search of max_model_len for which this option fits the budget (memory grows with the context)."""
+    low, high, best = MIN_MAX_MODEL_LEN, req.max_model_len - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        if _estimate(ev.option, ev.gate, req, mid).fits:
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
+    base = dict(path=ev.option.path, layout=ev.option.layout, resident_bytes=ev.memory.resident_bytes,
+                peak_bytes=ev.memory.peak_bytes)
+    if not ev.gate.runnable:
+        return Alternative(**base, status="incompatible", why_not="; ".join(ev.gate.refusals))
+    if not ev.memory.fits:
+        assert req.budget is not None
+        why = f"peak {_gib(ev.memory.peak_bytes)} exceeds the budget of {_gib(req.budget)}"
+        fitting_len = _largest_fitting_len(ev, req)
+        if fitting_len is not None:
+            return Alternative(**base, status="fits-with-hint", why_not=why,
+                               hint=f"--max-model-len {fitting_len}")
+        return Alternative(**base, status="does-not-fit", why_not=why,
+                           hint=f"a memory budget of at least {_gib(ev.memory.peak_bytes)}")
+    priority = req.priority
+    if ev.option.path == "w4a8-gptq" and priority == "fidelity":
+        why = "quantizes activations to int8 (+27.2% perplexity on the reference model); fidelity never does"
+    elif chosen.option.request_cost is not None and ev.option.request_cost is not None:
+        why = (f"ranked below {chosen.option.label} for {priority}: {ev.option.request_cost:.3g} vs "
+               f"{chosen.option.request_cost:.3g} {ev.option.cost_unit}")
+        if priority == "fidelity" and ev.option.path != chosen.option.path:
+            why = f"less faithful than {chosen.option.label} (bf16 is the reference)"
+    else:
+        why = f"ranked below {chosen.option.label} for {priority}"
+    return Alternative(**base, status="runnable", why_not=why)
+
+
+def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layout: str | None,
+          force: bool) -> Evaluated:
+    pinned = [ev for ev in evaluated
+              if (path is None or ev.option.path == path) and (layout is None or ev.option.layout == layout)]
+    if path is not None or layout is not None:
+        if not pinned:
+            raise PlanRefused("path", path or layout, "a path this device can be planned for")
+        runnable = [ev for ev in pinned if ev.gate.runnable]
+        if not runnable and not force:
+            refusals = "; ".join(pinned[0].gate.refusals)
+            raise PlanRefused("path", path or layout, f"a path this device can run ({refusals}); --force overrides")
+        candidates = runnable or pinned
+    else:
+        # fidelity never quantizes activations: W4A8 only when pinned.
+        candidates = [ev for ev in evaluated if ev.gate.runnable
+                      and not (priority == "fidelity" and ev.option.path == "w4a8-gptq")]
+    assert candidates, "bf16 or export-only is always runnable"
+    fitting = [ev for ev in candidates if ev.memory.fits]
+    return fitting[0] if fitting else min(candidates, key=lambda ev: ev.memory.peak_bytes)  # fmt: skip
+
+
+def make_plan(
+    device: DeviceProfile,
+    model: ModelShape,
+    *,
+    priority: Priority = "speed",
+    budget_bytes: int | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    path: WeightPath | None = None,
+    layout: Layout | None = None,
+    force: bool = False,
+) -> Plan:
+    _check_inputs(priority, path, layout, max_model_len, max_num_seqs, budget_bytes, model)
+    if layout is not None:
+        path = "w4a16-tinygemm"
+    req = Request(
+        device=device, model=model, priority=priority,
+        budget=budget_bytes if budget_bytes is not None else device.usable_memory_bytes,
+        max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
+        max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, block=tinygemm_block(device),
+    )  # fmt: skip
+    gates = all_gates(device, model)
+    evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req))
+                 for option in _options(device, priority)]  # fmt: skip
+    chosen = _pick(evaluated, priority, path, layout, force)
+    gate, option = chosen.gate, chosen.option
+    qconfig = quantization_config(device, model, option.path, option.layout, gate.group_size)
+    kv_bytes = rules.kv_cache_bytes(model, req.max_model_len, req.max_num_seqs)
+    verified, verified_detail = verification(option.path, option.layout, device.isa_class)
+    return Plan(
+        path=option.path,
+        layout=option.layout,
+        group_size=gate.group_size,
+        verified=verified,
+        verified_detail=verified_detail,
+        device=device,
+        model=model,
+        priority=priority,
+        max_model_len=req.max_model_len,
+        max_num_seqs=req.max_num_seqs,
+        memory=chosen.memory,
+        quantization_config=qconfig,
+        vllm=vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
+                         max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes),
+        reasons=_reasons(chosen, priority, device, req.block),
+        alternatives=[_alternative(ev, chosen, req) for ev in evaluated if ev is not chosen],
+        warnings=_warnings(chosen, device, model),
+        pinned=path is not None,
+        forced=force and not gate.runnable,
+    )  # fmt: skip
+
+
+def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile, block: int) -> list[Reason]:
+    memory = chosen.memory
+    budget = f"{_gib(memory.budget_bytes)} budget" if memory.budget_bytes else "no known budget"
+    reasons = [
+        Reason(text=f"priority {priority} on an {device.isa_class} CPU chose {chosen.option.label}",
+               source="derived"),
+        Reason(text=f"resident {_gib(memory.resident_bytes)}, load-time peak {_gib(memory.peak_bytes)}, "
+               f"{budget}", value=memory.peak_bytes, unit="bytes", source="derived"),
+        *chosen.option.reasons,
+    ]  # fmt: skip
+    if chosen.option.path == "w4a16-tinygemm":
+        source = device.runtime.tinygemm_block.source
+        reasons.append(Reason(text=f"tinygemm n-block {block} channels ({source})", value=block,
+                              unit="channels", source=source))
+    return reasons
+
+
+def _warnings(chosen: Evaluated, device: DeviceProfile, model: ModelShape) -> list[str]:
+    warnings = list(chosen.gate.notes)
+    if chosen.option.extrapolated:
+        warnings.append(f"no speed measurements on the {device.isa_class} ISA class: ranking extrapolated")
+    if not chosen.memory.fits:
+        warnings.append("nothing fits the memory budget: this is the closest option")
+    for item in chosen.memory.items:
+        if item.avoidable_bytes:
+            warnings.append(f"{item.name}: {_gib(item.avoidable_bytes)} avoidable ({item.detail})")
+    if chosen.gate.group_size and chosen.option.path == "w4a16-tinygemm":
+        kept = [lin.name for lin in model.linears if not rules.packable(lin, chosen.gate.group_size)]
+        if kept:
+            warnings.append(f"layers kept in bf16 (N not a multiple of 16 or K not divisible by the group): {kept}")
+    return warnings

@@ -1,0 +1,136 @@
+"""Rank the (path, layout) options for a device by priority, from the measured facts of its ISA class.
+
+Speed is judged on one request: a 512-token prompt (prefill) and 128 generated tokens (single-stream decode),
+because an edge box's user waits for both. Where the ISA class has measurements (AMX: reference study; AVX2:
+this project's host) the cost is computed from them; elsewhere the rule is derived (decode is bandwidth-bound,
+so fewer weight bytes win) and said to be extrapolated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edge.facts import fact
+from edge.plan import Layout, Priority, Reason, WeightPath
+
+PROMPT_TOKENS = 512
+NEW_TOKENS = 128
+W4A16_LAYOUTS: tuple[Layout, ...] = ("dual", "direct", "kernel-only")
+
+
+@dataclass
+class Option:
+    path: WeightPath
+    layout: Layout | None
+    request_cost: float | None  # lower is faster; None when unmeasured on this ISA class
+    cost_unit: str
+    reasons: list[Reason] = field(default_factory=list)
+    extrapolated: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.path}/{self.layout}" if self.layout else self.path
+
+
+def _cite(key: str, text: str) -> Reason:
+    f = fact(key)
+    source = {"reference": "reference study (Xeon 8480C, AMX)", "here": "measured here (AVX2)"}.get(
+        f.source, f.source
+    )
+    return Reason(text=text, fact=key, value=f.value, unit=f.unit, source=source)
+
+
+def _amx_options() -> list[Option]:
+    """Seconds per request from the reference study's tok/s (Spark-X2.5-1.7B on a Xeon 8480C)."""
+
+    def cost(prefill_key: str, decode_key: str, prefill_slowdown: float = 1.0) -> float:
+        prefill = fact(prefill_key).value / prefill_slowdown
+        return PROMPT_TOKENS / prefill + NEW_TOKENS / fact(decode_key).value
+
+    unit = "s per request (512-token prompt + 128 tokens, reference model)"
+    w4a16_prefill = "amx.w4a16.dual.prefill_tok_s"
+    slowdown = {"dual": 1.0, "direct": fact("amx.direct.prefill_slowdown").value,
+                "kernel-only": fact("amx.kernel_only.prefill_slowdown").value}  # fmt: skip
+    options = [
+        Option("w4a8-gptq", None, cost("amx.w4a8.prefill_tok_s", "amx.w4a8.decode_tok_s"), unit,
+               [_cite("amx.w4a8.decode_tok_s", "W4A8 decodes fastest on AMX")]),
+        Option("bf16", None, cost("amx.bf16.prefill_tok_s", "amx.bf16.decode_tok_s"), unit,
+               [_cite("amx.bf16.decode_tok_s", "bf16 decode on AMX")]),
+    ]  # fmt: skip
+    for layout in W4A16_LAYOUTS:
+        reasons = [_cite("amx.w4a16.decode_tok_s", "W4A16 tinygemm decode on AMX")]
+        if layout != "dual":
+            key = "amx.direct.prefill_slowdown" if layout == "direct" else "amx.kernel_only.prefill_slowdown"
+            reasons.append(_cite(key, f"{layout} layout prefill is slower than dual"))
+        options.append(
+            Option("w4a16-tinygemm", layout,
+                   cost(w4a16_prefill, "amx.w4a16.decode_tok_s", slowdown[layout]), unit, reasons)
+        )  # fmt: skip
+    return options
+
+
+def _avx2_options(extrapolated: bool) -> list[Option]:
+    """Milliseconds per request per 4096x4096 layer, from this host's GEMM medians (2 threads, group 64)."""
+    unit = "ms per request per 4096x4096 layer (512-token prefill + 128 single-row steps)"
+    bf16_1, bf16_512 = fact("avx2.gemm.m1.bf16_ms").value, fact("avx2.gemm.m512.bf16_ms").value
+    int4_1, int4_512 = fact("avx2.gemm.m1.int4_ms").value, fact("avx2.gemm.m512.int4_ms").value
+    dequant = fact("avx2.dequant_4096_ms").value
+    bf16_cost = bf16_512 + NEW_TOKENS * bf16_1
+    kernel_only_cost = int4_512 + NEW_TOKENS * int4_1
+    # dual and direct prefill = dequantize once + bf16 GEMM; AVX2 has no native bf16 FMA, so that GEMM is slow.
+    dequant_cost = dequant + bf16_512 + NEW_TOKENS * int4_1
+    bf16_reasons = [
+        _cite("avx2.gemm.m1.bf16_ms", "one-row bf16 GEMM (decode step)"),
+        _cite("avx2.gemm.m512.bf16_ms", "512-row bf16 GEMM (prefill): no native bf16 FMA on AVX2"),
+    ]
+    int4_reasons = [
+        _cite("avx2.gemm.m1.int4_ms", "one-row tinygemm (decode step)"),
+        _cite("avx2.gemm.m512.int4_ms", "512-row tinygemm (prefill), 2.3x faster than bf16 here"),
+    ]
+    options = [
+        Option("bf16", None, bf16_cost, unit, bf16_reasons, extrapolated),
+        Option("w4a16-tinygemm", "kernel-only", kernel_only_cost, unit, int4_reasons, extrapolated),
+    ]
+    for layout in ("direct", "dual"):
+        reasons = [_cite("avx2.dequant_4096_ms", "prefill dequantizes the layer, then a 512-row bf16 GEMM")]
+        options.append(Option("w4a16-tinygemm", layout, dequant_cost, unit, reasons, extrapolated))
+    return options
+
+
+def _derived_options() -> list[Option]:
+    """No measurements for this ISA class: decode reads every weight each step, so fewer bytes per weight win."""
+    unit = "bytes read per weight per decode step (derived)"
+    reason = Reason(
+        text="no measurement on this ISA class: ranked by bytes read per decode step (bandwidth-bound)",
+        source="derived",
+    )
+    options = [Option("bf16", None, 2.0, unit, [reason], True)]
+    # 4.5 bits/weight with bf16 scale and zero per 64 weights; layouts differ only in prefill, unmeasured here.
+    for layout in ("kernel-only", "direct", "dual"):  # equal cost: the sort is stable, leanest first
+        options.append(Option("w4a16-tinygemm", layout, 0.5625, unit, [reason], True))
+    return options
+
+
+def speed_options(isa_class: str) -> list[Option]:
+    """Every option this ISA class can be ranked on, fastest first (the gates decide what is runnable)."""
+    if isa_class == "amx":
+        options = _amx_options()
+    elif isa_class in ("avx2", "avx512"):
+        # AVX-512 without AMX has not been measured; AVX2's numbers are the nearest class (extrapolated).
+        options = _avx2_options(extrapolated=isa_class != "avx2")
+    else:
+        options = _derived_options()
+    return sorted(options, key=lambda o: o.request_cost if o.request_cost is not None else float("inf"))
+
+
+# Fidelity: bf16 is the reference; W4A16 keeps bf16 activations (+12.5% perplexity on the reference model);
+# W4A8 quantizes activations (+27.2%) and is never chosen for fidelity (FACTS.md: agents lost completion).
+FIDELITY_ORDER: dict[WeightPath, int] = {"bf16": 0, "w4a16-tinygemm": 1, "export-only": 2, "w4a8-gptq": 9}
+
+
+def rank(isa_class: str, priority: Priority) -> list[Option]:
+    """Every option, best first for the priority; fidelity puts W4A8 last and the planner never picks it."""
+    options = speed_options(isa_class)
+    if priority == "fidelity":
+        options.sort(key=lambda o: FIDELITY_ORDER[o.path])  # stable: speed order within a path
+    return options

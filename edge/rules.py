@@ -1,0 +1,71 @@
+"""Quantization and sizing rules shared by the selector and the memory ledger. Pure functions of shapes."""
+
+from __future__ import annotations
+
+from edge.shapes import LinearShape, ModelShape
+
+# Largest first: a bigger group stores fewer scales. FACTS.md: SmolLM2's K=576 is not a multiple of 128,
+# so it takes 64 (the reference study ran tinygemm at g64, GPTQ at g128).
+GROUP_SIZES = (128, 64, 32)
+# vLLM 0.28 CPU GPTQ (FACTS.md "GPTQ on CPU: ... group size in {-1, 32, 64, 128}"); -1 = one group per row.
+GPTQ_GROUP_SIZES = (-1, 32, 64, 128)
+# Measured here (PyTorch 2.13 CPU): _convert_weight_to_int4pack_for_cpu(int32 [N, K], 1) raises
+# "expect N to be dividable by 16" for N = 8, 24, 40 and packs N = 16, 48.
+PACK_N_MULTIPLE = 16
+# FACTS.md "GPTQ on CPU: ... partition sizes multiples of 32".
+GPTQ_PARTITION_MULTIPLE = 32
+SLIDING = "sliding_attention"
+
+
+def pick_group_size(model: ModelShape) -> int | None:
+    """The largest group size that divides the K of every quantizable linear (the head included), or None."""
+    return next((g for g in GROUP_SIZES if all(lin.k % g == 0 for lin in model.linears)), None)
+
+
+def packable(lin: LinearShape, group: int) -> bool:
+    """Can tinygemm pack this layer at this group size? Layers that cannot stay bf16."""
+    return lin.n % PACK_N_MULTIPLE == 0 and lin.k % group == 0
+
+
+def tiles_block(lin: LinearShape, block: int) -> bool:
+    """Does N split into whole n-blocks of the host's tinygemm layout ([N/B][K][B/2 bytes], FACTS.md)?
+
+    The direct layout dequantizes prefill weights straight from the tinygemm buffer block by block; a layer
+    whose N does not tile keeps a row-major copy, i.e. it runs dual. B = 32 on AVX2 here, 64 on AVX-512.
+    """
+    return lin.n % block == 0
+
+
+def gptq_compatible(lin: LinearShape, group: int) -> bool:
+    """vLLM 0.28 CPU GPTQ: 4-bit symmetric, group in {-1, 32, 64, 128}, N and K multiples of 32."""
+    if group not in GPTQ_GROUP_SIZES:
+        return False
+    whole_groups = group == -1 or lin.k % group == 0
+    return lin.n % GPTQ_PARTITION_MULTIPLE == 0 and lin.k % GPTQ_PARTITION_MULTIPLE == 0 and whole_groups
+
+
+def kv_tokens_per_layer(model: ModelShape, max_model_len: int) -> list[int]:
+    """Tokens of K and V each layer holds for one sequence of max_model_len.
+
+    Sliding-window layers hold min(window, max_model_len): vLLM 0.28's CPU platform supports the hybrid
+    KV cache manager (platforms/cpu.py:450 support_hybrid_kv_cache -> True), which sizes a sliding layer's
+    pool by its window (v1/kv_cache_interface.py:546-572, max_admission_blocks_per_request). That bound
+    also adds the in-flight tokens of a step and one block of slack per sequence; those are not counted.
+    """
+    types = model.layer_types or ["full_attention"] * model.num_layers
+    assert len(types) == model.num_layers, (len(types), model.num_layers)
+    window = model.sliding_window
+    return [min(window, max_model_len) if t == SLIDING and window else max_model_len for t in types]
+
+
+def kv_cache_bytes(model: ModelShape, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 2) -> int:
+    """KV data for max_num_seqs sequences of max_model_len.
+
+    2 (K and V) x kv_heads x head_dim x tokens x bytes, summed over layers (tokens: kv_tokens_per_layer).
+
+    vLLM's CPU worker allocates exactly the KV space it is given (--kv-cache-memory-bytes, or
+    VLLM_CPU_KVCACHE_SPACE), not a share of this estimate, so the plan passes this number to it.
+    Not counted: block rounding (CPU block_size 128, platforms/cpu.py:149) and the per-sequence slack above.
+    """
+    per_token = 2 * model.num_kv_heads * model.head_dim * dtype_bytes
+    return per_token * sum(kv_tokens_per_layer(model, max_model_len)) * max_num_seqs

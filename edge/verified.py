@@ -1,0 +1,23 @@
+"""Which paths have been measured on which ISA class, by whom. A plan's `verified` comes from here."""
+
+from __future__ import annotations
+
+from edge.plan import Layout, WeightPath
+
+_REFERENCE = "measured by the reference study on a Xeon 8480C (AMX) with vLLM 0.28"
+_HERE = "measured on this project's AVX2 host with vLLM 0.28"
+
+# (path, layout or None for any, isa_class) -> who measured it.
+MEASURED: dict[tuple[WeightPath, Layout | None, str], str] = {
+    ("bf16", None, "amx"): _REFERENCE,
+    ("w4a16-tinygemm", None, "amx"): _REFERENCE,
+    ("w4a8-gptq", None, "amx"): _REFERENCE + " (this project's GPTQ export has not run on AMX)",
+    ("bf16", None, "avx2"): _HERE,
+}
+
+
+def verification(path: WeightPath, layout: Layout | None, isa_class: str) -> tuple[bool, str]:
+    for key in ((path, layout, isa_class), (path, None, isa_class)):
+        if key in MEASURED:
+            return True, MEASURED[key]
+    return False, f"{path}{'/' + layout if layout else ''} has not been measured on the {isa_class} ISA class"

@@ -1,0 +1,75 @@
+"""edge-select as a person runs it: the installed console script, real process, real host."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge.plan import Plan
+
+DATA = Path(__file__).parent / "data"
+
+
+def edge_select(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("edge-select", path=str(Path(sys.executable).parent))
+    assert exe, "the edge-select console script is installed with the project"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_json_plan_on_this_host_shows_avx2_and_no_w4a8():
+    result = edge_select("--json")
+    assert result.returncode == 0, result.stderr
+    plan = Plan.model_validate_json(result.stdout)
+    assert plan.device.described_by == "probe"
+    assert plan.device.has("avx2") and not plan.device.has_amx
+    assert plan.path != "w4a8-gptq"
+    assert plan.memory.resident_bytes > 0 and len(plan.memory.items) >= 5
+    assert all(item.bytes >= 0 and item.detail for item in plan.memory.items)
+
+
+def test_human_summary_names_path_memory_and_runner_up():
+    result = edge_select("--priority", "fidelity")
+    assert result.returncode == 0, result.stderr
+    assert "path" in result.stdout and "resident" in result.stdout and "runner-up" in result.stdout
+
+
+def test_described_amx_device_gets_w4a8_for_speed():
+    result = edge_select("--device", str(DATA / "cpuinfo_spr_8480c.txt"), "--json", "--memory-budget", "16GiB")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["path"] == "w4a8-gptq"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [(["--memory-budget", "lots"], "--memory-budget"), (["--device", "/nonexistent"], "--device"),
+     (["--model", "/nonexistent"], "model"), (["--max-model-len", "999999"], "max_model_len"),
+     (["--path", "w4a8-gptq"], "path")],
+)  # fmt: skip
+def test_bad_input_exits_2_naming_the_field_without_a_traceback(args, named):
+    result = edge_select(*args)
+    assert result.returncode == 2
+    assert named in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_nothing_fits_exits_3_and_says_what_would(tmp_path):
+    result = edge_select("--memory-budget", "8MiB")
+    assert result.returncode == 3, result.stderr
+    assert "DOES NOT FIT" in result.stdout and "to fit" in result.stdout
+
+
+def test_default_path_imports_neither_torch_nor_vllm():
+    code = (
+        "import sys, io, contextlib\n"
+        "from edge.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): main(['--json'])\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'fastapi', 'kernels', 'server') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

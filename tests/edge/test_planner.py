@@ -1,0 +1,185 @@
+"""The planner, specified on real devices and real model shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge.errors import InputError
+from edge.plan import Plan
+from edge.planner import PlanRefused, make_plan
+from edge.rank import rank, speed_options
+
+
+def _alternative(plan: Plan, path: str, layout: str | None = None):
+    return next(a for a in plan.alternatives if a.path == path and (layout is None or a.layout == layout))
+
+
+def test_avx2_host_never_gets_w4a8(avx2_host, smollm2):
+    for priority in ("speed", "fidelity"):
+        plan = make_plan(avx2_host, smollm2, priority=priority)
+        assert plan.path != "w4a8-gptq"
+        w4a8 = _alternative(plan, "w4a8-gptq")
+        assert w4a8.status == "incompatible"
+        assert "AMX" in w4a8.why_not
+
+
+def test_avx2_speed_picks_the_cheapest_measured_option_that_fits(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2, priority="speed")
+    fastest = speed_options("avx2")[0]
+    assert (plan.path, plan.layout) == (fastest.path, fastest.layout)
+    assert plan.memory.fits
+    assert any(r.fact and r.fact.startswith("avx2.gemm") for r in plan.reasons)
+
+
+def test_amx_speed_takes_w4a8_with_the_engine_flags_that_select_its_kernel(sapphire_rapids, smollm2):
+    plan = make_plan(sapphire_rapids, smollm2, priority="speed")
+    assert plan.path == "w4a8-gptq"
+    assert plan.vllm.env["VLLM_CPU_INT4_W4A8"] == "1"
+    assert plan.vllm.args[plan.vllm.args.index("--quantization") + 1] == "gptq"
+    qc = plan.quantization_config
+    assert qc["quant_method"] == "gptq" and qc["sym"] is True and qc["desc_act"] is False
+    assert qc["lm_head"] is True
+    assert plan.group_size in (64, 32)  # K=576 rules out 128
+    assert any("never run on AMX" in w or "unverified" in w for w in plan.warnings)
+
+
+def test_amx_fidelity_never_quantizes_activations(sapphire_rapids, smollm2):
+    plan = make_plan(sapphire_rapids, smollm2, priority="fidelity")
+    assert plan.path == "bf16"
+    w4a8 = _alternative(plan, "w4a8-gptq")
+    assert w4a8.status == "runnable"
+    assert "activations" in w4a8.why_not
+
+
+def test_w4a8_needs_vllm_full_native_library(ice_lake, smollm2):
+    plan = make_plan(ice_lake, smollm2, priority="speed")
+    assert plan.path != "w4a8-gptq"
+    assert "AMX" in _alternative(plan, "w4a8-gptq").why_not
+
+
+def test_memory_budget_picks_the_most_faithful_option_that_fits(sapphire_rapids, llama_1b):
+    """For a budget equal to each option's own peak, the plan is the first option in fidelity order that fits."""
+    order = [(o.path, o.layout) for o in rank("amx", "fidelity") if o.path != "w4a8-gptq"]
+    peaks = {
+        (path, layout): make_plan(sapphire_rapids, llama_1b, priority="fidelity", path=path,
+                                  layout=layout).memory.peak_bytes
+        for path, layout in order
+    }
+    assert order[0] == ("bf16", None)
+    for budget in sorted(set(peaks.values())):
+        expected = next(option for option in order if peaks[option] <= budget)
+        plan = make_plan(sapphire_rapids, llama_1b, priority="fidelity", budget_bytes=budget)
+        assert (plan.path, plan.layout) == expected
+        assert plan.memory.fits
+
+
+def test_nothing_fits_gives_the_closest_option_and_what_would_make_it_fit(avx2_host, llama_1b):
+    plan = make_plan(avx2_host, llama_1b, budget_bytes=64 * 2**20)
+    assert not plan.memory.fits
+    runnable = [a.peak_bytes for a in plan.alternatives if a.status != "incompatible"]
+    smallest = min([plan.memory.peak_bytes, *runnable])
+    assert plan.memory.peak_bytes == smallest
+    assert all(a.hint for a in plan.alternatives if a.status in ("does-not-fit", "fits-with-hint"))
+    assert any("nothing fits" in w for w in plan.warnings)
+
+
+def test_a_shorter_context_is_offered_when_it_would_make_an_option_fit(sapphire_rapids, llama_1b):
+    full = make_plan(sapphire_rapids, llama_1b, priority="fidelity", path="bf16", max_model_len=8192)
+    short = make_plan(sapphire_rapids, llama_1b, priority="fidelity", path="bf16", max_model_len=512)
+    budget = (full.memory.peak_bytes + short.memory.peak_bytes) // 2
+    plan = make_plan(sapphire_rapids, llama_1b, priority="fidelity", budget_bytes=budget, max_model_len=8192)
+    bf16 = _alternative(plan, "bf16")
+    assert bf16.status == "fits-with-hint"
+    fitting_len = int(bf16.hint.split()[-1])
+    assert make_plan(sapphire_rapids, llama_1b, priority="fidelity", path="bf16", budget_bytes=budget,
+                     max_model_len=fitting_len).memory.fits
+    assert not make_plan(sapphire_rapids, llama_1b, priority="fidelity", path="bf16", budget_bytes=budget,
+                         max_model_len=fitting_len + 1).memory.fits
+
+
+def test_a_pinned_path_the_device_cannot_run_is_refused_with_the_gate_reason(avx2_host, smollm2):
+    with pytest.raises(PlanRefused) as refused:
+        make_plan(avx2_host, smollm2, path="w4a8-gptq")
+    assert refused.value.field == "path"
+    assert "AMX" in str(refused.value)
+
+
+def test_force_runs_a_refused_pin_and_says_so(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2, path="w4a8-gptq", force=True)
+    assert plan.path == "w4a8-gptq" and plan.forced and plan.pinned
+
+
+def test_a_pinned_layout_implies_w4a16(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2, layout="direct")
+    assert (plan.path, plan.layout) == ("w4a16-tinygemm", "direct")
+    assert plan.quantization_config["direct_dequant"] is True
+    assert plan.quantization_config["prefill_dequant"] is True
+
+
+def test_direct_and_dual_plans_compile_into_different_caches(avx2_host, smollm2):
+    direct = make_plan(avx2_host, smollm2, layout="direct")
+    dual = make_plan(avx2_host, smollm2, layout="dual")
+    assert direct.vllm.env["VLLM_CACHE_ROOT"] != dual.vllm.env["VLLM_CACHE_ROOT"]
+    assert direct.quantization_config != dual.quantization_config
+
+
+def test_a_phone_gets_an_export_and_no_engine(phone, smollm2):
+    plan = make_plan(phone, smollm2)
+    assert plan.path == "export-only"
+    assert plan.vllm is None
+    assert all(a.status == "incompatible" for a in plan.alternatives)
+
+
+def test_tied_embedding_is_quantized_for_w4a16(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2, layout="kernel-only")
+    assert smollm2.tie_word_embeddings
+    assert plan.quantization_config["quantize_embedding"] is True
+    assert plan.quantization_config["group_size"] == 64
+
+
+def test_small_boxes_give_vllm_every_core(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2, path="bf16")
+    assert avx2_host.compute_cores <= 4
+    assert plan.vllm.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_kv_cache_is_sized_exactly_for_the_context(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2, max_model_len=1024, max_num_seqs=2)
+    kv = int(plan.vllm.args[plan.vllm.args.index("--kv-cache-memory-bytes") + 1])
+    # 2 (K, V) x 30 layers x 3 kv heads x 64 head_dim x 1024 tokens x 2 seqs x 2 bytes
+    assert kv == 2 * 30 * 3 * 64 * 1024 * 2 * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"priority": "fast"}, "priority"), ({"max_model_len": 10**6}, "max_model_len"),
+     ({"max_num_seqs": 0}, "max_num_seqs"), ({"budget_bytes": -1}, "memory_budget"),
+     ({"path": "bf16", "layout": "direct"}, "layout")],
+)  # fmt: skip
+def test_bad_input_names_the_field(avx2_host, smollm2, kwargs, field):
+    with pytest.raises(InputError) as error:
+        make_plan(avx2_host, smollm2, **kwargs)
+    assert error.value.field == field
+
+
+def test_the_plan_round_trips_through_json(sapphire_rapids, smollm2):
+    plan = make_plan(sapphire_rapids, smollm2)
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_planning_is_pure(avx2_host, smollm2):
+    assert make_plan(avx2_host, smollm2) == make_plan(avx2_host, smollm2)
+
+
+def test_memory_items_add_up(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2)
+    resident = sum(i.bytes for i in plan.memory.items if i.phase == "resident")
+    assert plan.memory.resident_bytes == resident > 0
+    assert plan.memory.peak_bytes >= plan.memory.resident_bytes
+
+
+def test_verified_only_where_measured_on_the_isa_class(graviton, smollm2, avx2_host):
+    arm = make_plan(graviton, smollm2)
+    assert not arm.verified
+    assert any("extrapolated" in w for w in arm.warnings)
+    assert make_plan(avx2_host, smollm2, path="bf16").verified
