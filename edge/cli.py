@@ -11,11 +11,12 @@ it fit); 2 bad input.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from edge.errors import InputError
-from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan
+from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan, format_bytes
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
 
@@ -76,7 +77,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 
 def _gib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / 2**30:.2f} GiB"
+    return "unknown" if n is None else format_bytes(n)
 
 
 def render(plan: Plan) -> str:
@@ -97,7 +98,7 @@ def render(plan: Plan) -> str:
     ]  # fmt: skip
     if plan.vllm is not None:
         env = " ".join(f"{k}={v}" for k, v in sorted(plan.vllm.env.items()))
-        lines.append(f"  vllm      {env} vllm serve MODEL_DIR {' '.join(plan.vllm.args)}")
+        lines.append(f"  vllm      {env} {' '.join(plan.vllm.command('MODEL_DIR'))}")
     lines.append("  why")
     lines += [f"    - {r.text}" + (f" [{r.value:g} {r.unit}, {r.source}]" if isinstance(r.value, float) else "")
               for r in plan.reasons[:5]]  # fmt: skip
@@ -123,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as error:
         print(f"edge-select: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(plan.model_dump_json(indent=2) if args.json else render(plan))
+    try:
+        print(plan.model_dump_json(indent=2) if args.json else render(plan), flush=True)
+    except BrokenPipeError:  # `edge-select | head`: the reader left; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_OK if plan.memory.fits else EXIT_DOES_NOT_FIT
 
 

