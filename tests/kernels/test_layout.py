@@ -1,0 +1,142 @@
+"""The tinygemm layout is measured on this host; these pin what the measurement must find here.
+
+This project's machines are AVX2 (shared/FACTS.md): block 32, "halves" nibble order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.layout import (
+    EXPECTED_BLOCK,
+    LayoutError,
+    TinygemmLayout,
+    host_layout,
+    measure_layout,
+    pack_codes,
+    unpack_codes,
+)
+
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+avx2_only = pytest.mark.skipif(
+    CAPABILITY != "AVX2", reason=f"pins the AVX2 layout; torch dispatches to {CAPABILITY} on this host"
+)
+
+
+def torch_pack(codes: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+
+
+@avx2_only
+def test_this_avx2_host_packs_in_blocks_of_32_channels():
+    layout = measure_layout()
+    assert (layout.block, layout.nibbles) == (32, "halves")
+
+
+@pytest.mark.skipif(CAPABILITY not in EXPECTED_BLOCK, reason=f"no expected block known for {CAPABILITY}")
+def test_measured_block_agrees_with_torch_cpu_capability():
+    assert measure_layout().block == EXPECTED_BLOCK[CAPABILITY]
+
+
+@avx2_only
+def test_torch_still_packs_the_documented_avx2_bytes():
+    """[N/32][K][16 bytes]; byte d of a run holds channel d (low nibble) and d+16 (high). Fails if torch changes."""
+    n, k = 64, 8
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    packed = torch_pack(codes).flatten()
+    expected = [
+        int(codes[nb * 32 + d, kk]) | int(codes[nb * 32 + d + 16, kk]) << 4
+        for nb in range(n // 32)
+        for kk in range(k)
+        for d in range(16)
+    ]
+    assert packed.tolist() == expected
+
+
+@avx2_only
+def test_known_byte_positions_of_an_index_pattern():
+    n, k = 64, 8
+    channel = torch.arange(n).unsqueeze(1).expand(n, k)
+    packed = torch_pack(channel % 16).flatten()  # low hex digit of the channel
+    packed_high = torch_pack(channel // 16).flatten()  # high hex digit
+    def channels_at(byte: int) -> tuple[int, int]:
+        low = int(packed[byte] & 0xF) + 16 * int(packed_high[byte] & 0xF)
+        high = int(packed[byte] >> 4) + 16 * int(packed_high[byte] >> 4)
+        return low, high
+    assert channels_at(0) == (0, 16)  # block 0, k 0, byte 0
+    assert channels_at(15) == (15, 31)  # block 0, k 0, last byte of the run
+    assert channels_at(16) == (0, 16)  # block 0, k 1 starts a new run of the same channels
+    assert channels_at(8 * 16 + 5) == (37, 53)  # block 1, k 0, byte 5
+
+
+def test_a_ragged_probe_fits_no_model_and_says_so():
+    with pytest.raises(LayoutError, match="fits no known model"):
+        measure_layout(n=48)
+
+
+def test_a_single_block_probe_is_not_enough_to_establish_a_block():
+    with pytest.raises(LayoutError):
+        measure_layout(n=16)
+
+
+def test_host_layout_is_measured_once_and_cached():
+    assert host_layout() is host_layout()
+    assert host_layout() == measure_layout()
+
+
+def test_the_layout_model_reproduces_torch_bytes_on_this_host():
+    codes = torch.randint(0, 16, (2048 + 32, 576), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(pack_codes(codes, host_layout()), torch_pack(codes))
+
+
+@pytest.mark.parametrize(("block", "nibbles"), [(32, "halves"), (64, "halves"), (32, "pairs"), (16, "pairs")])
+def test_unpack_codes_inverts_pack_codes(block, nibbles):
+    layout = TinygemmLayout(block, nibbles, "model", "model")
+    codes = torch.randint(0, 16, (192, 576), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(unpack_codes(pack_codes(codes, layout), layout), codes)
+
+
+def test_the_64_block_model_pairs_channel_d_with_d_plus_32():
+    layout = TinygemmLayout(64, "halves", "model", "AVX512")
+    codes = torch.zeros(64, 2, dtype=torch.uint8)
+    codes[5, 1], codes[37, 1] = 3, 9
+    assert pack_codes(codes, layout).flatten()[32 + 5] == 3 | 9 << 4  # k=1 run starts at byte 32
+
+
+def test_cli_prints_the_json_the_planner_probe_caches():
+    result = subprocess.run(
+        [sys.executable, "-m", "kernels.layout", "--json"], capture_output=True, text=True, check=True, timeout=120
+    )
+    report = json.loads(result.stdout)
+    assert set(report) == {"block", "torch_version", "cpu_capability", "layout"}
+    assert report["block"] == host_layout().block
+    assert report["cpu_capability"] == CAPABILITY
+    assert report["torch_version"] == torch.__version__
+
+
+SCALAR_DISPATCH_CHECK = """
+import json, torch
+from kernels.layout import measure_layout, pack_codes
+layout = measure_layout()
+codes = torch.randint(0, 16, (96, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+torch_bytes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+print(json.dumps({**layout.to_json(), "model_matches": bool(torch.equal(pack_codes(codes, layout), torch_bytes))}))
+"""
+
+
+@pytest.mark.skipif(CAPABILITY not in EXPECTED_BLOCK, reason=f"x86 dispatch levels only; this host is {CAPABILITY}")
+def test_layout_follows_torch_dispatch_not_cpu_flags():
+    """ATEN_CPU_CAPABILITY=default on the same CPU makes torch pack in the scalar "pairs" order; we measure it."""
+    result = subprocess.run(
+        [sys.executable, "-c", SCALAR_DISPATCH_CHECK],
+        capture_output=True, text=True, check=True, timeout=120, env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+    )
+    report = json.loads(result.stdout)
+    assert (report["cpu_capability"], report["block"], report["layout"]) == ("DEFAULT", 32, "pairs")
+    assert report["model_matches"]
