@@ -146,6 +146,10 @@ def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
     priority = req.priority
     if ev.option.path == "w4a8-gptq" and priority == "fidelity":
         why = "quantizes activations to int8 (+27.2% perplexity on the reference model); fidelity never does"
+    elif ev.option.request_cost is not None and ev.option.request_cost == chosen.option.request_cost:
+        extra = ev.memory.resident_bytes - chosen.memory.resident_bytes
+        why = (f"as fast as {chosen.option.label} by the measurements, and needs {_gib(extra)} more resident"
+               if extra > 0 else f"as fast as {chosen.option.label} by the measurements; ranked after it")
     elif chosen.option.request_cost is not None and ev.option.request_cost is not None:
         why = (f"ranked below {chosen.option.label} for {priority}: {ev.option.request_cost:.3g} vs "
                f"{chosen.option.request_cost:.3g} {ev.option.cost_unit}")

@@ -70,30 +70,30 @@ def _amx_options() -> list[Option]:
 
 
 def _avx2_options(extrapolated: bool) -> list[Option]:
-    """Milliseconds per request per 4096x4096 layer, from this host's GEMM medians (2 threads, group 64)."""
-    unit = "ms per request per 4096x4096 layer (512-token prefill + 128 single-row steps)"
-    bf16_1, bf16_512 = fact("avx2.gemm.m1.bf16_ms").value, fact("avx2.gemm.m512.bf16_ms").value
-    int4_1, int4_512 = fact("avx2.gemm.m1.int4_ms").value, fact("avx2.gemm.m512.int4_ms").value
-    dequant = fact("avx2.dequant_4096_ms").value
-    bf16_cost = bf16_512 + NEW_TOKENS * bf16_1
-    kernel_only_cost = int4_512 + NEW_TOKENS * int4_1
-    # dual and direct prefill = dequantize once + bf16 GEMM; AVX2 has no native bf16 FMA, so that GEMM is slow.
-    dequant_cost = dequant + bf16_512 + NEW_TOKENS * int4_1
+    """Milliseconds per request per 4096x4096 layer, from this host's GEMM medians at 1 thread, group 64.
+
+    One thread because vLLM 0.28 serves with one Torch thread unless OMP_NUM_THREADS is set
+    (vllm/utils/torch_utils.py), and the plans leave it so.
+    """
+    unit = "ms per request per 4096x4096 layer (512-token prefill + 128 single-row steps, 1 thread)"
+    bf16_1, bf16_512 = fact("avx2.1t.gemm.m1.bf16_ms").value, fact("avx2.1t.gemm.m512.bf16_ms").value
+    int4_1, int4_512 = fact("avx2.1t.gemm.m1.int4_ms").value, fact("avx2.1t.gemm.m512.int4_ms").value
+    # dual and direct prefill = dequantize once + GEMM in fp32: AVX2 has no native bf16 FMA (kernels/int4_ops.py).
+    dequant_512 = fact("avx2.1t.dequant_fp32.m512_ms").value
     bf16_reasons = [
-        _cite("avx2.gemm.m1.bf16_ms", "one-row bf16 GEMM (decode step)"),
-        _cite("avx2.gemm.m512.bf16_ms", "512-row bf16 GEMM (prefill): no native bf16 FMA on AVX2"),
+        _cite("avx2.1t.gemm.m1.bf16_ms", "one-row bf16 GEMM (decode step)"),
+        _cite("avx2.1t.gemm.m512.bf16_ms", "512-row bf16 GEMM (prefill): no native bf16 FMA on AVX2"),
     ]
-    int4_reasons = [
-        _cite("avx2.gemm.m1.int4_ms", "one-row tinygemm (decode step)"),
-        _cite("avx2.gemm.m512.int4_ms", "512-row tinygemm (prefill), 2.3x faster than bf16 here"),
-    ]
+    decode_reason = _cite("avx2.1t.gemm.m1.int4_ms", "one-row tinygemm (decode step)")
     options = [
-        Option("bf16", None, bf16_cost, unit, bf16_reasons, extrapolated),
-        Option("w4a16-tinygemm", "kernel-only", kernel_only_cost, unit, int4_reasons, extrapolated),
-    ]
-    for layout in ("direct", "dual"):
-        reasons = [_cite("avx2.dequant_4096_ms", "prefill dequantizes the layer, then a 512-row bf16 GEMM")]
-        options.append(Option("w4a16-tinygemm", layout, dequant_cost, unit, reasons, extrapolated))
+        Option("bf16", None, bf16_512 + NEW_TOKENS * bf16_1, unit, bf16_reasons, extrapolated),
+        Option("w4a16-tinygemm", "kernel-only", int4_512 + NEW_TOKENS * int4_1, unit,
+               [decode_reason, _cite("avx2.1t.gemm.m512.int4_ms", "512-row tinygemm (prefill)")], extrapolated),
+    ]  # fmt: skip
+    prefill_reason = _cite("avx2.1t.dequant_fp32.m512_ms", "512-row prefill: dequantize once, then an fp32 GEMM")
+    for layout in ("direct", "dual"):  # equal speed; direct keeps one copy, so it sorts first
+        options.append(Option("w4a16-tinygemm", layout, dequant_512 + NEW_TOKENS * int4_1, unit,
+                              [decode_reason, prefill_reason], extrapolated))
     return options
 
 

@@ -28,7 +28,7 @@ def test_avx2_speed_picks_the_cheapest_measured_option_that_fits(avx2_host, smol
     fastest = speed_options("avx2")[0]
     assert (plan.path, plan.layout) == (fastest.path, fastest.layout)
     assert plan.memory.fits
-    assert any(r.fact and r.fact.startswith("avx2.gemm") for r in plan.reasons)
+    assert any(r.fact and r.fact.startswith("avx2.") for r in plan.reasons)
 
 
 def test_amx_speed_takes_w4a8_with_the_engine_flags_that_select_its_kernel(sapphire_rapids, smollm2):
