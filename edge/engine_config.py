@@ -55,6 +55,7 @@ def quantization_config(
             "sym": True,  # vLLM's W4A8 kernel pins the zero point at 8 (uint4b8)
             "desc_act": False,  # act-order (g_idx) sends vLLM to cpu_gemm_wna16 instead of W4A8
             "lm_head": True,  # an unquantized head costs more per step than the 4-bit saving (FACTS.md)
+            "checkpoint_format": "gptq",
         }
     return None
 
