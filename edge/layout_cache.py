@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.device import Fact
+from edge.paths import cache_dir
 
 CACHE_FILE = "tinygemm_layout.json"
 MEASURE_COMMAND = (sys.executable, "-m", "kernels.layout", "--json")
@@ -30,15 +31,16 @@ MEASURE_TIMEOUT_S = 60.0
 
 
 def cache_path(env: Mapping[str, str]) -> Path | None:
-    if env.get("EDGE_SELECT_CACHE_DIR"):
-        return Path(env["EDGE_SELECT_CACHE_DIR"]) / CACHE_FILE
-    home = env.get("HOME")
-    return Path(home) / ".cache" / "edge-select" / CACHE_FILE if home else None
+    if not env.get("EDGE_SELECT_CACHE_DIR") and not env.get("HOME"):
+        return None
+    return cache_dir(env) / CACHE_FILE
 
 
-def cache_key(torch_version: str, flags: Iterable[str]) -> str:
+def cache_key(torch_version: str, flags: Iterable[str], capability: str = "") -> str:
+    """Torch version, CPU flags and ATEN_CPU_CAPABILITY: the layout follows torch's dispatch, not the flags
+    alone (ATEN_CPU_CAPABILITY=default on this AVX2 host packs "pairs" instead of "halves", kernels/layout.py)."""
     digest = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16]
-    return f"torch={torch_version};cpu={digest}"
+    return f"torch={torch_version};cpu={digest};capability={capability or 'auto'}"
 
 
 def _valid_block(record: Any) -> int | None:
@@ -121,7 +123,7 @@ def tinygemm_block(
         return fallback("torch is not installed")
     flags = frozenset(flags)
     path = cache_path(env)
-    key = cache_key(torch_version, flags) if flags else None
+    key = cache_key(torch_version, flags, env.get("ATEN_CPU_CAPABILITY", "")) if flags else None
     if path is not None and key is not None:
         record = lookup(path, key)
         if record is not None:

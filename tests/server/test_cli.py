@@ -1,0 +1,96 @@
+"""edge-serve's steps before serving: find the model, plan, convert when needed, print what it chose."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge.errors import InputError
+from server import cli
+
+SMOLLM2_CONFIG = Path(__file__).parents[1] / "edge" / "data" / "configs" / "smollm2-135m-instruct.json"
+
+# A stand-in for edge-convert: records what it was given, as edge-convert's caller sees it.
+FAKE_CONVERTER = """
+import json, pathlib, sys
+src, dst, flag, plan = sys.argv[1:5]
+out = pathlib.Path(dst); out.mkdir(parents=True, exist_ok=True)
+(out / "seen.json").write_text(json.dumps({"src": src, "flag": flag, "plan": json.loads(open(plan).read())}))
+"""
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "SmolLM2-135M-Instruct"
+    directory.mkdir()
+    shutil.copy(SMOLLM2_CONFIG, directory / "config.json")
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("EDGE_SELECT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def args(*argv: str):
+    return cli.parser().parse_args(list(argv))
+
+
+def test_converted_dir_is_keyed_by_model_and_quantization_config(cache):
+    a = cli.converted_dir(Path("/m/SmolLM2"), {"bits": 4, "group_size": 64})
+    assert a == cli.converted_dir(Path("/m/SmolLM2"), {"group_size": 64, "bits": 4})
+    assert a != cli.converted_dir(Path("/m/SmolLM2"), {"bits": 4, "group_size": 32})
+    assert a.parent == cache / "converted" and a.name.startswith("SmolLM2-")
+
+
+def test_default_model_dir_is_the_last_line_edge_model_prints():
+    command = [sys.executable, "-c", "print('building...'); print('/cache/models/SmolLM2-bf16')"]
+    assert cli.default_model_dir(command) == Path("/cache/models/SmolLM2-bf16")
+
+
+def test_failing_edge_model_is_an_input_error():
+    with pytest.raises(InputError, match="edge-model default"):
+        cli.default_model_dir([sys.executable, "-c", "raise SystemExit(1)"])
+
+
+def test_bf16_plan_serves_the_model_directory_unconverted(model_dir):
+    prepared = cli.prepare(args("--model", str(model_dir), "--path", "bf16"))
+    assert prepared.plan.path == "bf16" and prepared.serve_dir == model_dir
+
+
+def test_quantized_plan_is_converted_by_edge_convert_with_the_plan(model_dir, cache):
+    converter = [sys.executable, "-c", FAKE_CONVERTER]
+    prepared = cli.prepare(args("--model", str(model_dir), "--path", "w4a16-tinygemm"), converter=converter)
+    seen = json.loads((prepared.serve_dir / "seen.json").read_text())
+    assert prepared.serve_dir == cli.converted_dir(model_dir, prepared.plan.quantization_config)
+    assert seen["src"] == str(model_dir) and seen["flag"] == "--plan"
+    assert seen["plan"] == json.loads(prepared.plan.model_dump_json())
+    assert list((cache / "converted").glob("*.plan.json")) == []  # the plan file is not left behind
+
+
+def test_failed_conversion_is_an_input_error(model_dir):
+    converter = [sys.executable, "-c", "raise SystemExit(2)"]
+    with pytest.raises(InputError, match="exit 2"):
+        cli.prepare(args("--model", str(model_dir), "--path", "w4a16-tinygemm"), converter=converter)
+
+
+def test_dry_run_prints_path_reasons_and_url(model_dir, capsys):
+    assert cli.main(["--model", str(model_dir), "--path", "bf16", "--port", "8099", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "path      bf16" in out and "http://127.0.0.1:8099/v1" in out
+    assert out.count("why       ") >= 1
+
+
+def test_unreadable_memory_budget_exits_2_naming_the_flag(model_dir, capsys):
+    assert cli.main(["--model", str(model_dir), "--memory-budget", "lots", "--dry-run"]) == 2
+    assert "--memory-budget" in capsys.readouterr().err
+
+
+def test_plan_over_its_memory_budget_is_refused_before_serving(model_dir, capsys):
+    assert cli.main(["--model", str(model_dir), "--path", "bf16", "--memory-budget", "64MiB"]) == 2
+    assert "over the memory budget" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""edge-serve with the REAL vLLM on the default model: ready, a completion through the wrapper, /status naming the
+path, the vLLM child killed and brought back. Minutes (each vLLM start here is ~150 s), hence slow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.supervisor import group_members
+from tests.server.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+# Hang guards, not speed requirements: a vLLM start was ~150 s here on an idle box (FACTS.md).
+START_GUARD_S = 1200
+PROMPT = "The capital of France is"
+
+
+def log_tail(log: Path) -> str:
+    lines = [line for line in log.read_text().splitlines() if "/readyz" not in line]  # our own polling
+    return "\n".join(lines[-40:])
+
+
+def wait_for(predicate, wrapper: subprocess.Popen, log: Path, guard_s: float = START_GUARD_S) -> None:
+    deadline = time.monotonic() + guard_s
+    while not predicate():
+        assert wrapper.poll() is None, f"edge-serve exited {wrapper.returncode}:\n{log_tail(log)}"
+        assert time.monotonic() < deadline, f"not reached before the hang guard:\n{log_tail(log)}"
+        time.sleep(2)
+
+
+def get(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=10)
+    except httpx.HTTPError:
+        return None
+
+
+def ready(url: str) -> bool:
+    response = get(f"{url}/readyz")
+    return response is not None and response.status_code == 200
+
+
+def complete(url: str, model: str) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+
+
+@pytest.fixture
+def wrapper(tmp_path: Path):
+    port = free_port()
+    log = tmp_path / "edge-serve.log"
+    env = {**os.environ, "EDGE_HEALTH_POLL_S": "2", "EDGE_BACKOFF_INITIAL_S": "1", "EDGE_READY_TIMEOUT_S": "1100"}
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "--port", str(port), "--max-model-len", "512"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=Path(__file__).parents[2],
+        )
+    try:
+        yield process, f"http://127.0.0.1:{port}", log
+    finally:
+        process.send_signal(signal.SIGTERM)  # uvicorn shuts down; the lifespan stops the engine group
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(wrapper):
+    process, url, log = wrapper
+    started = time.monotonic()
+    wait_for(lambda: ready(url), process, log)
+    first_ready_s = time.monotonic() - started
+
+    status = get(f"{url}/status").json()
+    plan = status["plan"]
+    expected_path = f"{plan['path']}/{plan['layout']}" if plan["layout"] else plan["path"]
+    assert status["weight_path"] == expected_path and status["engine"]["state"] == "ready"
+    assert f"path      {expected_path}" in log.read_text()
+
+    model = get(f"{url}/v1/models").json()["data"][0]["id"]
+    first = complete(url, model)
+    assert first.status_code == 200, first.text
+    assert first.headers["X-Edge-Weight-Path"] == expected_path
+    assert first.json()["choices"][0]["text"].strip()
+
+    engine_pid = status["engine"]["pid"]
+    os.kill(engine_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: get(f"{url}/status").json()["engine"]["restarts"] == 1, process, log, guard_s=120)
+    wait_for(lambda: ready(url), process, log)
+    print(f"edge-serve ready after {first_ready_s:.0f} s (model, conversion, vLLM start); "
+          f"vLLM ready again {time.monotonic() - killed:.0f} s after SIGKILL")  # fmt: skip
+    engine = get(f"{url}/status").json()["engine"]
+    assert engine["state"] == "ready" and engine["pid"] != engine_pid
+    assert "SIGKILL" in engine["last_error"]
+    assert group_members(engine_pid) == []  # nothing of the killed engine is left
+
+    again = complete(url, model)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]

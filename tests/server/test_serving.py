@@ -1,0 +1,163 @@
+"""The wrapper serving an engine, over real HTTP: uvicorn on loopback, the STAND-IN engine as its child."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+
+from server.app import create_app
+from server.proxy import WEIGHT_PATH_HEADER
+from server.supervisor import EngineSupervisor, group_members
+from tests.server.conftest import fast_settings, free_port, smollm2_plan, standin, uvicorn_on_loopback
+
+TOKEN = {"Authorization": "Bearer s3cret"}
+MODEL_DIR = "/models/SmolLM2-135M-Instruct"
+
+
+def serving(*flags: str, **settings):
+    """uvicorn + the app + a supervisor running the stand-in with these flags; yields (url, supervisor)."""
+    plan = smollm2_plan()
+    settings = fast_settings(api_token="s3cret", **settings)
+    supervisor = EngineSupervisor.for_plan(
+        plan, MODEL_DIR, port=free_port(), settings=settings, executable=standin(*flags)
+    )
+    return uvicorn_on_loopback(create_app(settings, supervisor=supervisor, plan=plan, model_dir=MODEL_DIR)), supervisor
+
+
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    """Hang guard only, not a speed requirement."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the hang guard"
+        time.sleep(0.02)
+
+
+def ready(url: str) -> bool:
+    return httpx.get(f"{url}/readyz").status_code == 200
+
+
+def test_engine_not_ready_means_readyz_503_and_v1_503_with_a_json_message():
+    server, supervisor = serving("--ready-after", "600")
+    with server as url:
+        wait_until(lambda: supervisor.pid is not None)
+        readyz = httpx.get(f"{url}/readyz")
+        assert readyz.status_code == 503 and readyz.json()["state"] == "starting"
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers=TOKEN)
+        assert response.status_code == 503
+        assert response.json()["error"]["message"] == "engine is not ready (state: starting)"
+        assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
+
+
+def test_completion_through_the_wrapper_carries_the_weight_path_header():
+    server, supervisor = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        body = {"model": MODEL_DIR, "prompt": "The capital of France is", "max_tokens": 4}
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=TOKEN)
+        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
+    assert response.json() == direct.json()
+
+
+def test_query_string_and_engine_errors_pass_through_unchanged():
+    server, supervisor = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        models = httpx.get(f"{url}/v1/models?limit=1", headers=TOKEN)
+        missing = httpx.get(f"{url}/v1/no-such-route", headers=TOKEN)
+    assert models.json()["data"][0]["id"] == MODEL_DIR
+    assert missing.status_code == 404 and missing.headers[WEIGHT_PATH_HEADER] == "bf16"
+
+
+def test_the_wrappers_token_is_not_sent_to_the_engine():
+    server, _ = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
+    assert response.headers["X-Standin-Saw-Authorization"] == "no"
+
+
+def test_v1_needs_the_token():
+    server, _ = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
+
+
+def test_streamed_completion_arrives_event_by_event_not_buffered():
+    """The stand-in holds its stream after the first event until released: a buffering proxy would hang."""
+    server, supervisor = serving("--hold-stream")
+    body = {"prompt": "stream me", "max_tokens": 3, "stream": True}
+    with server as url:
+        wait_until(lambda: ready(url))
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=TOKEN, timeout=30) as response:
+            assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
+            assert response.headers["content-type"].startswith("text/event-stream")
+            lines = response.iter_lines()
+            first = next(lines)  # arrives while the engine is still holding the rest
+            assert first.startswith("data: ") and json.loads(first[6:])["choices"][0]["text"]
+            httpx.post(f"{supervisor.engine_url}/standin/release")
+            events = [line for line in lines if line.startswith("data: ")]
+    assert len(events) == 3 and events[-1] == "data: [DONE]"
+
+
+def test_status_names_the_plan_engine_and_openai_url():
+    server, supervisor = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        status = httpx.get(f"{url}/status", headers=TOKEN).json()
+    assert status["weight_path"] == "bf16" and status["plan"]["path"] == "bf16"
+    assert status["engine"]["state"] == "ready" and status["engine"]["restarts"] == 0
+    assert status["engine"]["pid"] > 0 and status["engine"]["uptime_s"] >= 0
+    assert status["openai_base_url"].endswith("/v1") and status["model_dir"] == MODEL_DIR
+
+
+def test_killed_engine_shows_in_status_and_comes_back():
+    server, supervisor = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        os.kill(supervisor.pid, signal.SIGKILL)
+        wait_until(lambda: httpx.get(f"{url}/status", headers=TOKEN).json()["engine"]["restarts"] == 1)
+        wait_until(lambda: ready(url))
+        engine = httpx.get(f"{url}/status", headers=TOKEN).json()["engine"]
+        completion = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
+    assert engine["state"] == "ready" and "SIGKILL" in engine["last_error"]
+    assert completion.status_code == 200
+
+
+def test_chunked_body_over_the_limit_is_413():
+    server, _ = serving(max_body_bytes=1000)
+
+    def chunks():
+        for _ in range(10):
+            yield b"x" * 200
+
+    with server as url:
+        response = httpx.post(f"{url}/plan", content=chunks(), headers={**TOKEN, "Content-Type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_shutting_the_server_down_stops_the_engine_group():
+    server, supervisor = serving("--spawn-worker")
+    with server as url:
+        wait_until(lambda: ready(url))
+        leader = supervisor.pid
+    assert supervisor.state == "stopped"
+    assert group_members(leader) == []
+
+
+def test_planning_other_devices_does_not_change_the_plan_in_force():
+    server, _ = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        before = httpx.get(f"{url}/status", headers=TOKEN).json()["plan"]
+        other = {"device": {"profile": {"arch": "aarch64", "isa": ["asimd"], "memory": "4GiB"}}}
+        assert httpx.post(f"{url}/plan", json=other, headers=TOKEN).status_code == 200
+        assert httpx.post(f"{url}/plan", json={"device": {"cpuinfo": "x"}}, headers=TOKEN).status_code == 422
+        assert httpx.get(f"{url}/plan", headers=TOKEN).json() == before
+        assert httpx.get(f"{url}/status", headers=TOKEN).json()["plan"] == before

@@ -1,0 +1,211 @@
+"""The engine supervisor, run against the STAND-IN engine (tests/server/standin_engine.py) as a real child."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+
+from server.supervisor import (
+    EngineRefused,
+    EngineSupervisor,
+    backoff_delay,
+    describe_exit,
+    engine_argv,
+    group_members,
+    vllm_command,
+)
+from tests.server.conftest import eventually, fast_settings, free_port, smollm2_plan, standin
+
+pytestmark = pytest.mark.anyio
+
+
+def supervisor_for(*flags: str, **settings) -> EngineSupervisor:
+    return EngineSupervisor.for_plan(
+        smollm2_plan(),
+        "/models/SmolLM2-135M-Instruct",
+        port=free_port(),
+        settings=fast_settings(**settings),
+        executable=standin(*flags),
+    )
+
+
+def alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie nobody reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def worker_pid(supervisor: EngineSupervisor) -> int:
+    lines = [line for line in supervisor.log_tail if line.startswith("stand-in worker pid ")]
+    assert lines, f"the stand-in did not report its worker: {list(supervisor.log_tail)}"
+    return int(lines[-1].rsplit(" ", 1)[1])
+
+
+def test_engine_command_is_vllm_serve_with_the_plan_args_on_loopback():
+    plan = smollm2_plan()
+    argv = engine_argv(plan, "/m", host="127.0.0.1", port=8123)
+    assert argv == [*vllm_command(), "/m", *plan.vllm.args, "--host", "127.0.0.1", "--port", "8123"]
+    assert vllm_command()[-3:] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
+def test_plan_env_is_added_to_the_engine_environment():
+    supervisor = supervisor_for()
+    assert supervisor.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert supervisor.env["EDGE_TEST_MARKER"] == "from-plan"
+    assert supervisor.env["PATH"] == os.environ["PATH"]
+
+
+def test_plan_over_its_memory_budget_is_refused():
+    with pytest.raises(EngineRefused, match="over the memory budget"):
+        EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", port=free_port())
+
+
+def test_plan_over_its_memory_budget_starts_when_forced():
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", port=free_port(), force=True)
+    assert supervisor.state == "stopped" and supervisor.argv[: len(vllm_command()) + 1] == [*vllm_command(), "/m"]
+
+
+def test_export_only_plan_is_refused_even_when_forced():
+    plan = smollm2_plan().model_copy(update={"path": "export-only", "vllm": None})
+    with pytest.raises(EngineRefused, match="nothing to serve"):
+        EngineSupervisor.for_plan(plan, "/m", port=free_port(), force=True)
+
+
+def test_backoff_doubles_from_initial_and_stops_at_the_cap():
+    delays = [backoff_delay(n, initial=1.0, cap=10.0) for n in range(1, 7)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+def test_backoff_jitter_stays_within_its_fraction_and_under_the_cap():
+    rng = random.Random(7)
+    delays = [backoff_delay(3, initial=1.0, cap=10.0, jitter=0.25, rng=rng) for _ in range(200)]
+    assert all(3.0 <= d <= 5.0 for d in delays)
+    assert len(set(delays)) > 1
+    assert all(backoff_delay(9, initial=1.0, cap=10.0, jitter=0.25, rng=rng) <= 10.0 for _ in range(50))
+
+
+def test_exit_is_described_by_code_or_signal_name():
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"
+
+
+async def test_engine_is_starting_until_its_health_answers_then_ready():
+    supervisor = supervisor_for("--ready-after", "1.0")
+    await supervisor.start()
+    try:
+        await eventually(lambda: supervisor.pid is not None)
+        assert supervisor.state == "starting"
+        assert await supervisor.wait_ready(30)
+        status = supervisor.status()
+        assert status.state == "ready" and status.pid == supervisor.pid and status.restarts == 0
+        assert any("listening on 127.0.0.1" in line for line in supervisor.log_tail)
+    finally:
+        await supervisor.stop()
+
+
+async def test_engine_killed_with_sigkill_is_restarted_and_ready_again():
+    supervisor = supervisor_for()
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        first_pid = supervisor.pid
+        os.kill(first_pid, signal.SIGKILL)
+        await eventually(lambda: supervisor.state in ("crashed", "restarting"))
+        await eventually(lambda: supervisor.restarts == 1 and supervisor.state == "ready")
+        assert supervisor.pid != first_pid
+        assert supervisor.last_error.startswith("killed by signal SIGKILL")
+    finally:
+        await supervisor.stop()
+
+
+async def test_engine_that_keeps_dying_restarts_with_growing_backoff():
+    supervisor = supervisor_for("--exit-after", "0", "--exit-code", "3")
+    await supervisor.start()
+    try:
+        await eventually(lambda: len(supervisor.delays) >= 5)
+        assert supervisor.delays[:5] == [0.05, 0.1, 0.2, 0.4, 0.4]
+        assert supervisor.state in ("crashed", "restarting")
+        assert "exit code 3 before it became ready" in supervisor.last_error
+    finally:
+        await supervisor.stop()
+    assert supervisor.state == "stopped"
+
+
+async def test_crash_reason_carries_the_engines_last_log_lines():
+    supervisor = supervisor_for("--exit-after", "0", "--exit-code", "7")
+    await supervisor.start()
+    try:
+        await eventually(lambda: supervisor.last_error is not None)
+        assert "exit code 7" in supervisor.last_error
+        assert "stand-in will exit with code 7" in supervisor.last_error
+    finally:
+        await supervisor.stop()
+
+
+async def test_engine_not_ready_in_time_is_killed_and_started_again():
+    supervisor = supervisor_for("--ready-after", "600", ready_timeout_s=0.5)
+    await supervisor.start()
+    try:
+        await eventually(lambda: supervisor.restarts >= 1)
+        assert "not ready within 0.5 s" in supervisor.last_error
+    finally:
+        await supervisor.stop()
+
+
+async def test_command_that_cannot_start_is_retried_not_fatal():
+    supervisor = EngineSupervisor(["/nonexistent/vllm", "serve"], port=free_port(), settings=fast_settings())
+    await supervisor.start()
+    try:
+        await eventually(lambda: len(supervisor.delays) >= 2)
+        assert "could not start '/nonexistent/vllm'" in supervisor.last_error
+    finally:
+        await supervisor.stop()
+
+
+async def test_stop_ends_the_whole_process_group():
+    supervisor = supervisor_for("--spawn-worker")
+    await supervisor.start()
+    assert await supervisor.wait_ready(30)
+    leader, worker = supervisor.pid, worker_pid(supervisor)
+    assert alive(worker) and worker in group_members(leader)
+    await supervisor.stop()
+    assert supervisor.state == "stopped" and supervisor.pid is None
+    assert group_members(leader) == [] and not alive(worker)
+
+
+async def test_stop_escalates_to_sigkill_when_the_engine_ignores_sigterm():
+    supervisor = supervisor_for("--ignore-sigterm", stop_grace_s=0.5)
+    await supervisor.start()
+    assert await supervisor.wait_ready(30)
+    proc = supervisor._proc
+    await supervisor.stop()
+    assert proc.returncode == -signal.SIGKILL
+
+
+async def test_workers_of_a_dead_engine_do_not_outlive_it():
+    supervisor = supervisor_for("--spawn-worker")
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        orphan = worker_pid(supervisor)
+        os.kill(supervisor.pid, signal.SIGKILL)
+        await eventually(lambda: supervisor.restarts == 1 and supervisor.state == "ready")
+        assert not alive(orphan)
+    finally:
+        await supervisor.stop()
+
+
+async def test_dead_engine_is_crashed_during_its_backoff_and_stop_cuts_the_wait_short():
+    supervisor = supervisor_for("--exit-after", "0", backoff_initial_s=3600, backoff_max_s=3600)
+    await supervisor.start()
+    await eventually(lambda: supervisor.state == "crashed")
+    status = supervisor.status()
+    assert status.pid is None and status.last_error and 0 < status.next_restart_in_s <= 3600
+    await supervisor.stop()  # does not sit out the hour
+    assert supervisor.state == "stopped" and supervisor.restarts == 0
