@@ -1,0 +1,288 @@
+"""vLLM engine benchmark: bf16 vs cpu_int4 direct / dual / kernel-only, side by side, interleaved passes.
+
+    .venv/bin/python -m benchmarks.bench_engine --models default,random-1b --passes 2
+
+Each (model, variant, pass) is one fresh child process (`--child`) that starts vLLM (compiled, not eager),
+measures, and prints one JSON line; this driver (no torch import) samples RssAnon summed over the child's
+process tree every 0.25 s through the whole run. Pass 1 starts every variant against an empty
+VLLM_CACHE_ROOT (cold: compile), pass 2+ against the cache pass 1 filled (warm); variants are interleaved
+within a pass so background load hits all of them alike.
+
+Measured per run:
+    start_s      LLM() construction (load + compile or cache load + warmup), and import_s before it
+    decode       tok/s of one sequence: (65-token generate - 1-token generate) / 64, best of 2
+    prefill      tok/s of one 512-token prompt (max_tokens=1, prefix caching off), best of 2
+    rss peak     max RssAnon over the tree, start to exit
+    rss settled  RssAnon after the engine is ready and idle (median of samples over 3 s; benchmarks/rss.py)
+    tokens       greedy tokens of the decode run that match bf16's before the first divergence (the prompt is 6
+                 arbitrary token ids: a smoke check of the compiled path, not a fidelity measure)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from benchmarks.rss import TreeSampler
+
+CACHE = Path(os.environ.get("EDGE_SELECT_CACHE_DIR", Path.home() / ".cache/edge-select"))
+VARIANTS = ("bf16", "direct", "dual", "kernel-only")
+# vLLM's log lines that say what happened to the compile cache (compilation/decorators.py).
+AOT_MARKERS = {
+    "saved AOT compiled function": "compiled",
+    "Compiling model again due to a load failure": "recompiled (load failed)",
+    "Directly load AOT compilation": "loaded",
+}
+# bf16 with kernels/compile_cache.py's fix switched off: the same cache, so pass 2 compares warm starts.
+NOFIX = "bf16-nofix"
+KV_BYTES = 128 << 20
+PREFILL_TOKENS = 512
+DECODE_TOKENS = 64
+
+
+# --- driver side (no torch) ---------------------------------------------------------------------------------
+
+
+def run_child(model: str, variant: str, cache_root: Path, log: Path) -> dict:
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root)}
+    if variant == NOFIX:
+        env["EDGE_SELECT_COMPILE_CACHE_FIX"] = "0"
+    with open(log, "a") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_engine", "--child", model],
+            env=env, stdout=subprocess.PIPE, stderr=log_file, text=True,
+        )  # fmt: skip
+        sampler = TreeSampler(proc.pid, interval_s=0.25).start()
+        result: dict = {}
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                if not line.startswith('{"event"'):  # vLLM logs to stdout too
+                    log_file.write(line)
+                    for marker, status in AOT_MARKERS.items():
+                        if marker in line and not result.get("aot", "").startswith("recompiled"):
+                            result["aot"] = status  # a failed load then saves anew: keep "recompiled"
+                    continue
+                event = json.loads(line)
+                event["t"] = time.monotonic()
+                result.setdefault("events", []).append(event)
+            proc.wait()
+        finally:  # never leave an engine running behind a crashed driver
+            if proc.poll() is None:
+                proc.kill()
+            sampler.stop()
+    result["returncode"] = proc.returncode
+    events = {e["event"]: e for e in result.get("events", [])}
+    result.update(events.get("done", {}))
+    result["rss_peak"] = sampler.peak_bytes
+    if "ready" in events and "idle_end" in events:
+        lo, hi = events["ready"]["t"], events["idle_end"]["t"]
+        idle = [s for t, s in sampler.samples if lo <= t <= hi]
+        result["rss_settled"] = int(statistics.median(idle)) if idle else None
+    return result
+
+
+def prepare(models: list[str]) -> dict[tuple[str, str], str]:
+    """Model dirs per (model, variant): bf16 sources and their cpu_int4 conversions (cached)."""
+    from kernels.convert import convert
+    from kernels.cpu_int4 import quantization_config
+
+    sources: dict[str, Path] = {}
+    for name in models:
+        if name == "default":
+            from kernels.default_model import ensure_default_model
+
+            sources[name] = ensure_default_model()
+        elif name == "random-1b":
+            target = CACHE / "bench" / "random-llama-1b"
+            if not (target / "config.json").exists():
+                from benchmarks.make_random_llama import PRESETS, write
+
+                write(target, PRESETS["1b"])
+            sources[name] = target
+        else:
+            sources[name] = Path(name)
+    dirs: dict[tuple[str, str], str] = {}
+    for name, src in sources.items():
+        dirs[(name, "bf16")] = dirs[(name, NOFIX)] = str(src)
+        for layout in VARIANTS[1:]:
+            qconfig = quantization_config(layout, group_size=64)
+            dst = CACHE / "bench" / f"{src.name}-{layout}"
+            dirs[(name, layout)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
+    return dirs
+
+
+def weights_bytes(model_dir: str) -> int:
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+# --- child side (starts vLLM) -------------------------------------------------------------------------------
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def child(model: str) -> None:
+    t0 = time.monotonic()
+    from vllm import LLM, SamplingParams
+
+    t1 = time.monotonic()
+    llm = LLM(
+        model=model, skip_tokenizer_init=True, max_model_len=1024, kv_cache_memory_bytes=KV_BYTES,
+        max_num_seqs=4, enable_prefix_caching=False, seed=0,
+    )  # fmt: skip
+    t2 = time.monotonic()
+    emit("ready")
+    time.sleep(3.0)
+    emit("idle_end")
+    vocab = llm.llm_engine.vllm_config.model_config.hf_config.vocab_size
+
+    def timed(prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+        start = time.monotonic()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return time.monotonic() - start, list(out[0].outputs[0].token_ids)
+
+    short = [1, 415, 5565, 302, 4843, 349]  # a fixed 6-token prompt
+    decode, prefill = [], []
+    tokens: list[int] = []
+    for rep in range(2):
+        one, _ = timed(short, 1)
+        many, tokens = timed(short, DECODE_TOKENS + 1)
+        decode.append(DECODE_TOKENS / (many - one))
+        prompt = [(7919 * (i + 1) * (rep + 3)) % (vocab - 10) + 5 for i in range(PREFILL_TOKENS)]
+        seconds, _ = timed(prompt, 1)
+        prefill.append(PREFILL_TOKENS / seconds)
+    quant = llm.llm_engine.vllm_config.model_config.quantization
+    emit("done", import_s=round(t1 - t0, 1), start_s=round(t2 - t1, 1), decode=max(decode),
+         prefill=max(prefill), quantization=quant, greedy=tokens)  # fmt: skip
+    llm.llm_engine.engine_core.shutdown()
+
+
+# --- report --------------------------------------------------------------------------------------------------
+
+
+def median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def report(results: list[dict], dirs: dict, models: list[str], header: str) -> str:
+    lines = [header, ""]
+    for name in models:
+        lines += [f"## {name}", "",
+                  "| variant | weights MB | decode tok/s | prefill@512 tok/s | start cold s | start warm s "
+                  f"| RssAnon peak MB | RssAnon settled MB | tokens = bf16 (of {DECODE_TOKENS + 1}) "
+                  "| compile cache by pass |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        bf16_greedy = next((r.get("greedy") for r in results if r["model"] == name and r["variant"] == "bf16"), None)
+        for variant in (*VARIANTS, NOFIX):
+            runs = [r for r in results if r["model"] == name and r["variant"] == variant and r["returncode"] == 0]
+            if not runs and variant == NOFIX:
+                continue
+            if not runs:
+                lines.append(f"| {variant} | | (no successful run) | | | | | | | |")
+                continue
+            # bf16-nofix always finds the cache bf16 just filled: every one of its starts is a warm start.
+            cold = [r["start_s"] for r in runs if r["pass"] == 1 and variant != NOFIX]
+            warm = [r["start_s"] for r in runs if r["pass"] > 1 or variant == NOFIX]
+            greedy = runs[-1].get("greedy") or []
+            same = 0
+            for a, b in zip(greedy, bf16_greedy or [], strict=False):
+                if a != b:
+                    break
+                same += 1
+
+            def fmt(value, digits=1):
+                return "" if value is None else f"{value:.{digits}f}"
+
+            lines.append(
+                f"| {variant} | {weights_bytes(dirs[(name, variant)]) / 1e6:.0f} "
+                f"| {fmt(median([r['decode'] for r in runs]))} | {fmt(median([r['prefill'] for r in runs]), 0)} "
+                f"| {fmt(median(cold))} | {fmt(median(warm))} "
+                f"| {fmt(median([r['rss_peak'] / 2**20 for r in runs]), 0)} "
+                f"| {fmt(median([r['rss_settled'] / 2**20 for r in runs if r.get('rss_settled')]), 0)} "
+                f"| {same if bf16_greedy else ''} | {', '.join(r.get('aot', '?') for r in runs)} |"
+            )
+        lines.append("")
+        bf16 = [r for r in results if r["model"] == name and r["variant"] == "bf16" and r.get("rss_settled")]
+        if bf16:
+            settled = median([r["rss_settled"] for r in bf16])
+            weights = weights_bytes(dirs[(name, "bf16")])
+            lines += [f"Engine baseline ({name}, bf16): settled RssAnon {settled / 2**20:.0f} MiB - weights "
+                      f"{weights / 2**20:.0f} MiB - KV cache {KV_BYTES / 2**20:.0f} MiB = "
+                      f"{(settled - weights - KV_BYTES) / 2**20:.0f} MiB", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_report(stamps: list[str], work: Path, out: Path) -> None:
+    """One report from the raw results of one or more runs (e.g. models benchmarked by parallel drivers)."""
+    results = [r for stamp in stamps for r in json.loads((work / f"{stamp}.json").read_text())]
+    models = list(dict.fromkeys(r["model"] for r in results))
+    dirs: dict[tuple[str, str], str] = {}
+    for name in models:
+        dirs.update(prepare([name]))
+    raws = ", ".join(str(work / f"{stamp}.json") for stamp in stamps)
+    header = (f"# Engine benchmark, {date.today()}\n\nvLLM 0.28 CPU, this host (2 shared AVX2 cores, vLLM runs "
+              f"1 thread). Raw results: {raws}.")  # fmt: skip
+    out.write_text(report(results, dirs, models, header))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--models", default="default,random-1b", help="comma list: default, random-1b, or dirs")
+    # int4 first: a broken method shows in minutes; bf16-nofix right after bf16, whose cache it then finds.
+    parser.add_argument("--variants", default=",".join((*VARIANTS[1:], VARIANTS[0], NOFIX)))
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=CACHE / "bench" / "runs")
+    parser.add_argument("--report", type=Path, default=Path(f"docs/reports/{date.today()}-engine.md"))
+    parser.add_argument("--resume", metavar="STAMP", help="continue run STAMP: its caches and results; skip done runs")
+    parser.add_argument("--report-only", metavar="STAMP,...", help="write the report from finished runs and exit")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    if args.report_only:
+        write_report(args.report_only.split(","), args.work, args.report)
+        return
+    models = args.models.split(",")
+    variants = args.variants.split(",")
+    dirs: dict[tuple[str, str], str] = {}
+    args.work.mkdir(parents=True, exist_ok=True)
+    stamp = args.resume or time.strftime("%Y%m%d-%H%M%S")
+    raw = args.work / f"{stamp}.json"
+    results: list[dict] = json.loads(raw.read_text()) if args.resume else []
+    done = {(r["model"], r["variant"], r["pass"]) for r in results if r.get("returncode") == 0}
+    report_models = list(dict.fromkeys([*(r["model"] for r in results), *models]))
+    for earlier in set(report_models) - set(models):
+        dirs.update(prepare([earlier]))  # already converted: the converter only checks its manifest
+    for name in models:
+        dirs.update(prepare([name]))  # per model: the first model's runs need not wait for the next one's
+        cache_root = args.work / f"{stamp}-{name}-vllm-cache"  # one per model, empty at pass 1
+        for pass_ in range(1, args.passes + 1):
+            for variant in variants:
+                if variant == NOFIX and name != "default" or (name, variant, pass_) in done:
+                    continue  # the fix is measured on the default model only (engine starts are minutes each)
+                print(f"[{time.strftime('%H:%M:%S')}] {name} {variant} pass {pass_}", file=sys.stderr, flush=True)
+                result = run_child(dirs[(name, variant)], variant, cache_root, args.work / f"{stamp}.log")
+                result.update(model=name, variant=variant, **{"pass": pass_})
+                result.pop("events", None)
+                results.append(result)
+                raw.write_text(json.dumps(results, indent=1))
+                args.report.parent.mkdir(parents=True, exist_ok=True)
+                header = (f"# Engine benchmark, {date.today()}\n\nvLLM 0.28 CPU, this host (2 shared AVX2 cores, "
+                          f"vLLM runs 1 thread). Raw results: {raw}. Command: `{' '.join(sys.argv)}`")  # fmt: skip
+                args.report.write_text(report(results, dirs, report_models, header))
+
+
+if __name__ == "__main__":
+    main()

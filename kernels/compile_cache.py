@@ -1,0 +1,81 @@
+"""Make vLLM 0.28's CPU compile cache load: attach the `finalize_loading` no-op its loader expects.
+
+The bug (reproduced here, benchmarks/bench_engine.py --only start): on CPU, vLLM runs Dynamo once with the
+stock "inductor" backend (platforms/cpu.py: CompilationMode.DYNAMO_TRACE_ONCE), so the AOT artifact's
+`compiled_fn` is a plain function. On a warm start compilation/decorators.py `_try_load_aot_compiled_fn` loads
+it with `torch.compiler.load_compiled_function` and then calls
+`loaded_fn._artifacts.compiled_fn.finalize_loading(vllm_config)`, a method only vLLM's own
+VllmSerializableFunction has (it lazily builds its backend there). The AttributeError is caught and logged
+("Compiling model again due to a load failure ... 'function' object has no attribute 'finalize_loading'"), and
+every warm start recompiles from scratch.
+
+The fix: wrap `torch.compiler.load_compiled_function` so a loaded function whose `compiled_fn` lacks
+`finalize_loading` gets a no-op one (an inductor-compiled function is complete once deserialized; there is
+nothing to finalize). It self-disables per artifact: whenever vLLM provides the method, nothing is attached.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_MARK = "_edge_select_finalize_fix"
+
+
+def _finalize_noop(vllm_config: Any) -> None:
+    """Nothing to finalize: torch.compiler.load_compiled_function loaded the inductor artifact whole."""
+
+
+def attach_finalize_loading(loaded_fn: Any) -> bool:
+    """Give `loaded_fn._artifacts.compiled_fn` a no-op `finalize_loading` if it lacks one; True if so."""
+    compiled_fn = getattr(getattr(loaded_fn, "_artifacts", None), "compiled_fn", None)
+    if compiled_fn is None or hasattr(compiled_fn, "finalize_loading"):
+        return False
+    compiled_fn.finalize_loading = _finalize_noop
+    return True
+
+
+def _wrap(load: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(load)
+    def load_compiled_function(*args: Any, **kwargs: Any) -> Any:
+        loaded_fn = load(*args, **kwargs)
+        if attach_finalize_loading(loaded_fn):
+            logger.info("cpu_int4 plugin: attached a no-op finalize_loading to the loaded AOT artifact")
+        return loaded_fn
+
+    setattr(load_compiled_function, _MARK, True)
+    return load_compiled_function
+
+
+def needed() -> bool:
+    """Whether this vLLM's AOT loader calls finalize_loading at all (else there is nothing to fix)."""
+    import inspect
+
+    from vllm.compilation import decorators
+
+    loader = getattr(decorators, "_try_load_aot_compiled_fn", None)
+    return loader is not None and "finalize_loading" in inspect.getsource(loader)
+
+
+def install() -> bool:
+    """Patch torch.compiler.load_compiled_function once per process; True if the patch is (now) in place.
+
+    EDGE_SELECT_COMPILE_CACHE_FIX=0 leaves vLLM as shipped (benchmarks/bench_engine.py measures both). vLLM does
+    not hash this variable into its cache key, so both settings share one cache directory, as they should: the
+    fix changes how an artifact is loaded, not what is compiled.
+    """
+    if os.environ.get("EDGE_SELECT_COMPILE_CACHE_FIX", "1") == "0":
+        return False
+    load = getattr(torch.compiler, "load_compiled_function", None)
+    if load is None or not needed():
+        return False
+    if not getattr(load, _MARK, False):
+        torch.compiler.load_compiled_function = _wrap(load)
+    return True

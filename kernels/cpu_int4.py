@@ -1,0 +1,356 @@
+"""The `cpu_int4` vLLM quantization method: W4A16 group-wise int4 through PyTorch's CPU tinygemm kernel.
+
+Reads the row-major checkpoint written by kernels/convert.py (per quantized layer `<prefix>.qweight` uint8
+[N, K/2], `<prefix>.scales`, `<prefix>.zeros` bf16 [N, K/g]; w = (q - 8) * scale + zero) and repacks it at
+load time into this host's tinygemm buffer (kernels/tinygemm.py). Every field below comes from the
+checkpoint's `quantization_config`, which vLLM hashes into its compile-cache key with the HF config; the
+direct and dual paths build different graphs, so the choice must live there, not in an env var
+(shared/FACTS.md: an env-var toggle against a warm cache loaded the wrong graph).
+
+Layouts:
+    dual         direct_dequant false, prefill_dequant true: tinygemm buffer + row-major copy for prefill
+    direct       direct_dequant true,  prefill_dequant true: tinygemm buffer only; prefill dequantizes from it
+                 (a layer whose N does not tile the host block keeps the row-major copy: dual for that layer)
+    kernel-only  prefill_dequant false: tinygemm for every batch, no copy
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.utils import set_weight_attrs
+
+from edge.errors import InputError
+from kernels.int4 import GROUP_SIZES, N_MULTIPLE
+from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear
+from kernels.layout import host_layout
+from kernels.tinygemm import tiles, to_tinygemm
+
+NAME = "cpu_int4"
+
+# Rows at or above which a layer dequantizes and runs a GEMM instead of tinygemm, when the checkpoint does
+# not say. AMX hosts: 2 (only single-row steps take tinygemm; a multi-row tinygemm followed by vLLM's CPU
+# attention dies with SIGILL on Sapphire Rapids, shared/FACTS.md). Without AMX there is no SIGILL hazard and
+# tinygemm stays ahead of dequantize + GEMM far into the batch: DEQUANT_THRESHOLD_NO_AMX, derived below.
+DEQUANT_THRESHOLD_AMX = 2
+# Derived from shared/FACTS.md's 4096x4096 g64 numbers on this AVX2 host (2 threads): tinygemm costs ~0.40 ms
+# per row (M=64: 26.3 ms, M=512: 203 ms), dequantize + fp32 GEMM 71.5 ms + ~0.24 ms per row (fp32 M=512: 121
+# ms), so they cross near 440 rows; at 512 rows dequantizing wins by 5%. H3's benchmarks/dequant_paths.py
+# re-measures the crossover per shape; the planner writes its own value into the checkpoint.
+DEQUANT_THRESHOLD_NO_AMX = 448
+
+
+# The three layouts as checkpoint quantization_config fields (module docstring).
+LAYOUTS: dict[str, dict[str, bool]] = {
+    "dual": {"direct_dequant": False, "prefill_dequant": True},
+    "direct": {"direct_dequant": True, "prefill_dequant": True},
+    "kernel-only": {"direct_dequant": False, "prefill_dequant": False},
+}
+
+
+def quantization_config(
+    layout: str,
+    *,
+    group_size: int = 64,
+    dequant_threshold: int | None = None,
+    quantize_embedding: bool = True,
+    ignore: list[str] | None = None,
+) -> dict[str, Any]:
+    """The `quantization_config` dict for a layout, as the converter writes it into config.json."""
+    if layout not in LAYOUTS:
+        raise InputError("layout", layout, f"one of {sorted(LAYOUTS)}")
+    threshold = default_dequant_threshold() if dequant_threshold is None else dequant_threshold
+    return {
+        "quant_method": NAME,
+        "bits": 4,
+        "group_size": group_size,
+        **LAYOUTS[layout],
+        "dequant_threshold": threshold,
+        "quantize_embedding": quantize_embedding,
+        "ignore": list(ignore or []),
+    }
+
+
+def default_dequant_threshold() -> int:
+    return DEQUANT_THRESHOLD_AMX if torch.cpu._is_amx_tile_supported() else DEQUANT_THRESHOLD_NO_AMX
+
+
+def _param(data: torch.Tensor, **attrs: Any) -> Parameter:
+    param = Parameter(data, requires_grad=False)
+    set_weight_attrs(param, attrs)
+    return param
+
+
+def _empty(dtype: torch.dtype) -> Parameter:
+    return Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+
+@register_quantization_config(NAME)
+class CpuInt4Config(QuantizationConfig):
+    """W4A16 group-wise asymmetric int4 for CPUs (tinygemm), from a checkpoint's `quantization_config`."""
+
+    def __init__(
+        self,
+        group_size: int = 64,
+        *,
+        direct_dequant: bool = False,
+        prefill_dequant: bool = True,
+        dequant_threshold: int | None = None,
+        quantize_embedding: bool = False,
+        ignore: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if group_size not in GROUP_SIZES:
+            raise InputError("group_size", group_size, f"one of {GROUP_SIZES} (tinygemm's group sizes)")
+        if dequant_threshold is not None and dequant_threshold < 1:
+            raise InputError("dequant_threshold", dequant_threshold, "a row count >= 1")
+        self.group_size = group_size
+        self.direct_dequant = direct_dequant
+        self.prefill_dequant = prefill_dequant
+        self.dequant_threshold = default_dequant_threshold() if dequant_threshold is None else dequant_threshold
+        self.quantize_embedding = quantize_embedding
+        self.ignore = list(ignore or [])
+        self.tied_embeddings = False  # set from the HF config in maybe_update_config
+
+    def __repr__(self) -> str:
+        return (
+            f"CpuInt4Config(group_size={self.group_size}, layout={self.layout}, "
+            f"dequant_threshold={self.dequant_threshold}, quantize_embedding={self.quantize_embedding}, "
+            f"ignore={self.ignore})"
+        )
+
+    @property
+    def layout(self) -> str:
+        if not self.prefill_dequant:
+            return "kernel-only"
+        return "direct" if self.direct_dequant else "dual"
+
+    @property
+    def mode(self) -> int:
+        """The int4_ops mode for a layer whose N tiles the host block."""
+        return {"kernel-only": KERNEL_ONLY, "dual": DUAL, "direct": DIRECT}[self.layout]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CpuInt4Config:
+        method = config.get("quant_method", NAME)
+        if method != NAME:
+            raise InputError("quant_method", method, f"'{NAME}'")
+        bits = config.get("bits", 4)
+        if bits != 4:
+            raise InputError("bits", bits, "4")
+        return cls(
+            group_size=int(config.get("group_size", 64)),
+            direct_dequant=bool(config.get("direct_dequant", False)),
+            prefill_dequant=bool(config.get("prefill_dequant", True)),
+            dequant_threshold=config.get("dequant_threshold"),
+            quantize_embedding=bool(config.get("quantize_embedding", False)),
+            ignore=list(config.get("ignore", [])),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": NAME,
+            "bits": 4,
+            "group_size": self.group_size,
+            "direct_dequant": self.direct_dequant,
+            "prefill_dequant": self.prefill_dequant,
+            "dequant_threshold": self.dequant_threshold,
+            "quantize_embedding": self.quantize_embedding,
+            "ignore": list(self.ignore),
+        }
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16]  # tinygemm takes bf16 activations only
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1  # a GPU notion; vLLM's CPU platform reports no capability
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # the config lives in config.json's quantization_config
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        if hf_config is not None:
+            self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        # Mirrors kernels/convert.py decide(): the method expects int4 tensors exactly where the converter
+        # wrote them, bf16 elsewhere.
+        if isinstance(layer, LinearBase):
+            if self._ignored(prefix) or not self._linear_packs(layer):
+                return UnquantizedLinearMethod()
+            return CpuInt4LinearMethod(self)
+        if not isinstance(layer, VocabParallelEmbedding):
+            return None
+        if isinstance(layer, ParallelLMHead) and not self.tied_embeddings:
+            quantized = not self._ignored(prefix or "lm_head")  # an untied head is quantized like a linear
+        else:  # the embedding, or a head tied to it: quantized iff the embedding is
+            quantized = self.quantize_embedding and not self._ignored(prefix or "model.embed_tokens")
+            quantized = quantized and not (self.tied_embeddings and self._ignored("lm_head"))
+        packs = layer.org_vocab_size % N_MULTIPLE == 0 and layer.embedding_dim % self.group_size == 0
+        return CpuInt4EmbeddingMethod(self) if quantized and packs else None
+
+    def _ignored(self, prefix: str) -> bool:
+        """An `ignore` entry is a layer kind ("q_proj", "lm_head"), a full prefix, or a glob (as the converter
+        reads it). A fused vLLM layer (qkv_proj, gate_up_proj) is ignored if any of its checkpoint shards is:
+        the converter keeps fused siblings together."""
+        kind = prefix.rsplit(".", 1)[-1]
+        shards = self.packed_modules_mapping.get(kind) or FUSED_SHARDS.get(kind) or [kind]
+        names = [prefix.removesuffix(kind) + shard for shard in shards]
+        return any(_matches(name, self.ignore) for name in [prefix, *names])
+
+    def _linear_packs(self, layer: LinearBase) -> bool:
+        # The converter keeps N % 16 != 0 layers bf16 (all fused siblings with them) and refuses K % group.
+        sizes = getattr(layer, "output_sizes", None) or [layer.output_size]
+        return layer.input_size % self.group_size == 0 and all(n % N_MULTIPLE == 0 for n in sizes)
+
+
+# vLLM's fused layers and the checkpoint tensors they load (Llama's packed_modules_mapping, used when the
+# model has not set one on the config yet).
+FUSED_SHARDS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _matches(prefix: str, patterns: list[str]) -> bool:
+    return any(prefix == p or prefix.endswith("." + p) or fnmatch.fnmatchcase(prefix, p) for p in patterns)
+
+
+def _check_shape(n: int, k: int, group: int) -> None:
+    if k % group:
+        raise InputError("input_size", k, f"a multiple of group_size {group}")
+    if n % N_MULTIPLE:
+        raise InputError("output_size", n, f"a multiple of {N_MULTIPLE}")
+
+
+def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extra: dict[str, Any]) -> None:
+    """Register the checkpoint's row-major tensors for a [N, K] weight on `layer`."""
+    _check_shape(n, k, group)
+    attrs = {"input_dim": 1, "output_dim": 0, **extra}
+    # qweight is packed along K (dim 1), never along the output dim vLLM shards and stacks by.
+    layer.register_parameter(
+        "qweight", _param(torch.empty(n, k // 2, dtype=torch.uint8), packed_dim=1, packed_factor=2, **attrs)
+    )  # [N, K/2]
+    layer.register_parameter("scales", _param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
+    layer.register_parameter("zeros", _param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
+
+
+def _repack(layer: torch.nn.Module, group: int, mode: int, keep_row_major: bool = False) -> None:
+    """Build the tinygemm buffer; drop the row-major copy unless this layer's mode reads it.
+
+    Sets layer.int4_mode: DIRECT falls back to DUAL when N does not tile the host block (the direct
+    dequantizer cannot read a narrower last block, kernels/layout.py).
+    """
+    n = layer.qweight.shape[0]
+    if mode == DIRECT and not tiles(n, host_layout()):
+        mode = DUAL
+    packed, scales_and_zeros = to_tinygemm(layer.qweight.data, layer.scales.data, layer.zeros.data, group)
+    layer.register_parameter("tinygemm_packed", Parameter(packed, requires_grad=False))  # [N, K/2] host layout
+    layer.register_parameter("tinygemm_sz", Parameter(scales_and_zeros, requires_grad=False))  # [K/g, N, 2]
+    if mode != DUAL and not keep_row_major:
+        layer.qweight = _empty(torch.uint8)
+        layer.scales = _empty(torch.bfloat16)
+        layer.zeros = _empty(torch.bfloat16)
+    layer.int4_mode = mode
+
+
+class CpuInt4LinearMethod(LinearMethodBase):
+    """A linear layer (also fused QKV / gate_up: shards stack along N, which is never the packed dim)."""
+
+    def __init__(self, config: CpuInt4Config) -> None:
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        n = sum(output_partition_sizes)
+        _create_int4_params(layer, n, input_size_per_partition, self.config.group_size, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        _repack(layer, self.config.group_size, self.config.mode)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = int4_linear(
+            x,
+            layer.tinygemm_packed,
+            layer.tinygemm_sz,
+            layer.qweight,
+            layer.scales,
+            layer.zeros,
+            self.config.group_size,
+            layer.int4_mode,
+            self.config.dequant_threshold,
+        )
+        return y if bias is None else y + bias
+
+
+class CpuInt4EmbeddingMethod(QuantizeMethodBase):
+    """Embedding (lookup dequantizes only the gathered rows of the row-major copy) and LM head (tinygemm).
+
+    A tied head shares the embedding's row-major tensors and adds the tinygemm buffer; its prefill path reads
+    the row-major copy that the lookup keeps anyway (dual), whatever the layout.
+    """
+
+    def __init__(self, config: CpuInt4Config) -> None:
+        self.config = config
+        self.tied = False
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        n = sum(output_partition_sizes)  # padded vocab rows of this rank
+        _create_int4_params(layer, n, input_size_per_partition, self.config.group_size, extra_weight_attrs)
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        assert isinstance(embed_tokens.quant_method, CpuInt4EmbeddingMethod), "tied head needs a cpu_int4 embedding"
+        layer.qweight, layer.scales, layer.zeros = (
+            embed_tokens.qweight,
+            embed_tokens.scales,
+            embed_tokens.zeros,
+        )
+        self.tied = True
+        return layer
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if isinstance(layer, ParallelLMHead):
+            _repack(layer, self.config.group_size, DUAL if self.tied else self.config.mode)
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        return int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = int4_linear(
+            x,
+            layer.tinygemm_packed,
+            layer.tinygemm_sz,
+            layer.qweight,
+            layer.scales,
+            layer.zeros,
+            self.config.group_size,
+            layer.int4_mode,
+            self.config.dequant_threshold,
+        )
+        return y if bias is None else y + bias

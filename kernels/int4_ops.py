@@ -1,0 +1,132 @@
+"""The `cpu_int4` forward as opaque torch ops: torch.ops.vllm.cpu_int4_linear and .cpu_int4_embedding.
+
+vLLM compiles the model with Dynamo. Inside these ops the path depends on the number of rows (tinygemm
+below `dequant_threshold`, a dequantize + GEMM above it); traced, that branch would specialise the graph on
+the batch size. Registered as custom ops with fake impls (vllm.utils.torch_utils.direct_register_custom_op),
+Dynamo sees one node per layer and the choice is made at run time.
+
+Modes (per layer, chosen at load time by kernels.cpu_int4):
+    KERNEL_ONLY  tinygemm for every batch, no copy (`prefill_dequant: false`)
+    DUAL         wide batches dequantize the row-major copy qweight (`direct_dequant: false`, and any layer
+                 whose N does not tile the host block)
+    DIRECT       wide batches dequantize straight from the tinygemm buffer (`direct_dequant: true`)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.int4 import apply_scales, dequantize, unpack_nibbles
+from kernels.layout import host_layout
+from kernels.tinygemm import dequantize_tinygemm, linear
+
+KERNEL_ONLY = 0
+DUAL = 1
+DIRECT = 2
+MODES = {KERNEL_ONLY: "kernel-only", DUAL: "dual", DIRECT: "direct"}
+
+
+def prefill_dtype() -> torch.dtype:
+    """The dtype of the dequantized GEMM for wide batches on this host.
+
+    Without native bf16 FMA (no AVX512-BF16, no AMX) a bf16 GEMM is slow at batch: here (AVX2, 2 threads,
+    4096x4096) M=64 bf16 57.7 ms vs fp32 19.6 ms, M=512 471 vs 121 ms (shared/FACTS.md). So fp32 there.
+    """
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.bfloat16 if native_bf16 else torch.float32
+
+
+def _linear_impl(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    mode: int,
+    dequant_threshold: int,
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] bf16. packed uint8 [N, K/2] (host layout), scales_and_zeros bf16 [K/g, N, 2];
+    qweight uint8 [N, K/2] row-major + scales, zeros [N, K/g] in DUAL mode, else empty."""
+    n = scales_and_zeros.shape[1]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+    rows = x2.shape[0]
+    if rows == 0:
+        return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    if mode == KERNEL_ONLY or rows < dequant_threshold:
+        y = linear(x2, packed, scales_and_zeros, group)  # [M, N]
+    else:
+        dtype = prefill_dtype()
+        if mode == DUAL:
+            w = dequantize(qweight, scales, zeros, group, dtype)  # [N, K]
+        else:
+            w = dequantize_tinygemm(packed, scales_and_zeros, group, host_layout(), dtype)  # [N, K]
+        y = torch.mm(x2.to(dtype), w.t()).to(torch.bfloat16)  # [M, N]
+    return y.view(*x.shape[:-1], n)
+
+
+def _linear_fake(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    mode: int,
+    dequant_threshold: int,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
+
+
+def _embedding_impl(
+    ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    """ids [...] -> [..., H] bf16: gather the row-major rows (qweight [V, H/2], scales, zeros [V, H/g]) and
+    dequantize only those."""
+    flat = ids.reshape(-1)  # [T]
+    codes = unpack_nibbles(qweight.index_select(0, flat))  # [T, H]
+    rows = apply_scales(codes, scales.index_select(0, flat), zeros.index_select(0, flat), group, torch.bfloat16)
+    return rows.view(*ids.shape, rows.shape[-1])
+
+
+def _embedding_fake(
+    ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    return qweight.new_empty((*ids.shape, qweight.shape[1] * 2), dtype=torch.bfloat16)
+
+
+def _register() -> None:
+    # This module is imported once per process (the plugin imports it in every vLLM process); defining an op
+    # twice would raise, so the import is the guard.
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op("cpu_int4_linear", _linear_impl, fake_impl=_linear_fake)
+    direct_register_custom_op("cpu_int4_embedding", _embedding_impl, fake_impl=_embedding_fake)
+
+
+_register()
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    mode: int,
+    dequant_threshold: int,
+) -> torch.Tensor:
+    """The registered op (what Dynamo records), typed for callers."""
+    return torch.ops.vllm.cpu_int4_linear(
+        x, packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold
+    )
+
+
+def int4_embedding(
+    ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    return torch.ops.vllm.cpu_int4_embedding(ids, qweight, scales, zeros, group)

@@ -1,0 +1,383 @@
+"""The `cpu_int4` vLLM method without an engine: config, method choice, load -> repack -> apply.
+
+Real SmolLM2-135M shapes: hidden 576, intermediate 1536, vocab 49152 (tied). Quality is SNR against
+x @ dequantize(checkpoint).T in fp32; 40 dB is bf16-rounding territory (bf16 alone gives ~50 dB).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.model_executor.layers.linear import (  # noqa: E402
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+
+from edge.errors import InputError  # noqa: E402
+from kernels.cpu_int4 import CpuInt4Config, CpuInt4EmbeddingMethod, CpuInt4LinearMethod  # noqa: E402
+from kernels.int4 import dequantize, quantize_packed  # noqa: E402
+from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY  # noqa: E402
+
+GROUP = 64
+HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
+LAYOUTS = {
+    "dual": {"direct_dequant": False, "prefill_dequant": True},
+    "direct": {"direct_dequant": True, "prefill_dequant": True},
+    "kernel-only": {"direct_dequant": False, "prefill_dequant": False},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_vllm(tmp_path_factory):
+    """vLLM's unquantized layers ask for the tensor-parallel group even on one rank: make a 1-rank world."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    with set_current_vllm_config(VllmConfig()):
+        store = tmp_path_factory.mktemp("dist") / "store"
+        parallel_state.init_distributed_environment(1, 0, f"file://{store}", 0, "gloo")
+        parallel_state.initialize_model_parallel(1, 1)
+        yield
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+
+
+def quant_config(layout: str = "direct", **overrides) -> dict:
+    return {
+        "quant_method": "cpu_int4",
+        "bits": 4,
+        "group_size": GROUP,
+        "dequant_threshold": 2,
+        "quantize_embedding": True,
+        "ignore": [],
+        **LAYOUTS[layout],
+        **overrides,
+    }
+
+
+def snr_db(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    noise = (actual.float() - reference.float()).pow(2).sum()
+    return float(10 * torch.log10(reference.float().pow(2).sum() / noise))
+
+
+def checkpoint(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
+    return quantize_packed(w, GROUP)
+
+
+def load(layer: torch.nn.Module, tensors: tuple[torch.Tensor, ...], shard=None) -> None:
+    for name, tensor in zip(("qweight", "scales", "zeros"), tensors, strict=True):
+        param = getattr(layer, name)
+        if shard is None:
+            param.weight_loader(param, tensor)
+        else:
+            param.weight_loader(param, tensor, shard)
+
+
+def reference(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    return x.float() @ dequantize(*tensors, GROUP, torch.float32).T
+
+
+# --- config -------------------------------------------------------------------------------------------------
+
+
+def test_config_round_trips_the_checkpoint_quantization_config():
+    raw = quant_config("direct", dequant_threshold=8, ignore=["model.layers.0.mlp.down_proj"])
+    assert CpuInt4Config.from_config(raw).to_dict() == raw
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_config_names_its_layout(layout):
+    assert CpuInt4Config.from_config(quant_config(layout)).layout == layout
+
+
+def test_config_without_a_threshold_takes_the_host_default():
+    from kernels.cpu_int4 import default_dequant_threshold
+
+    raw = quant_config()
+    del raw["dequant_threshold"]
+    assert CpuInt4Config.from_config(raw).dequant_threshold == default_dequant_threshold()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("bits", 8), ("group_size", 100), ("quant_method", "gptq"), ("dequant_threshold", 0)]
+)
+def test_config_rejects_a_bad_field_by_name(field, value):
+    with pytest.raises(InputError) as error:
+        CpuInt4Config.from_config(quant_config(**{field: value}))
+    assert field in str(error.value)
+
+
+def test_method_is_registered_with_vllm():
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    assert get_quantization_config("cpu_int4") is CpuInt4Config
+
+
+# --- method choice ------------------------------------------------------------------------------------------
+
+
+def test_linear_layer_gets_the_int4_method():
+    config = CpuInt4Config.from_config(quant_config())
+    layer = ReplicatedLinear(
+        INTERMEDIATE,
+        HIDDEN,
+        bias=False,
+        quant_config=config,
+        prefix="model.layers.0.mlp.down_proj",
+        disable_tp=True,
+    )
+    assert isinstance(layer.quant_method, CpuInt4LinearMethod)
+    assert layer.qweight.shape == (HIDDEN, INTERMEDIATE // 2)
+    assert layer.scales.shape == (HIDDEN, INTERMEDIATE // GROUP)
+
+
+def test_ignored_linear_layer_stays_unquantized():
+    config = CpuInt4Config.from_config(quant_config(ignore=["model.layers.0.mlp.down_proj"]))
+    layer = ReplicatedLinear(
+        INTERMEDIATE,
+        HIDDEN,
+        bias=False,
+        quant_config=config,
+        prefix="model.layers.0.mlp.down_proj",
+        disable_tp=True,
+    )
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+
+
+def test_linear_layer_whose_n_cannot_pack_stays_unquantized():
+    # The converter keeps N % 16 != 0 layers in bf16; the method must expect a bf16 weight for them.
+    config = CpuInt4Config.from_config(quant_config())
+    layer = ReplicatedLinear(
+        HIDDEN, 40, bias=False, quant_config=config, prefix="model.layers.0.mlp.odd", disable_tp=True
+    )
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+
+
+@pytest.mark.parametrize("ignore", [["up_proj"], ["model.layers.0.mlp.gate_proj"], ["model.layers.*.mlp.*"]])
+def test_fused_layer_is_ignored_when_any_checkpoint_shard_is(ignore):
+    # The converter keeps fused siblings together: ignoring up_proj leaves gate_proj bf16 too.
+    config = CpuInt4Config.from_config(quant_config())
+    layer = MergedColumnParallelLinear(
+        HIDDEN,
+        [INTERMEDIATE, INTERMEDIATE],
+        bias=False,
+        quant_config=config,
+        prefix="model.layers.0.mlp.gate_up_proj",
+        disable_tp=True,
+    )
+    ignoring = CpuInt4Config.from_config(quant_config(ignore=ignore))
+    assert isinstance(ignoring.get_quant_method(layer, "model.layers.0.mlp.gate_up_proj"), UnquantizedLinearMethod)
+    assert isinstance(ignoring.get_quant_method(layer, "model.layers.1.self_attn.qkv_proj"), CpuInt4LinearMethod)
+
+
+def test_embedding_is_quantized_only_when_configured():
+    on = CpuInt4Config.from_config(quant_config(quantize_embedding=True))
+    off = CpuInt4Config.from_config(quant_config(quantize_embedding=False))
+    embedding = VocabParallelEmbedding(VOCAB, HIDDEN, quant_config=on, prefix="model.embed_tokens", disable_tp=True)
+    assert isinstance(embedding.quant_method, CpuInt4EmbeddingMethod)
+    assert off.get_quant_method(embedding, "model.embed_tokens") is None
+
+
+def test_tied_head_follows_the_embedding_untied_head_follows_ignore():
+    tied = CpuInt4Config.from_config(quant_config(quantize_embedding=False))
+    tied.tied_embeddings = True
+    head = ParallelLMHead(VOCAB, HIDDEN, quant_config=None, prefix="lm_head", disable_tp=True)
+    assert tied.get_quant_method(head, "lm_head") is None
+    untied = CpuInt4Config.from_config(quant_config(quantize_embedding=False))
+    assert isinstance(untied.get_quant_method(head, "lm_head"), CpuInt4EmbeddingMethod)
+    ignored = CpuInt4Config.from_config(quant_config(quantize_embedding=False, ignore=["lm_head"]))
+    assert ignored.get_quant_method(head, "lm_head") is None
+
+
+def test_tied_embedding_stays_bf16_when_the_head_is_ignored():
+    config = CpuInt4Config.from_config(quant_config(quantize_embedding=True, ignore=["lm_head"]))
+    config.tied_embeddings = True
+    embedding = VocabParallelEmbedding(VOCAB, HIDDEN, quant_config=None, prefix="", disable_tp=True)
+    assert config.get_quant_method(embedding, "") is None
+
+
+# --- load, repack, apply ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("rows", [1, 64])
+def test_down_proj_576x1536_matches_dequantized_reference(layout, rows):
+    config = CpuInt4Config.from_config(quant_config(layout))
+    layer = ReplicatedLinear(
+        INTERMEDIATE,
+        HIDDEN,
+        bias=False,
+        quant_config=config,
+        prefix="model.layers.0.mlp.down_proj",
+        disable_tp=True,
+    )
+    tensors = checkpoint(HIDDEN, INTERMEDIATE)
+    load(layer, tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(rows, INTERMEDIATE, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = layer.quant_method.apply(layer, x)
+    assert y.shape == (rows, HIDDEN) and y.dtype == torch.bfloat16
+    assert snr_db(y, reference(x, *tensors)) > 40
+
+
+@pytest.mark.parametrize(
+    ("layout", "mode", "keeps_copy"),
+    [("dual", DUAL, True), ("direct", DIRECT, False), ("kernel-only", KERNEL_ONLY, False)],
+)
+def test_repack_keeps_the_row_major_copy_only_for_dual(layout, mode, keeps_copy):
+    config = CpuInt4Config.from_config(quant_config(layout))
+    layer = ReplicatedLinear(
+        INTERMEDIATE,
+        HIDDEN,
+        bias=False,
+        quant_config=config,
+        prefix="model.layers.0.mlp.down_proj",
+        disable_tp=True,
+    )
+    load(layer, checkpoint(HIDDEN, INTERMEDIATE))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.int4_mode == mode
+    assert (layer.qweight.numel() > 0) == keeps_copy
+    assert layer.tinygemm_packed.shape == (HIDDEN, INTERMEDIATE // 2)
+    assert layer.tinygemm_sz.shape == (INTERMEDIATE // GROUP, HIDDEN, 2)
+
+
+def test_direct_layer_whose_n_does_not_tile_the_block_falls_back_to_dual():
+    # N=48 packs (48 % 16 == 0) but does not tile a 32/64-channel block: the direct reader would mis-read it.
+    config = CpuInt4Config.from_config(quant_config("direct"))
+    layer = ReplicatedLinear(
+        HIDDEN, 48, bias=False, quant_config=config, prefix="model.layers.0.narrow", disable_tp=True
+    )
+    tensors = checkpoint(48, HIDDEN)
+    load(layer, tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.int4_mode == DUAL
+    x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert snr_db(layer.quant_method.apply(layer, x), reference(x, *tensors)) > 40
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_fused_gate_up_loads_each_shard_into_its_rows(layout):
+    config = CpuInt4Config.from_config(quant_config(layout))
+    layer = MergedColumnParallelLinear(
+        HIDDEN,
+        [INTERMEDIATE, INTERMEDIATE],
+        bias=False,
+        quant_config=config,
+        prefix="model.layers.0.mlp.gate_up_proj",
+        disable_tp=True,
+    )
+    gate, up = checkpoint(INTERMEDIATE, HIDDEN, seed=3), checkpoint(INTERMEDIATE, HIDDEN, seed=4)
+    load(layer, gate, shard=0)
+    load(layer, up, shard=1)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    expected = torch.cat((reference(x, *gate), reference(x, *up)), dim=1)  # [64, 2 * 1536]
+    assert snr_db(layer.quant_method.apply(layer, x), expected) > 40
+
+
+def test_linear_adds_bias():
+    config = CpuInt4Config.from_config(quant_config())
+    layer = ReplicatedLinear(
+        HIDDEN,
+        HIDDEN,
+        bias=True,
+        quant_config=config,
+        prefix="model.layers.0.self_attn.o_proj",
+        disable_tp=True,
+    )
+    tensors = checkpoint(HIDDEN, HIDDEN)
+    load(layer, tensors)
+    layer.bias.data.copy_(torch.linspace(-1, 1, HIDDEN))
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    y = layer(x)[0]
+    assert snr_db(y, reference(x, *tensors) + layer.bias.detach().float()) > 40
+
+
+def tied_pair(layout: str) -> tuple[VocabParallelEmbedding, ParallelLMHead, tuple[torch.Tensor, ...]]:
+    config = CpuInt4Config.from_config(quant_config(layout, quantize_embedding=True))
+    config.tied_embeddings = True
+    embedding = VocabParallelEmbedding(VOCAB, HIDDEN, quant_config=config, prefix="model.embed_tokens", disable_tp=True)
+    head = ParallelLMHead(VOCAB, HIDDEN, quant_config=config, prefix="lm_head", disable_tp=True)
+    head = head.tie_weights(embedding)
+    tensors = checkpoint(VOCAB, HIDDEN, seed=7)
+    load(embedding, tensors)
+    for module in (embedding, head):  # vLLM's order: model.embed_tokens comes before lm_head
+        module.quant_method.process_weights_after_loading(module)
+    return embedding, head, tensors
+
+
+def test_quantized_embedding_lookup_dequantizes_the_gathered_rows():
+    embedding, _, tensors = tied_pair("direct")
+    ids = torch.tensor([0, 5, 49151, 5])
+    expected = dequantize(*tensors, GROUP)[ids]  # [4, 576]
+    assert torch.equal(embedding(ids), expected)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_tied_head_runs_tinygemm_on_the_shared_weights(layout):
+    embedding, head, tensors = tied_pair(layout)
+    assert head.qweight is embedding.qweight  # one row-major copy, shared
+    assert head.int4_mode == DUAL  # the lookup keeps the copy anyway
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    logits = head.quant_method.apply(head, x)
+    assert logits.shape == (1, VOCAB)
+    assert snr_db(logits, reference(x, *tensors)) > 40
+
+
+# --- compile cache fix --------------------------------------------------------------------------------------
+
+
+def test_compile_cache_fix_gives_a_plain_compiled_function_a_noop_finalize_loading():
+    from types import SimpleNamespace
+
+    from kernels.compile_cache import attach_finalize_loading
+
+    def compiled_fn(*args):  # what vLLM 0.28's CPU AOT artifact holds: a plain function
+        return args
+
+    loaded = SimpleNamespace(_artifacts=SimpleNamespace(compiled_fn=compiled_fn))
+    assert attach_finalize_loading(loaded)
+    assert loaded._artifacts.compiled_fn.finalize_loading(object()) is None
+
+
+def test_compile_cache_fix_leaves_vllms_own_finalize_loading_alone():
+    from types import SimpleNamespace
+
+    from kernels.compile_cache import attach_finalize_loading
+
+    def finalize_loading(vllm_config):
+        return "vllm's"
+
+    compiled_fn = SimpleNamespace(finalize_loading=finalize_loading)
+    assert not attach_finalize_loading(SimpleNamespace(_artifacts=SimpleNamespace(compiled_fn=compiled_fn)))
+    assert compiled_fn.finalize_loading(None) == "vllm's"
+
+
+def test_compile_cache_fix_is_needed_by_this_vllm_and_installs_once(monkeypatch):
+    import kernels.compile_cache as compile_cache
+
+    assert compile_cache.needed()  # vLLM 0.28's _try_load_aot_compiled_fn calls finalize_loading
+    original = torch.compiler.load_compiled_function
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", original)
+    assert compile_cache.install() and compile_cache.install()
+    patched = torch.compiler.load_compiled_function
+    assert getattr(patched, "_edge_select_finalize_fix", False)
+    assert patched.__wrapped__ in (original, getattr(original, "__wrapped__", None))
+
+
+def test_compile_cache_fix_can_be_switched_off(monkeypatch):
+    import kernels.compile_cache as compile_cache
+
+    monkeypatch.setenv("EDGE_SELECT_COMPILE_CACHE_FIX", "0")
+    assert not compile_cache.install()
