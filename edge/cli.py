@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from edge.errors import InputError
 from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan, format_bytes
@@ -49,13 +48,9 @@ def _device(path: str | None):
         from edge.probe import probe
 
         return probe()
-    from edge.describe import load_device
+    from edge.describe import load_device_file
 
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise InputError("--device", path, f"a readable file ({error.strerror})") from None
-    return load_device(data)
+    return load_device_file(path)
 
 
 def _model(path: str | None):

@@ -16,6 +16,7 @@ ISA_FEATURES); NFD's spelling (AVX512BF16, FMA3) is accepted too. A full DeviceP
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -190,3 +191,12 @@ def load_device(data: str | bytes) -> DeviceProfile:
     if _looks_like_cpuinfo(text):
         return parse_cpuinfo(text)
     raise InputError("device", text, ACCEPTED_FORMATS)
+
+
+def load_device_file(path: str, field: str = "--device") -> DeviceProfile:
+    """A device description read from a file (`edge-select --device`, `edge-serve --device`)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise InputError(field, path, f"a readable file ({error.strerror})") from None
+    return load_device(data)

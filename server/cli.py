@@ -26,7 +26,7 @@ from pathlib import Path
 
 import uvicorn
 
-from edge.describe import parse_size
+from edge.describe import load_device_file, parse_size
 from edge.errors import InputError
 from edge.model_reader import read_model
 from edge.paths import cache_dir
@@ -90,8 +90,10 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
     """Probe, read the model, plan, convert when the plan needs it."""
     source = Path(args.model) if args.model else default_model_dir()
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    # A described device (the DaemonSet passes its node's NFD labels) plans for that; otherwise probe this host.
+    device = load_device_file(args.device) if args.device else probe()
     plan = make_plan(
-        probe(),
+        device,
         read_model(source),
         priority=args.priority,
         budget_bytes=budget,
@@ -127,6 +129,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", metavar="SIZE", help="e.g. 3GiB (default: the box's usable memory)")
     p.add_argument("--max-model-len", type=int, metavar="TOKENS")
     p.add_argument("--max-num-seqs", type=int, metavar="N")
+    p.add_argument("--device", metavar="FILE", help="plan for this device description (JSON, cpuinfo or NFD labels) "
+                   "instead of probing, e.g. the node labels a Kubernetes init container wrote")
     p.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
     p.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
     p.add_argument("--force", action="store_true", help="start a plan over its memory budget or a refused pin")

@@ -94,3 +94,11 @@ def test_unreadable_memory_budget_exits_2_naming_the_flag(model_dir, capsys):
 def test_plan_over_its_memory_budget_is_refused_before_serving(model_dir, capsys):
     assert cli.main(["--model", str(model_dir), "--path", "bf16", "--memory-budget", "64MiB"]) == 2
     assert "over the memory budget" in capsys.readouterr().err
+
+
+def test_a_described_device_is_planned_for_instead_of_this_host(model_dir):
+    """The DaemonSet passes its node's NFD labels: an AMX node is planned as one, whatever host runs the test."""
+    labels = Path(__file__).parents[1] / "edge" / "data" / "nfd_spr_node.json"
+    prepared = cli.prepare(args("--model", str(model_dir), "--device", str(labels), "--path", "bf16"))
+    assert prepared.plan.device.described_by == "nfd"
+    assert prepared.plan.device.has_amx
