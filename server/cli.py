@@ -135,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
     p.add_argument("--force", action="store_true", help="start a plan over its memory budget or a refused pin")
     p.add_argument("--dry-run", action="store_true", help="plan and convert, print, do not serve")
+    p.add_argument("--plan-only", action="store_true",
+                   help="serve only the planner (/plan, /probe, /status) for fleet tooling: no model, no engine")
     return p
 
 
@@ -143,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
     url = f"http://{settings.host}:{settings.port}"
+    if args.plan_only:
+        print(f"planner   {url}/plan  (POST a device and a model; {url}/docs describes every field)", flush=True)
+        serve_app(settings, create_app(settings))
+        return 0
     try:
         prepared = prepare(args)
     except InputError as error:
@@ -173,9 +179,13 @@ def free_loopback_port() -> int:
 
 
 def serve(settings: Settings, supervisor: EngineSupervisor, prepared: Prepared) -> None:
+    serve_app(settings, create_app(settings, supervisor=supervisor, plan=prepared.plan,
+                                   model_dir=str(prepared.serve_dir)))
+
+
+def serve_app(settings: Settings, app) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll and proxied request
-    app = create_app(settings, supervisor=supervisor, plan=prepared.plan, model_dir=str(prepared.serve_dir))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
 
 

@@ -102,3 +102,12 @@ def test_a_described_device_is_planned_for_instead_of_this_host(model_dir):
     prepared = cli.prepare(args("--model", str(model_dir), "--device", str(labels), "--path", "bf16"))
     assert prepared.plan.device.described_by == "nfd"
     assert prepared.plan.device.has_amx
+
+
+def test_plan_only_serves_the_planner_without_a_model_or_engine(monkeypatch):
+    served = {}
+    monkeypatch.setattr(cli, "serve_app", lambda settings, app: served.update(app=app))
+    monkeypatch.setattr(cli, "prepare", lambda *a, **k: pytest.fail("plan-only must not read or convert a model"))
+    assert cli.main(["--plan-only", "--port", "8098"]) == 0
+    paths = {route.path for route in served["app"].routes}
+    assert {"/plan", "/plan/batch", "/probe", "/status"} <= paths
