@@ -105,6 +105,14 @@ FACTS: dict[str, MeasuredFact] = {
               "vLLM 0.28 OpenAI server + engine core + worker, RssAnon summed over the tree, settled after one "
               "completion, minus weights (269 MB) and KV cache (189 MB): median of 2 passes, 1.54 and 1.67 GB "
               "(python -m benchmarks.engine_baseline, bf16 SmolLM2-135M)"),
+        # vLLM 0.28 engine, this host, default model (SmolLM2-135M), 1 Torch thread, load average 4-15 from
+        # parallel work: python -m benchmarks.bench_engine (docs/reports/2026-11-29-engine.md).
+        _fact("avx2.engine.bf16.decode_tok_s", 9.4, "tok/s", "here", "avx2", "2026-11-29", "bf16 decode"),
+        _fact("avx2.engine.direct.decode_tok_s", 13.8, "tok/s", "here", "avx2", "2026-11-29",
+              "w4a16 direct decode"),
+        _fact("avx2.engine.bf16.prefill_tok_s", 20, "tok/s", "here", "avx2", "2026-11-29", "bf16 prefill, 512"),
+        _fact("avx2.engine.direct.prefill_tok_s", 133, "tok/s", "here", "avx2", "2026-11-29",
+              "w4a16 direct prefill, 512 tokens (dual 90, kernel-only 71)"),
         _fact("avx2.vllm_start_s", 150, "s", "here", "avx2", _HERE,
               "vLLM server start for SmolLM2-135M bf16 (140-165 s, ~60 s compile warm-up)"),
     ]

@@ -91,9 +91,12 @@ def _avx2_options(extrapolated: bool) -> list[Option]:
                [decode_reason, _cite("avx2.1t.gemm.m512.int4_ms", "512-row tinygemm (prefill)")], extrapolated),
     ]  # fmt: skip
     prefill_reason = _cite("avx2.1t.dequant_fp32.m512_ms", "512-row prefill: dequantize once, then an fp32 GEMM")
+    engine_reason = _cite("avx2.engine.direct.prefill_tok_s",
+                          "in vLLM on the default model, direct prefilled 6.7x and decoded 1.5x faster than bf16")
     for layout in ("direct", "dual"):  # equal speed; direct keeps one copy, so it sorts first
-        options.append(Option("w4a16-tinygemm", layout, dequant_512 + NEW_TOKENS * int4_1, unit,
-                              [decode_reason, prefill_reason], extrapolated))
+        reasons = [decode_reason, prefill_reason] + ([engine_reason] if layout == "direct" else [])
+        options.append(Option("w4a16-tinygemm", layout, dequant_512 + NEW_TOKENS * int4_1, unit, reasons,
+                              extrapolated))
     return options
 
 

@@ -13,6 +13,8 @@ MEASURED: dict[tuple[WeightPath, Layout | None, str], str] = {
     ("w4a16-tinygemm", None, "amx"): _REFERENCE,
     ("w4a8-gptq", None, "amx"): _REFERENCE + " (this project's GPTQ export has not run on AMX)",
     ("bf16", None, "avx2"): _HERE,
+    ("w4a16-tinygemm", None, "avx2"): _HERE + " (direct, dual and kernel-only served the default model; "
+    "docs/reports/2026-11-29-engine.md)",
 }
 
 

@@ -28,6 +28,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.utils import set_weight_attrs
 
 from edge.errors import InputError
+from edge.facts import fact
 from kernels.int4 import GROUP_SIZES, N_MULTIPLE
 from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear
 from kernels.layout import host_layout
@@ -36,15 +37,11 @@ from kernels.tinygemm import tiles, to_tinygemm
 NAME = "cpu_int4"
 
 # Rows at or above which a layer dequantizes and runs a GEMM instead of tinygemm, when the checkpoint does
-# not say. AMX hosts: 2 (only single-row steps take tinygemm; a multi-row tinygemm followed by vLLM's CPU
-# attention dies with SIGILL on Sapphire Rapids, shared/FACTS.md). Without AMX there is no SIGILL hazard and
-# tinygemm stays ahead of dequantize + GEMM far into the batch: DEQUANT_THRESHOLD_NO_AMX, derived below.
-DEQUANT_THRESHOLD_AMX = 2
-# Derived from shared/FACTS.md's 4096x4096 g64 numbers on this AVX2 host (2 threads): tinygemm costs ~0.40 ms
-# per row (M=64: 26.3 ms, M=512: 203 ms), dequantize + fp32 GEMM 71.5 ms + ~0.24 ms per row (fp32 M=512: 121
-# ms), so they cross near 440 rows; at 512 rows dequantizing wins by 5%. H3's benchmarks/dequant_paths.py
-# re-measures the crossover per shape; the planner writes its own value into the checkpoint.
-DEQUANT_THRESHOLD_NO_AMX = 448
+# not say (the planner always writes its own). From the facts table: AMX hosts 2 (a multi-row tinygemm followed
+# by vLLM's CPU attention dies with SIGILL on Sapphire Rapids); without AMX, the crossover measured on this AVX2
+# host by benchmarks/dequant_paths.py (dequantize + fp32 GEMM beats tinygemm from 128-256 rows).
+DEQUANT_THRESHOLD_AMX = int(fact("amx.dequant_threshold").value)
+DEQUANT_THRESHOLD_NO_AMX = int(fact("avx2.dequant_threshold").value)
 
 
 # The three layouts as checkpoint quantization_config fields (module docstring).
