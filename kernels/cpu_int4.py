@@ -283,18 +283,7 @@ class CpuInt4LinearMethod(LinearMethodBase):
         _repack(layer, self.config.group_size, self.config.mode)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = int4_linear(
-            x,
-            layer.tinygemm_packed,
-            layer.tinygemm_sz,
-            layer.qweight,
-            layer.scales,
-            layer.zeros,
-            self.config.group_size,
-            layer.int4_mode,
-            self.config.dequant_threshold,
-        )
-        return y if bias is None else y + bias
+        return _apply(layer, self.config, x, bias)
 
 
 class CpuInt4EmbeddingMethod(QuantizeMethodBase):
@@ -339,15 +328,20 @@ class CpuInt4EmbeddingMethod(QuantizeMethodBase):
         return int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = int4_linear(
-            x,
-            layer.tinygemm_packed,
-            layer.tinygemm_sz,
-            layer.qweight,
-            layer.scales,
-            layer.zeros,
-            self.config.group_size,
-            layer.int4_mode,
-            self.config.dequant_threshold,
-        )
-        return y if bias is None else y + bias
+        return _apply(layer, self.config, x, bias)
+
+
+def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One int4 GEMM through the opaque op (a linear layer or the head): x [..., K] -> [..., N]."""
+    y = int4_linear(
+        x,
+        layer.tinygemm_packed,
+        layer.tinygemm_sz,
+        layer.qweight,
+        layer.scales,
+        layer.zeros,
+        config.group_size,
+        layer.int4_mode,
+        config.dequant_threshold,
+    )
+    return y if bias is None else y + bias
