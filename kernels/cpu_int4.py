@@ -260,8 +260,8 @@ def _repack(layer: torch.nn.Module, group: int, mode: int, keep_row_major: bool 
     layer.int4_mode = mode
 
 
-class CpuInt4LinearMethod(LinearMethodBase):
-    """A linear layer (also fused QKV / gate_up: shards stack along N, which is never the packed dim)."""
+class _Int4Weights:
+    """What the linear and the embedding/head methods share: their config and the int4 parameters they load."""
 
     def __init__(self, config: CpuInt4Config) -> None:
         self.config = config
@@ -276,8 +276,12 @@ class CpuInt4LinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        n = sum(output_partition_sizes)
+        n = sum(output_partition_sizes)  # fused shards stack along N; for the head, this rank's padded vocab
         _create_int4_params(layer, n, input_size_per_partition, self.config.group_size, extra_weight_attrs)
+
+
+class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
+    """A linear layer (also fused QKV / gate_up: shards stack along N, which is never the packed dim)."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         _repack(layer, self.config.group_size, self.config.mode)
@@ -286,7 +290,7 @@ class CpuInt4LinearMethod(LinearMethodBase):
         return _apply(layer, self.config, x, bias)
 
 
-class CpuInt4EmbeddingMethod(QuantizeMethodBase):
+class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
     """Embedding (lookup dequantizes only the gathered rows of the row-major copy) and LM head (tinygemm).
 
     A tied head shares the embedding's row-major tensors and adds the tinygemm buffer; its prefill path reads
@@ -294,21 +298,8 @@ class CpuInt4EmbeddingMethod(QuantizeMethodBase):
     """
 
     def __init__(self, config: CpuInt4Config) -> None:
-        self.config = config
+        super().__init__(config)
         self.tied = False
-
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
-    ) -> None:
-        n = sum(output_partition_sizes)  # padded vocab rows of this rank
-        _create_int4_params(layer, n, input_size_per_partition, self.config.group_size, extra_weight_attrs)
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
         assert isinstance(embed_tokens.quant_method, CpuInt4EmbeddingMethod), "tied head needs a cpu_int4 embedding"
