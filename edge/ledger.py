@@ -3,7 +3,7 @@
 Peak model: peak_bytes = resident_bytes + the largest single transient. Transients are not summed: the loader
 converts one tensor (or one chunk of one tensor) at a time, and a w4a16 batch dequantizes one layer at a time.
 That run-time working set is filed under phase "run-transient". Memory means RssAnon summed over the vLLM
-process tree (FACTS.md), which is what engine_baseline_bytes was measured as.
+process tree (docs/FACTS.md), which is what engine_baseline_bytes was measured as.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from collections.abc import Iterable
 
 from edge import rules
 from edge.facts import fact
-from edge.plan import Layout, MemoryItem, MemoryLedger, WeightPath
+from edge.kernel_params import KernelParams
+from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
+from edge.quantized_layers import EMBEDDING, LayerDecision, model_layers, rules_for
 from edge.shapes import LinearShape, ModelShape
 
 BF16 = 2  # bytes; the engine runs every path with bf16 activations and bf16 non-quantized tensors
@@ -27,16 +29,17 @@ def estimate(
     *,
     max_model_len: int,
     max_num_seqs: int,
-    tinygemm_block: int,
+    kernel: KernelParams,
     budget_bytes: int | None,
     engine_baseline_bytes: int,
-    dequant_threshold: int | None = None,
 ) -> MemoryLedger:
     """Itemized resident footprint and load-time peak of running `model` on `path`.
 
-    dequant_threshold: rows from which a w4a16 layer dequantizes instead of running tinygemm (the plan's
-    quantization_config value); None assumes the smallest in use, amx.dequant_threshold (conservative).
+    kernel: the w4a16 kernel's parameters for the device (edge.kernel_params), the same values the plan writes
+    into the checkpoint's quantization_config: block, dequant threshold, prefill dtype, repack chunk.
+    Which weights are quantized is asked of edge.quantized_layers, as the converter and the vLLM method do.
     """
+    layers = {d.name: d for d in model_layers(model, rules_for(model, path, group_size))}
     if path == "export-only":
         items = _export_weights(model)
     else:
@@ -44,10 +47,10 @@ def estimate(
             weights = _bf16_weights(model)
         elif path == "w4a16-tinygemm":
             assert layout is not None and group_size is not None, (layout, group_size)
-            weights = _tinygemm_weights(model, layout, group_size, tinygemm_block)
+            weights = _tinygemm_weights(model, layers, layout, group_size, kernel.block)
         else:
-            assert path == "w4a8-gptq" and group_size is not None, (path, group_size)
-            weights = _gptq_weights(model, group_size)
+            assert path == "w4a8-gptq", path
+            weights = _gptq_weights(model, layers, group_size)
         items = [
             *weights,
             _norms(model),
@@ -55,19 +58,17 @@ def estimate(
             _rope(model, max_model_len),
             _kv_cache(model, max_model_len, max_num_seqs),
             _resident(
+                "engine-baseline",
                 "engine baseline",
                 engine_baseline_bytes,
                 "the vLLM process tree's RssAnon without weights and KV cache (measured, passed in)",
             ),
             _allocator_retention(),
-            *_transients(model, path, group_size),
+            *_transients(model, layers, path, kernel),
         ]
         if path == "w4a16-tinygemm":
             assert layout is not None and group_size is not None
-            threshold = dequant_threshold or int(fact("amx.dequant_threshold").value)
-            items += _dequant_working_set(
-                model, layout, group_size, tinygemm_block, threshold, max_model_len, max_num_seqs
-            )
+            items += _dequant_working_set(model, layers, layout, kernel, max_model_len, max_num_seqs)
     resident = sum(item.bytes for item in items if item.phase == "resident")
     transient = max((item.bytes for item in items if item.phase != "resident"), default=0)
     peak = resident + transient
@@ -101,12 +102,16 @@ def gptq_bytes(lin: LinearShape, group: int) -> int:
     return lin.count * (lin.n * lin.k // 2 + BF16 * lin.n * groups + 4 * (lin.n // 8) * groups)
 
 
-def _resident(name: str, size: int, detail: str, avoidable_bytes: int | None = None) -> MemoryItem:
-    return MemoryItem(name=name, bytes=size, phase="resident", detail=detail, avoidable_bytes=avoidable_bytes)
+def _resident(
+    kind: ItemKind, name: str, size: int, detail: str, *, layer: str | None = None, avoidable_bytes: int | None = None
+) -> MemoryItem:
+    return MemoryItem(
+        kind=kind, layer=layer, name=name, bytes=size, phase="resident", detail=detail, avoidable_bytes=avoidable_bytes
+    )
 
 
-def _transient(name: str, size: int, detail: str) -> MemoryItem:
-    return MemoryItem(name=name, bytes=size, phase="load-transient", detail=detail)
+def _transient(kind: ItemKind, name: str, size: int, detail: str) -> MemoryItem:
+    return MemoryItem(kind=kind, name=name, bytes=size, phase="load-transient", detail=detail)
 
 
 def _mib(n: int) -> str:
@@ -129,7 +134,7 @@ def _tinygemm_detail(lin: LinearShape, group: int) -> str:
 
 
 def _embedding(model: ModelShape) -> LinearShape:
-    return LinearShape(name="embedding", n=model.vocab_size, k=model.hidden_size, count=1)
+    return LinearShape(name=EMBEDDING, n=model.vocab_size, k=model.hidden_size, count=1)
 
 
 def _layer_linears(model: ModelShape) -> list[LinearShape]:
@@ -147,57 +152,54 @@ def _head(model: ModelShape) -> LinearShape:
 def _bf16_weights(model: ModelShape) -> list[MemoryItem]:
     emb = _embedding(model)
     tied = " (tied: the head reads this same tensor)" if model.tie_word_embeddings else ""
-    items = [_resident("embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb) + tied)]
+    items = [
+        _resident("bf16-weights", "embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb) + tied, layer=EMBEDDING)
+    ]
     linears = _layer_linears(model) + ([] if model.tie_word_embeddings else [_head(model)])
-    items += [_resident(f"{lin.name} (bf16)", bf16_bytes(lin), _bf16_detail(lin)) for lin in linears]
+    items += [
+        _resident("bf16-weights", f"{lin.name} (bf16)", bf16_bytes(lin), _bf16_detail(lin), layer=lin.name)
+        for lin in linears
+    ]
     return items
 
 
 def _kept_bf16(lin: LinearShape, why: str) -> MemoryItem:
-    return _resident(f"{lin.name} kept bf16", bf16_bytes(lin), f"{why}: {_bf16_detail(lin)}")
+    return _resident(
+        "bf16-weights", f"{lin.name} kept bf16", bf16_bytes(lin), f"{why}: {_bf16_detail(lin)}", layer=lin.name
+    )
 
 
-def _tinygemm_weights(model: ModelShape, layout: Layout, group: int, block: int) -> list[MemoryItem]:
-    """int4 tinygemm buffers, bf16 for layers that cannot pack, and the row-major copies the layout keeps.
+def _tinygemm_weights(
+    model: ModelShape, layers: dict[str, LayerDecision], layout: Layout, group: int, block: int
+) -> list[MemoryItem]:
+    """int4 tinygemm buffers, bf16 for the layers kept bf16, and the row-major copies the layout keeps.
 
     A tied embedding is quantized once (quantize_embedding): the head runs through tinygemm and a row-major
     copy serves the embedding lookups (dequantizing the gathered rows), so it never needs a layout duplicate.
     """
     head = _head(model)
+    tied = model.tie_word_embeddings
     items: list[MemoryItem] = []
-    quantized: list[LinearShape] = []
-    if model.tie_word_embeddings and rules.packable(head, group):
+    if tied and layers[EMBEDDING].format == "int4":
+        detail = _tinygemm_detail(head, group)
         items += [
-            _resident(
-                "lm_head (tied embedding) int4 tinygemm",
-                tinygemm_bytes(head, group),
-                _tinygemm_detail(head, group),
-            ),
-            _resident(
-                "tied embedding row-major int4 copy (lookups)",
-                tinygemm_bytes(head, group),
-                "second copy of the quantized embedding, row-major qweight + "
-                f"scales + zeros: {_tinygemm_detail(head, group)}",
-            ),
-        ]
+            _resident("int4-weights", "lm_head (tied embedding) int4 tinygemm", tinygemm_bytes(head, group), detail,
+                      layer=LM_HEAD),
+            _resident("lookup-copy", "tied embedding row-major int4 copy (lookups)", tinygemm_bytes(head, group),
+                      f"second copy of the quantized embedding, row-major qweight + scales + zeros: {detail}",
+                      layer=EMBEDDING),
+        ]  # fmt: skip
     else:
-        emb = _embedding(model)
-        why = "tied embedding cannot pack" if model.tie_word_embeddings else "embedding lookups"
-        items.append(_kept_bf16(emb, f"{why} (N % {rules.PACK_N_MULTIPLE}, K % {group})"))
-        if not model.tie_word_embeddings:
-            quantized.append(head)
-    for lin in _layer_linears(model) + quantized:
-        if rules.packable(lin, group):
-            items.append(
-                _resident(
-                    f"{lin.name} int4 tinygemm", tinygemm_bytes(lin, group), _tinygemm_detail(lin, group)
-                )
-            )
+        items.append(_kept_bf16(_embedding(model), layers[EMBEDDING].why))
+    packed = []
+    for lin in _layer_linears(model) + ([] if tied else [head]):
+        decision = layers[lin.name]
+        if decision.format == "int4":
+            packed.append(lin)
+            items.append(_resident("int4-weights", f"{lin.name} int4 tinygemm", tinygemm_bytes(lin, group),
+                                   _tinygemm_detail(lin, group), layer=lin.name))  # fmt: skip
         else:
-            items.append(
-                _kept_bf16(lin, f"cannot pack: N={lin.n} % {rules.PACK_N_MULTIPLE} or K={lin.k} % {group}")
-            )
-    packed = [lin for lin in _layer_linears(model) + quantized if rules.packable(lin, group)]
+            items.append(_kept_bf16(lin, decision.why))
     return items + _row_major_copies(packed, layout, group, block)
 
 
@@ -207,7 +209,7 @@ def _row_major_copies(
     """The row-major copies a layout keeps beside the tinygemm buffers.
 
     dual: every quantized layer, for prefill dequantize; direct: only layers whose N does not tile the host
-    block (FACTS.md: direct saved 615 MB of dual's 3542 MB resident on Spark); kernel-only: none.
+    block (docs/FACTS.md: direct saved 615 MB of dual's 3542 MB resident on Spark); kernel-only: none.
     """
     if layout == "kernel-only":
         return []
@@ -221,44 +223,46 @@ def _row_major_copies(
             continue
         items.append(
             _resident(
+                "row-major-copy",
                 f"{lin.name} row-major copy",
                 tinygemm_bytes(lin, group),
                 f"{why}: {_tinygemm_detail(lin, group)}",
+                layer=lin.name,
             )
         )
     return items
 
 
-def _gptq_weights(model: ModelShape, group: int) -> list[MemoryItem]:
-    """GPTQ: the head is quantized too (FACTS.md: a bf16 head costs more per step than the 4-bit saving),
+def _gptq_weights(model: ModelShape, layers: dict[str, LayerDecision], group: int | None) -> list[MemoryItem]:
+    """GPTQ: the head is quantized too (docs/FACTS.md: a bf16 head costs more per step than the 4-bit saving),
     so a tied embedding is untied and the embedding stays bf16 beside it."""
     emb = _embedding(model)
     if model.tie_word_embeddings:
-        embedding = _resident(
-            "embedding kept bf16 (cost of untying the head)",
-            bf16_bytes(emb),
-            f"the head is quantized apart: {_bf16_detail(emb)}",
-        )
+        embedding = _resident("untie-cost", "embedding kept bf16 (cost of untying the head)", bf16_bytes(emb),
+                              f"the head is quantized apart: {_bf16_detail(emb)}", layer=EMBEDDING)  # fmt: skip
     else:
-        embedding = _resident("embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb))
+        embedding = _resident("bf16-weights", "embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb), layer=EMBEDDING)
     items = [embedding]
     for lin in [*_layer_linears(model), _head(model)]:
-        if rules.gptq_compatible(lin, group):
+        decision = layers[lin.name]
+        if decision.format == "int4":
+            assert group is not None
             groups = "1" if group == -1 else f"{lin.k}/{group}"
             detail = (
                 f"{_times(lin)}({lin.n} x {lin.k} / 2 B qweight + 2 B x {lin.n} x {groups} scales"
                 f" + 4 B x {lin.n}/8 x {groups} qzeros) = {_mib(gptq_bytes(lin, group))}"
             )
-            items.append(_resident(f"{lin.name} GPTQ int4", gptq_bytes(lin, group), detail))
+            items.append(_resident("int4-weights", f"{lin.name} GPTQ int4", gptq_bytes(lin, group), detail,
+                                   layer=lin.name))  # fmt: skip
         else:
-            items.append(_kept_bf16(lin, f"not GPTQ-compatible at group {group} (N, K multiples of 32)"))
+            items.append(_kept_bf16(lin, decision.why))
     return items
 
 
 def _export_weights(model: ModelShape) -> list[MemoryItem]:
     """The exported graph's weights; no engine and no KV cache on a phone.
 
-    Assumed: calibrated w8a16 (FACTS.md: "calibrated w8a16 was the only scheme correct on device"), 1 byte
+    Assumed: calibrated w8a16 (docs/FACTS.md: "calibrated w8a16 was the only scheme correct on device"), 1 byte
     per weight + one bf16 scale per output channel; norms stay bf16.
     """
     linears = [_embedding(model), *_layer_linears(model)]
@@ -269,9 +273,11 @@ def _export_weights(model: ModelShape) -> list[MemoryItem]:
         size = lin.count * (lin.n * lin.k + BF16 * lin.n)
         items.append(
             _resident(
+                "export-weights",
                 f"{lin.name} w8a16 (exported graph)",
                 size,
                 f"{_times(lin)}({lin.n} x {lin.k} x 1 B + 2 B x {lin.n} scales) = {_mib(size)}",
+                layer=lin.name,
             )
         )
     return [*items, _norms(model)]
@@ -288,7 +294,7 @@ def _norms(model: ModelShape) -> MemoryItem:
     if model.model_type == "qwen3":
         params += 2 * model.num_layers * model.head_dim
         detail += f" + 2 x {model.num_layers} x {model.head_dim} (q_norm, k_norm)"
-    return _resident("norms (bf16)", params * BF16, f"{detail} x 2 B = {_mib(params * BF16)}")
+    return _resident("norms", "norms (bf16)", params * BF16, f"{detail} x 2 B = {_mib(params * BF16)}")
 
 
 def _biases(model: ModelShape) -> list[MemoryItem]:
@@ -297,13 +303,13 @@ def _biases(model: ModelShape) -> list[MemoryItem]:
         return []
     n = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
     size = model.num_layers * n * BF16
-    return [_resident("q/k/v biases (bf16)", size, f"{model.num_layers} x {n} x 2 B = {_mib(size)}")]
+    return [_resident("biases", "q/k/v biases (bf16)", size, f"{model.num_layers} x {n} x 2 B = {_mib(size)}")]
 
 
 def _rope(model: ModelShape, max_model_len: int) -> MemoryItem:
     """The rotary cos/sin table, as vLLM 0.28 builds it (model_executor/layers/rotary_embedding/).
 
-    One table per distinct rope (__init__.py:83 caches by key). Rows = max_position_embeddings (FACTS.md:
+    One table per distinct rope (__init__.py:83 caches by key). Rows = max_position_embeddings (docs/FACTS.md:
     Llama passes max_position_embeddings, not max_model_len); columns = rotary_dim, the cos half and the sin
     half (base.py:94-103, computed in fp32); then cast to get_rope's dtype (base.py:59-61), which defaults
     to torch.get_default_dtype() (__init__.py:41-42), set to the model dtype while the model is built
@@ -313,6 +319,7 @@ def _rope(model: ModelShape, max_model_len: int) -> MemoryItem:
     row_bytes = cols * BF16
     avoidable = max(0, rows - max_model_len) * row_bytes
     return _resident(
+        "rope",
         "RoPE cos/sin table",
         rows * row_bytes,
         f"{rows} positions x {cols} (cos + sin halves) x 2 B bf16 = {_mib(rows * row_bytes)}; capping "
@@ -330,6 +337,7 @@ def _kv_cache(model: ModelShape, max_model_len: int, max_num_seqs: int) -> Memor
     layers = " + ".join(f"{n} layers x {t} tokens" for t, n in sorted(counts.items(), reverse=True))
     size = rules.kv_cache_bytes(model, max_model_len, max_num_seqs)
     return _resident(
+        "kv-cache",
         "KV cache",
         size,
         f"2 (K, V) x {model.num_kv_heads} kv heads x {model.head_dim} x 2 B x ({layers}) x "
@@ -341,6 +349,7 @@ def _kv_cache(model: ModelShape, max_model_len: int, max_num_seqs: int) -> Memor
 def _allocator_retention() -> MemoryItem:
     retained = fact("any.allocator_retention_bytes")
     return _resident(
+        "allocator-retention",
         "allocator retention",
         int(retained.value),
         f"{retained.note} ({retained.source}, fact any.allocator_retention_bytes)",
@@ -354,22 +363,25 @@ def _weight_matrices(model: ModelShape) -> list[LinearShape]:
     return [_embedding(model), *model.linears]
 
 
-def _transients(model: ModelShape, path: WeightPath, group: int | None) -> list[MemoryItem]:
+def _transients(
+    model: ModelShape, layers: dict[str, LayerDecision], path: WeightPath, kernel: KernelParams
+) -> list[MemoryItem]:
     largest = max(_weight_matrices(model), key=lambda lin: lin.n * lin.k)
     one = largest.model_copy(update={"count": 1})
     if path != "w4a16-tinygemm":
         return [
             _transient(
+                "load-copy",
                 "largest tensor's load copy",
                 bf16_bytes(one),
                 f"{largest.name}: {_bf16_detail(one)} copied while it loads",
             )
         ]
-    assert group is not None
-    rows = int(fact("any.repack_chunk_rows").value)
-    packed = [lin for lin in model.linears if rules.packable(lin, group)]  # a tied embedding is the head
+    rows = kernel.repack_chunk_rows
+    packed = [lin for lin in model.linears if layers[lin.name].format == "int4"]  # a tied embedding is the head
     items = [
         _transient(
+            "load-copy",
             "bf16 source tensor being converted",
             bf16_bytes(one),
             f"largest single weight in bf16, {largest.name}: {_bf16_detail(one)}, held while it is quantized "
@@ -381,10 +393,11 @@ def _transients(model: ModelShape, path: WeightPath, group: int | None) -> list[
         chunk = min(rows, widest.n)
         items.append(
             _transient(
+                "repack-transient",
                 "repack transient (int32 codes)",
                 4 * chunk * widest.k,
                 f"{widest.name}: 4 B x {chunk} rows x {widest.k} = {_mib(4 * chunk * widest.k)} (codes "
-                f"expanded to int32 a chunk of {rows} output channels at a time, any.repack_chunk_rows)",
+                f"expanded to int32 a chunk of {rows} output channels at a time, edge.kernel_params)",
             )
         )
     return items
@@ -392,28 +405,28 @@ def _transients(model: ModelShape, path: WeightPath, group: int | None) -> list[
 
 def _dequant_working_set(
     model: ModelShape,
+    layers: dict[str, LayerDecision],
     layout: Layout,
-    group: int,
-    block: int,
-    threshold: int,
+    kernel: KernelParams,
     max_model_len: int,
     max_num_seqs: int,
 ) -> list[MemoryItem]:
     """At run time, not load: a batch of >= threshold rows dequantizes the whole layer before its GEMM.
 
     kernels/int4_ops.py dequantizes to [N, K]: uint8 codes (1 B) then fp32 arithmetic (4 B, kernels/int4.py
-    apply_scales), cast to the prefill dtype: fp32 without native bf16 (block 32 = the AVX2 layout,
-    FACTS.md), else bf16 (+2 B). Decoder layers see prompt-length batches; the head one row per running
-    sequence. kernels/cpu_int4.py runs a tied head dual whatever the layout, so even kernel-only dequantizes
-    it. Freed after each layer: a transient on top of the resident total, not resident itself.
+    apply_scales), cast to the plan's prefill dtype (edge.kernel_params: bf16 adds 2 B, fp32 is computed in
+    place). Decoder layers see prompt-length batches; the head one row per running sequence.
+    kernels/cpu_int4.py runs a tied head dual whatever the layout, so even kernel-only dequantizes it. Freed
+    after each layer: a transient on top of the resident total, not resident itself.
     """
-    per_weight = 1 + 4 + (0 if block == 32 else 2)
+    threshold = kernel.dequant_threshold
+    per_weight = 1 + 4 + (2 if kernel.prefill_dtype == "bfloat16" else 0)
     candidates = []
     if layout != "kernel-only" and max_model_len >= threshold:
         candidates += _layer_linears(model)
     if max_num_seqs >= threshold and (layout != "kernel-only" or model.tie_word_embeddings):
         candidates.append(_head(model))
-    candidates = [lin for lin in candidates if rules.packable(lin, group)]
+    candidates = [lin for lin in candidates if layers[lin.name].format == "int4"]
     if not candidates:
         return []
     widest = max(candidates, key=lambda lin: lin.n * lin.k)
@@ -421,6 +434,8 @@ def _dequant_working_set(
     cast = "" if per_weight == 5 else " + bf16 cast"
     return [
         MemoryItem(
+            kind="dequant-working-set",
+            layer=widest.name,
             name="prefill dequantize working set",
             phase="run-transient",
             bytes=size,

@@ -10,9 +10,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from edge.device import DeviceProfile
+from edge.quantized_layers import LayerDecision
 from edge.shapes import ModelShape
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: ledger items' kind and layer, the plan's layers, kernel parameters in the config
 
 WeightPath = Literal["w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only"]
 Layout = Literal["direct", "dual", "kernel-only"]
@@ -27,10 +28,19 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+ItemKind = Literal[
+    "bf16-weights", "int4-weights", "row-major-copy", "lookup-copy", "untie-cost", "export-weights", "norms",
+    "biases", "rope", "kv-cache", "engine-baseline", "allocator-retention", "load-copy", "repack-transient",
+    "dequant-working-set",
+]  # fmt: skip
+
+
 class MemoryItem(BaseModel):
     """One named line of the memory ledger."""
 
-    name: str  # e.g. "quantized linears (packed codes)", "kv cache"
+    kind: ItemKind  # stable: what programs (and tests) match on; `name` is for people
+    layer: str | None = None  # the kind of weight it holds ("q_proj", "lm_head", "embed_tokens"), if any
+    name: str  # e.g. "q_proj int4 tinygemm", "KV cache"
     bytes: int
     # settled footprint, or a transient on top of it: while loading, or while running (a prefill's dequantize)
     phase: Literal["resident", "load-transient", "run-transient"]
@@ -100,6 +110,7 @@ class Plan(BaseModel):
     max_model_len: int
     max_num_seqs: int
     memory: MemoryLedger
+    layers: list[LayerDecision] = []  # what the path stores each kind of weight as (edge.quantized_layers)
     quantization_config: dict[str, Any] | None  # written into the converted checkpoint's config.json
     vllm: VllmConfig | None  # None for export-only
     reasons: list[Reason]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge import ledger, rules
+from edge import kernel_params, ledger, rules
 from edge.device import DeviceProfile
-from edge.engine_config import dequant_threshold, quantization_config, vllm_config
+from edge.engine_config import quantization_config, vllm_config
 from edge.errors import InputError
 from edge.facts import fact
 from edge.gates import Gate, all_gates
@@ -28,6 +28,7 @@ from edge.plan import (
     WeightPath,
     format_bytes,
 )
+from edge.quantized_layers import EMBEDDING, QUANTIZED_PATHS, LayerDecision, model_layers, rules_for
 from edge.rank import Option, rank
 from edge.shapes import ModelShape
 from edge.verified import verification
@@ -51,7 +52,7 @@ class Request:
     budget: int | None
     max_model_len: int
     max_num_seqs: int
-    block: int
+    kernel: kernel_params.KernelParams
 
 
 @dataclass
@@ -80,21 +81,12 @@ def _check_inputs(priority: str, path: str | None, layout: str | None, max_model
         raise InputError("memory_budget", budget_bytes, "a positive number of bytes")  # fmt: skip
 
 
-def tinygemm_block(device: DeviceProfile) -> int:
-    """The host's measured n-block when the device says it; else the ISA class's (derived) value."""
-    if device.runtime.tinygemm_block.value:
-        return device.runtime.tinygemm_block.value
-    key = "avx512.tinygemm_block" if device.has_avx512 else "avx2.tinygemm_block"
-    return int(fact(key).value)
-
-
 def _estimate(option: Option, gate: Gate, req: Request, max_model_len: int | None = None) -> MemoryLedger:
     return ledger.estimate(
         req.model, option.path, option.layout, gate.group_size,
         max_model_len=max_model_len or req.max_model_len, max_num_seqs=req.max_num_seqs,
-        tinygemm_block=req.block, budget_bytes=req.budget,
+        kernel=req.kernel, budget_bytes=req.budget,
         engine_baseline_bytes=int(fact("any.vllm_engine_baseline_bytes").value),
-        dequant_threshold=dequant_threshold(req.device),
     )  # fmt: skip
 
 
@@ -200,14 +192,15 @@ def make_plan(
         device=device, model=model, priority=priority,
         budget=budget_bytes if budget_bytes is not None else device.usable_memory_bytes,
         max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
-        max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, block=tinygemm_block(device),
+        max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, kernel=kernel_params.for_device(device),
     )  # fmt: skip
     gates = all_gates(device, model)
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req))
                  for option in _options(device, priority)]  # fmt: skip
     chosen = _pick(evaluated, priority, path, layout, force)
     gate, option = chosen.gate, chosen.option
-    qconfig = quantization_config(device, model, option.path, option.layout, gate.group_size)
+    layers = model_layers(model, rules_for(model, option.path, gate.group_size))
+    qconfig = quantization_config(model, option.path, option.layout, gate.group_size, layers, req.kernel)
     kv_bytes = rules.kv_cache_bytes(model, req.max_model_len, req.max_num_seqs)
     verified, verified_detail = verification(option.path, option.layout, device.isa_class)
     return Plan(
@@ -222,12 +215,13 @@ def make_plan(
         max_model_len=req.max_model_len,
         max_num_seqs=req.max_num_seqs,
         memory=chosen.memory,
+        layers=layers,
         quantization_config=qconfig,
         vllm=vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
                          max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes),
-        reasons=_reasons(chosen, priority, device, req.block),
+        reasons=_reasons(chosen, priority, device, req.kernel.block),
         alternatives=[_alternative(ev, chosen, req) for ev in evaluated if ev is not chosen],
-        warnings=_warnings(chosen, device, model),
+        warnings=_warnings(chosen, device, layers),
         pinned=path is not None,
         forced=force and not gate.runnable,
     )  # fmt: skip
@@ -250,7 +244,7 @@ def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile, block
     return reasons
 
 
-def _warnings(chosen: Evaluated, device: DeviceProfile, model: ModelShape) -> list[str]:
+def _warnings(chosen: Evaluated, device: DeviceProfile, layers: list[LayerDecision]) -> list[str]:
     warnings = list(chosen.gate.notes)
     if chosen.option.extrapolated:
         warnings.append(f"no speed measurements on the {device.isa_class} ISA class: ranking extrapolated")
@@ -259,8 +253,8 @@ def _warnings(chosen: Evaluated, device: DeviceProfile, model: ModelShape) -> li
     for item in chosen.memory.items:
         if item.avoidable_bytes and item.avoidable_bytes >= WARN_AVOIDABLE_BYTES:
             warnings.append(f"{item.name}: {_gib(item.avoidable_bytes)} avoidable ({item.detail})")
-    if chosen.gate.group_size and chosen.option.path == "w4a16-tinygemm":
-        kept = [lin.name for lin in model.linears if not rules.packable(lin, chosen.gate.group_size)]
+    if chosen.option.path in QUANTIZED_PATHS:
+        kept = [f"{layer.name} ({layer.why})" for layer in layers if layer.format == "bf16" and layer.name != EMBEDDING]
         if kept:
-            warnings.append(f"layers kept in bf16 (N not a multiple of 16 or K not divisible by the group): {kept}")
+            warnings.append(f"layers kept in bf16: {'; '.join(kept)}")
     return warnings

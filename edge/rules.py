@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from edge.shapes import LinearShape, ModelShape
 
-# Largest first: a bigger group stores fewer scales. FACTS.md: SmolLM2's K=576 is not a multiple of 128,
-# so it takes 64 (the reference study ran tinygemm at g64, GPTQ at g128).
+# The group sizes a plan chooses from, largest first: a bigger group stores fewer scales. SmolLM2's K=576 is
+# not a multiple of 128, so it takes 64 (docs/FACTS.md; the reference study ran tinygemm at g64, GPTQ at g128).
 GROUP_SIZES = (128, 64, 32)
-# vLLM 0.28 CPU GPTQ (FACTS.md "GPTQ on CPU: ... group size in {-1, 32, 64, 128}"); -1 = one group per row.
+# What PyTorch 2.13's _weight_int4pack_mm_for_cpu accepts (TORCH_CHECK "expect qGroupSize to be 32, 64, 128 or
+# 256"); the converter and the vLLM method check a checkpoint's group against it.
+TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
+# vLLM 0.28 CPU GPTQ (docs/FACTS.md "GPTQ on CPU: ... group size in {-1, 32, 64, 128}"); -1 = one group per row.
 GPTQ_GROUP_SIZES = (-1, 32, 64, 128)
 # Measured here (PyTorch 2.13 CPU): _convert_weight_to_int4pack_for_cpu(int32 [N, K], 1) raises
 # "expect N to be dividable by 16" for N = 8, 24, 40 and packs N = 16, 48.
 PACK_N_MULTIPLE = 16
-# FACTS.md "GPTQ on CPU: ... partition sizes multiples of 32".
+# docs/FACTS.md "GPTQ on CPU: ... partition sizes multiples of 32" (CPUWNA16LinearKernel.can_implement).
 GPTQ_PARTITION_MULTIPLE = 32
 SLIDING = "sliding_attention"
 
@@ -31,9 +34,14 @@ def tiles_block(lin: LinearShape, block: int) -> bool:
     """Does N split into whole n-blocks of the host's tinygemm layout ([N/B][K][B/2 bytes], FACTS.md)?
 
     The direct layout dequantizes prefill weights straight from the tinygemm buffer block by block; a layer
-    whose N does not tile keeps a row-major copy, i.e. it runs dual. B = 32 on AVX2 here, 64 on AVX-512.
+    whose N does not tile keeps a row-major copy, i.e. it runs dual. B comes from edge.kernel_params.
     """
     return lin.n % block == 0
+
+
+def pick_gptq_group_size(model: ModelShape) -> int | None:
+    """The largest planned group size at which every linear (the head included) is GPTQ-compatible."""
+    return next((g for g in GROUP_SIZES if all(gptq_compatible(lin, g) for lin in model.linears)), None)
 
 
 def gptq_compatible(lin: LinearShape, group: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Iterable, Mapping
 
+from edge import kernel_params
 from edge.device import Fact
 from edge.facts import fact
 
@@ -92,13 +93,14 @@ def vllm_native_library(flags: Iterable[str], arch: str | None) -> Fact[str]:
 
 
 def derived_tinygemm_block(capability: str | None) -> Fact[int]:
-    """Tinygemm's output-channel block from torch's CPU capability: 4 x the float vector width (FACTS.md)."""
-    key = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block"}.get(capability or "")
-    if key is None:
+    """Tinygemm's output-channel block from torch's CPU capability (edge.kernel_params), as a Fact."""
+    key = kernel_params.block_fact_key(capability)
+    block = kernel_params.derived_tinygemm_block(capability)
+    if key is None or block is None:
         return Fact(detail=f"no measured or derived tinygemm block for torch capability {capability}")
     measured = fact(key)
     return Fact(
-        value=int(measured.value),
+        value=block,
         source="derived",
-        detail=f"facts[{key}] = {int(measured.value)} ({measured.source}): {measured.note}",
+        detail=f"facts[{key}] = {block} ({measured.source}): {measured.note}",
     )

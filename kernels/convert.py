@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import fnmatch
 import json
 import os
 import re
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.errors import InputError
+from edge.quantized_layers import EMBEDDING, QuantRules
 from kernels.checkpoint import (
     INDEX_FILE,
     ShardedWriter,
@@ -55,10 +55,6 @@ FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
 # Linears inside decoder layers, by the names HF checkpoints use (Llama, Mistral, Qwen, Gemma; Phi-3 fused).
 _KINDS = "q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj"
 _LINEAR = re.compile(rf"\.layers\.\d+\.(?:.+\.)?({_KINDS})\.weight$")
-# vLLM loads these checkpoint tensors into one fused layer (qkv_proj, gate_up_proj); a fused layer is either
-# quantized or not, so siblings share one decision.
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-          "up_proj": "gate_up_proj"}  # fmt: skip
 HEAD = "lm_head.weight"
 # Files beside the weights that the served model needs (tokenizer, chat template, generation defaults).
 _COPIED = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
@@ -148,84 +144,44 @@ def _weight_files(src: Path) -> list[str]:
     return names
 
 
-def _matches(prefix: str, patterns: list[str]) -> bool:
-    """An `ignore` entry is a layer kind ("q_proj", "lm_head": the planner's), a full prefix, or a glob."""
-    return any(prefix == p or prefix.endswith("." + p) or fnmatch.fnmatchcase(prefix, p) for p in patterns)
-
-
 def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisions:
-    """Which tensors are quantized, kept in bf16 or dropped; raises InputError before any work is done."""
+    """Which tensors are quantized, kept in bf16 or dropped, as edge.quantized_layers rules for this config;
+    raises InputError before any work is done."""
     decisions = Decisions()
     if path == "bf16":
         return decisions
-    embedding = next((name for name in source.shapes if name.endswith("embed_tokens.weight")), None)
-    has_head = HEAD in source.shapes
-    candidates = [name for name in source.shapes if _LINEAR.search(name)]
-    if path == "w4a16-tinygemm":
-        if has_head and source.tied:
+    quant = QuantRules.from_config(path, qconfig, tied=source.tied)
+    embedding = next((name for name in source.shapes if name.endswith(f"{EMBEDDING}.weight")), None)
+    names = [name for name in source.shapes if _LINEAR.search(name)]
+    if HEAD in source.shapes:
+        if source.tied:
             decisions.dropped[HEAD] = "tied: the head reuses the embedding"
-        elif has_head:
-            candidates.append(HEAD)
-        if embedding and qconfig.get("quantize_embedding"):
-            candidates.append(embedding)
-    elif not qconfig.get("lm_head"):  # gptq: the embedding stays bf16 (a lookup, not a GEMM)
-        if has_head:
-            decisions.kept[HEAD] = "quantization_config.lm_head is not true"
-    elif source.tied and embedding:
-        if has_head:
-            decisions.dropped[HEAD] = "tied: lm_head is written from the embedding"
-        why = _keep_reason(source, embedding, "lm_head", qconfig, path)
-        if why is None:
-            decisions.head_from_embedding = embedding
         else:
-            decisions.kept["lm_head (tied)"] = why
-    elif has_head:
-        candidates.append(HEAD)
-    for name in candidates:
-        prefix = name.removesuffix(".weight")
-        why = _keep_reason(source, name, prefix, qconfig, path)
-        if why is None:
+            names.append(HEAD)
+    if embedding is not None:
+        names.append(embedding)
+    for name in names:
+        if len(source.shapes[name][0]) != 2:
+            raise InputError(name, source.shapes[name][0], "a 2-D weight [N, K]")
+    shapes = {name.removesuffix(".weight"): tuple(source.shapes[name][0]) for name in names}
+    for prefix, decision in quant.weights(shapes).items():
+        name = f"{prefix}.weight"
+        if name == embedding and not decision.quantized and not quant.quantize_embedding:
+            continue  # an embedding nobody asked to quantize is passed through, not "kept"
+        if decision.quantized:
             decisions.quantize[name] = prefix
         else:
-            decisions.kept[name] = why
-    _keep_fused_siblings(decisions)
-    if path == "w4a16-tinygemm" and source.tied and embedding and embedding not in decisions.quantize:
+            decisions.kept[name] = decision.why
+    if path == "w4a8-gptq" and source.tied and embedding is not None:
+        n, k = shapes[embedding.removesuffix(".weight")]
+        head = quant.weight("lm_head", n, k)
+        if head.quantized:
+            decisions.head_from_embedding = embedding
+        else:
+            decisions.kept["lm_head (tied)"] = head.why
+    elif path == "w4a16-tinygemm" and source.tied and embedding and embedding not in decisions.quantize:
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
     return decisions
-
-
-def _keep_reason(source: Source, name: str, prefix: str, qconfig: dict[str, Any], path: str) -> str | None:
-    """Why the weight `name`, written as `prefix`, stays bf16; None to quantize it. A bad K is an error."""
-    group = qconfig["group_size"]
-    ignore = list(qconfig.get("ignore") or [])
-    n_multiple = 16 if path == "w4a16-tinygemm" else 32  # tinygemm packs N in 16s; vLLM's CPU GPTQ wants 32s
-    shape, _ = source.shapes[name]
-    if len(shape) != 2:
-        raise InputError(name, shape, "a 2-D weight [N, K]")
-    n, k = shape
-    tied_embedding = source.tied and name.endswith("embed_tokens.weight")
-    if _matches(prefix, ignore) or (tied_embedding and _matches("lm_head", ignore)):
-        return "listed in quantization_config.ignore"
-    if n % n_multiple:
-        return f"N={n} is not a multiple of {n_multiple}"
-    if k % n_multiple or (group > 0 and k % group):
-        raise InputError(
-            name, f"K={k}", f"K divisible by group_size {group} and by {n_multiple} (or the layer ignored)"
-        )
-    return None
-
-
-def _keep_fused_siblings(decisions: Decisions) -> None:
-    for name, why in list(decisions.kept.items()):
-        match = _LINEAR.search(name)
-        if not match or match.group(1) not in _FUSED:
-            continue
-        fused = _FUSED[match.group(1)]
-        layer = name[: match.start(1)]
-        for sibling in [s for s in decisions.quantize if s.startswith(layer) and _LINEAR.search(s)]:
-            if _FUSED.get(_LINEAR.search(sibling).group(1)) == fused:
-                del decisions.quantize[sibling]
-                decisions.kept[sibling] = f"fused with {name} in vLLM's {fused}, which stays bf16 ({why})"
 
 
 def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:

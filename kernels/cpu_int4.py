@@ -16,7 +16,6 @@ Layouts:
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import torch
@@ -27,21 +26,15 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
+from edge import kernel_params
 from edge.errors import InputError
-from edge.facts import fact
-from kernels.int4 import GROUP_SIZES, N_MULTIPLE
+from edge.quantized_layers import SHARDS, Decision, QuantRules
+from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
 from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear
 from kernels.layout import host_layout
 from kernels.tinygemm import tiles, to_tinygemm
 
 NAME = "cpu_int4"
-
-# Rows at or above which a layer dequantizes and runs a GEMM instead of tinygemm, when the checkpoint does
-# not say (the planner always writes its own). From the facts table: AMX hosts 2 (a multi-row tinygemm followed
-# by vLLM's CPU attention dies with SIGILL on Sapphire Rapids); without AMX, the crossover measured on this AVX2
-# host by benchmarks/dequant_paths.py (dequantize + fp32 GEMM beats tinygemm from 128-256 rows).
-DEQUANT_THRESHOLD_AMX = int(fact("amx.dequant_threshold").value)
-DEQUANT_THRESHOLD_NO_AMX = int(fact("avx2.dequant_threshold").value)
 
 
 # The three layouts as checkpoint quantization_config fields (module docstring).
@@ -52,6 +45,17 @@ LAYOUTS: dict[str, dict[str, bool]] = {
 }
 
 
+def host_params() -> kernel_params.KernelParams:
+    """edge.kernel_params' answer for the torch running here (used where a checkpoint does not say)."""
+    amx = torch.cpu._is_amx_tile_supported()
+    return kernel_params.params(
+        capability=torch.backends.cpu.get_cpu_capability(),
+        amx=amx,
+        native_bf16=amx or torch.cpu._is_avx512_bf16_supported(),
+        block=host_layout().block,
+    )
+
+
 def quantization_config(
     layout: str,
     *,
@@ -60,23 +64,22 @@ def quantization_config(
     quantize_embedding: bool = True,
     ignore: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The `quantization_config` dict for a layout, as the converter writes it into config.json."""
+    """The `quantization_config` dict for a layout on this host, as a plan would write it (tests, benchmarks)."""
     if layout not in LAYOUTS:
         raise InputError("layout", layout, f"one of {sorted(LAYOUTS)}")
-    threshold = default_dequant_threshold() if dequant_threshold is None else dequant_threshold
+    host = host_params()
     return {
         "quant_method": NAME,
         "bits": 4,
         "group_size": group_size,
         **LAYOUTS[layout],
-        "dequant_threshold": threshold,
+        "dequant_threshold": host.dequant_threshold if dequant_threshold is None else dequant_threshold,
+        "prefill_dtype": host.prefill_dtype,
+        "tinygemm_block": host.block,
+        "repack_chunk_rows": host.repack_chunk_rows,
         "quantize_embedding": quantize_embedding,
         "ignore": list(ignore or []),
     }
-
-
-def default_dequant_threshold() -> int:
-    return DEQUANT_THRESHOLD_AMX if torch.cpu._is_amx_tile_supported() else DEQUANT_THRESHOLD_NO_AMX
 
 
 def _param(data: torch.Tensor, **attrs: Any) -> Parameter:
@@ -100,18 +103,36 @@ class CpuInt4Config(QuantizationConfig):
         direct_dequant: bool = False,
         prefill_dequant: bool = True,
         dequant_threshold: int | None = None,
+        prefill_dtype: str | None = None,
+        tinygemm_block: int | None = None,
+        repack_chunk_rows: int | None = None,
         quantize_embedding: bool = False,
         ignore: list[str] | None = None,
     ) -> None:
         super().__init__()
-        if group_size not in GROUP_SIZES:
-            raise InputError("group_size", group_size, f"one of {GROUP_SIZES} (tinygemm's group sizes)")
+        if group_size not in TINYGEMM_GROUP_SIZES:
+            raise InputError("group_size", group_size, f"one of {TINYGEMM_GROUP_SIZES} (tinygemm's group sizes)")
         if dequant_threshold is not None and dequant_threshold < 1:
             raise InputError("dequant_threshold", dequant_threshold, "a row count >= 1")
+        if prefill_dtype is not None and prefill_dtype not in kernel_params.PREFILL_DTYPES:
+            raise InputError("prefill_dtype", prefill_dtype, f"one of {kernel_params.PREFILL_DTYPES}")
+        host = host_params()
+        if tinygemm_block is not None and tinygemm_block != host.block:
+            raise InputError(
+                "quantization_config.tinygemm_block", tinygemm_block,
+                f"this host's block, {host.block} (torch {torch.__version__} dispatches "
+                f"{torch.backends.cpu.get_cpu_capability()} kernels here; a checkpoint planned for another device "
+                "must be planned and converted on this one, as edge-serve does)",
+            )  # fmt: skip
+        if repack_chunk_rows is not None and (repack_chunk_rows <= 0 or repack_chunk_rows % host.block):
+            raise InputError("repack_chunk_rows", repack_chunk_rows, f"a positive multiple of {host.block}")
         self.group_size = group_size
         self.direct_dequant = direct_dequant
         self.prefill_dequant = prefill_dequant
-        self.dequant_threshold = default_dequant_threshold() if dequant_threshold is None else dequant_threshold
+        self.dequant_threshold = host.dequant_threshold if dequant_threshold is None else dequant_threshold
+        self.prefill_dtype = prefill_dtype or host.prefill_dtype
+        self.tinygemm_block = host.block
+        self.repack_chunk_rows = repack_chunk_rows or host.repack_chunk_rows
         self.quantize_embedding = quantize_embedding
         self.ignore = list(ignore or [])
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
@@ -147,6 +168,9 @@ class CpuInt4Config(QuantizationConfig):
             direct_dequant=bool(config.get("direct_dequant", False)),
             prefill_dequant=bool(config.get("prefill_dequant", True)),
             dequant_threshold=config.get("dequant_threshold"),
+            prefill_dtype=config.get("prefill_dtype"),
+            tinygemm_block=config.get("tinygemm_block"),
+            repack_chunk_rows=config.get("repack_chunk_rows"),
             quantize_embedding=bool(config.get("quantize_embedding", False)),
             ignore=list(config.get("ignore", [])),
         )
@@ -159,6 +183,9 @@ class CpuInt4Config(QuantizationConfig):
             "direct_dequant": self.direct_dequant,
             "prefill_dequant": self.prefill_dequant,
             "dequant_threshold": self.dequant_threshold,
+            "prefill_dtype": self.prefill_dtype,
+            "tinygemm_block": self.tinygemm_block,
+            "repack_chunk_rows": self.repack_chunk_rows,
             "quantize_embedding": self.quantize_embedding,
             "ignore": list(self.ignore),
         }
@@ -181,52 +208,37 @@ class CpuInt4Config(QuantizationConfig):
         if hf_config is not None:
             self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
 
+    @property
+    def rules(self) -> QuantRules:
+        """edge.quantized_layers' rules for this config: the same answer the plan's ledger and the converter got."""
+        return QuantRules.from_config("w4a16-tinygemm", self.to_dict(), tied=self.tied_embeddings)
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        # Mirrors kernels/convert.py decide(): the method expects int4 tensors exactly where the converter
-        # wrote them, bf16 elsewhere.
         if isinstance(layer, LinearBase):
-            if self._ignored(prefix) or not self._linear_packs(layer):
-                return UnquantizedLinearMethod()
-            return CpuInt4LinearMethod(self)
+            quantized = self._linear_decision(layer, prefix).quantized
+            return CpuInt4LinearMethod(self) if quantized else UnquantizedLinearMethod()
         if not isinstance(layer, VocabParallelEmbedding):
             return None
-        if isinstance(layer, ParallelLMHead) and not self.tied_embeddings:
-            quantized = not self._ignored(prefix or "lm_head")  # an untied head is quantized like a linear
-        else:  # the embedding, or a head tied to it: quantized iff the embedding is
-            quantized = self.quantize_embedding and not self._ignored(prefix or "model.embed_tokens")
-            quantized = quantized and not (self.tied_embeddings and self._ignored("lm_head"))
-        packs = layer.org_vocab_size % N_MULTIPLE == 0 and layer.embedding_dim % self.group_size == 0
-        return CpuInt4EmbeddingMethod(self) if quantized and packs else None
+        is_head = isinstance(layer, ParallelLMHead)
+        name = prefix or ("lm_head" if is_head else "model.embed_tokens")
+        decision = self.rules.weight(name, layer.org_vocab_size, layer.embedding_dim)
+        return CpuInt4EmbeddingMethod(self) if decision.quantized else None
 
-    def _ignored(self, prefix: str) -> bool:
-        """An `ignore` entry is a layer kind ("q_proj", "lm_head"), a full prefix, or a glob (as the converter
-        reads it). A fused vLLM layer (qkv_proj, gate_up_proj) is ignored if any of its checkpoint shards is:
-        the converter keeps fused siblings together."""
+    def _linear_decision(self, layer: LinearBase, prefix: str) -> Decision:
+        """A fused vLLM layer (qkv_proj, gate_up_proj) is decided from the checkpoint weights it loads."""
         kind = prefix.rsplit(".", 1)[-1]
-        shards = self.packed_modules_mapping.get(kind) or FUSED_SHARDS.get(kind) or [kind]
-        names = [prefix.removesuffix(kind) + shard for shard in shards]
-        return any(_matches(name, self.ignore) for name in [prefix, *names])
-
-    def _linear_packs(self, layer: LinearBase) -> bool:
-        # The converter keeps N % 16 != 0 layers bf16 (all fused siblings with them) and refuses K % group.
         sizes = getattr(layer, "output_sizes", None) or [layer.output_size]
-        return layer.input_size % self.group_size == 0 and all(n % N_MULTIPLE == 0 for n in sizes)
-
-
-# vLLM's fused layers and the checkpoint tensors they load (Llama's packed_modules_mapping, used when the
-# model has not set one on the config yet).
-FUSED_SHARDS = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-
-
-def _matches(prefix: str, patterns: list[str]) -> bool:
-    return any(prefix == p or prefix.endswith("." + p) or fnmatch.fnmatchcase(prefix, p) for p in patterns)
+        shards = list(self.packed_modules_mapping.get(kind) or SHARDS.get(kind) or [kind])
+        if len(shards) != len(sizes):  # a layer fused in the checkpoint too (Phi-3's qkv_proj): one weight
+            shards, sizes = [kind], [sum(sizes)]
+        return self.rules.fused(prefix, list(zip(shards, sizes, strict=True)), layer.input_size)
 
 
 def _check_shape(n: int, k: int, group: int) -> None:
     if k % group:
         raise InputError("input_size", k, f"a multiple of group_size {group}")
-    if n % N_MULTIPLE:
-        raise InputError("output_size", n, f"a multiple of {N_MULTIPLE}")
+    if n % PACK_N_MULTIPLE:
+        raise InputError("output_size", n, f"a multiple of {PACK_N_MULTIPLE}")
 
 
 def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extra: dict[str, Any]) -> None:
@@ -241,7 +253,9 @@ def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extr
     layer.register_parameter("zeros", _param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
 
 
-def _repack(layer: torch.nn.Module, group: int, mode: int, keep_row_major: bool = False) -> None:
+def _repack(
+    layer: torch.nn.Module, group: int, mode: int, chunk_rows: int, keep_row_major: bool = False
+) -> None:
     """Build the tinygemm buffer; drop the row-major copy unless this layer's mode reads it.
 
     Sets layer.int4_mode: DIRECT falls back to DUAL when N does not tile the host block (the direct
@@ -250,7 +264,9 @@ def _repack(layer: torch.nn.Module, group: int, mode: int, keep_row_major: bool 
     n = layer.qweight.shape[0]
     if mode == DIRECT and not tiles(n, host_layout()):
         mode = DUAL
-    packed, scales_and_zeros = to_tinygemm(layer.qweight.data, layer.scales.data, layer.zeros.data, group)
+    packed, scales_and_zeros = to_tinygemm(
+        layer.qweight.data, layer.scales.data, layer.zeros.data, group, chunk_rows=chunk_rows
+    )
     layer.register_parameter("tinygemm_packed", Parameter(packed, requires_grad=False))  # [N, K/2] host layout
     layer.register_parameter("tinygemm_sz", Parameter(scales_and_zeros, requires_grad=False))  # [K/g, N, 2]
     if mode != DUAL and not keep_row_major:
@@ -284,7 +300,7 @@ class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
     """A linear layer (also fused QKV / gate_up: shards stack along N, which is never the packed dim)."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        _repack(layer, self.config.group_size, self.config.mode)
+        _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _apply(layer, self.config, x, bias)
@@ -313,7 +329,8 @@ class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if isinstance(layer, ParallelLMHead):
-            _repack(layer, self.config.group_size, DUAL if self.tied else self.config.mode)
+            mode = DUAL if self.tied else self.config.mode
+            _repack(layer, self.config.group_size, mode, self.config.repack_chunk_rows)
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         return int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
@@ -334,5 +351,6 @@ def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias:
         config.group_size,
         layer.int4_mode,
         config.dequant_threshold,
+        config.prefill_dtype == "float32",
     )
     return y if bias is None else y + bias

@@ -24,11 +24,11 @@ import sys
 import torch
 
 from edge.errors import InputError
+from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
 
-# _weight_int4pack_mm_for_cpu accepts exactly these (TORCH_CHECK "expect qGroupSize to be 32, 64, 128 or 256").
-GROUP_SIZES = (32, 64, 128, 256)
-# _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16" (its smallest output-channel block).
-N_MULTIPLE = 16
+# What tinygemm accepts: group sizes and N's multiple (edge.rules owns them: the planner asks the same).
+GROUP_SIZES = TINYGEMM_GROUP_SIZES
+N_MULTIPLE = PACK_N_MULTIPLE
 ZERO_CODE = 8  # the code that dequantizes to `zero`
 CHUNK_ELEMENTS = 1 << 18  # see apply_scales
 _MIN_SCALE = 1e-6  # a constant group gets this scale: every code lands on 8, i.e. on the group's value

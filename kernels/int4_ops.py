@@ -26,16 +26,6 @@ DIRECT = 2
 MODES = {KERNEL_ONLY: "kernel-only", DUAL: "dual", DIRECT: "direct"}
 
 
-def prefill_dtype() -> torch.dtype:
-    """The dtype of the dequantized GEMM for wide batches on this host.
-
-    Without native bf16 FMA (no AVX512-BF16, no AMX) a bf16 GEMM is slow at batch: here (AVX2, 2 threads,
-    4096x4096) M=64 bf16 57.7 ms vs fp32 19.6 ms, M=512 471 vs 121 ms (shared/FACTS.md). So fp32 there.
-    """
-    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return torch.bfloat16 if native_bf16 else torch.float32
-
-
 def _linear_impl(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -46,9 +36,13 @@ def _linear_impl(
     group: int,
     mode: int,
     dequant_threshold: int,
+    fp32_prefill: bool = False,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] bf16. packed uint8 [N, K/2] (host layout), scales_and_zeros bf16 [K/g, N, 2];
-    qweight uint8 [N, K/2] row-major + scales, zeros [N, K/g] in DUAL mode, else empty."""
+    qweight uint8 [N, K/2] row-major + scales, zeros [N, K/g] in DUAL mode, else empty.
+
+    fp32_prefill: the wide-batch GEMM runs in fp32 instead of bf16 (the plan's prefill_dtype,
+    edge.kernel_params; a keyword with a default so the op's schema stays readable)."""
     n = scales_and_zeros.shape[1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
     rows = x2.shape[0]
@@ -57,7 +51,7 @@ def _linear_impl(
     if mode == KERNEL_ONLY or rows < dequant_threshold:
         y = linear(x2, packed, scales_and_zeros, group)  # [M, N]
     else:
-        dtype = prefill_dtype()
+        dtype = torch.float32 if fp32_prefill else torch.bfloat16
         if mode == DUAL:
             w = dequantize(qweight, scales, zeros, group, dtype)  # [N, K]
         else:
@@ -76,6 +70,7 @@ def _linear_fake(
     group: int,
     mode: int,
     dequant_threshold: int,
+    fp32_prefill: bool = False,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
 
@@ -119,10 +114,11 @@ def int4_linear(
     group: int,
     mode: int,
     dequant_threshold: int,
+    fp32_prefill: bool = False,
 ) -> torch.Tensor:
     """The registered op (what Dynamo records), typed for callers."""
     return torch.ops.vllm.cpu_int4_linear(
-        x, packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold
+        x, packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold, fp32_prefill
     )
 
 

@@ -6,7 +6,7 @@ here at load time:
     scales_and_zeros  bf16  [K/g, N, 2]   [..., 0] = scale, [..., 1] = zero; not blocked
 
 Repacking widens every 4-bit code to int32 for `_convert_weight_to_int4pack_for_cpu`: 8x the packed size, e.g.
-1024 MiB for a whole 131072x2048 tied embedding (shared/FACTS.md). So it runs over chunks of output channels;
+1024 MiB for a whole 131072x2048 tied embedding (docs/FACTS.md). So it runs over chunks of output channels;
 a chunk that starts on a block boundary packs into exactly its own rows of the output, so chunks concatenate.
 
 Chunk size, `python benchmarks/repack_chunks.py --passes 5` on this host (AVX2, torch 2.13.0, 1 thread as
@@ -25,20 +25,19 @@ transient = VmHWM growth beyond the returned tensors, glibc forced to mmap every
     whole               543     236     119.8              1280     424     190.8
 
 Time does not depend on the chunk here (CPU within 229-255 and 412-434 ms, noise), the transient grows with
-it, so the default is the smallest chunk without a per-call cost: 512 rows. The reference study (AMX, 24-32
-threads, shared/FACTS.md) found 2048 fastest (79 vs 208 ms whole): with many threads a chunk must hold enough
-blocks for torch's parallel_for over them, so pass a larger chunk_rows there.
+it, so the default is the smallest chunk without a per-call cost: 512 rows (edge.kernel_params). The reference
+study (AMX, 24-32 threads, docs/FACTS.md) found 2048 fastest (79 vs 208 ms whole): with many threads a chunk
+must hold enough blocks for torch's parallel_for over them, so AMX hosts take 2048.
 """
 
 from __future__ import annotations
 
 import torch
 
+from edge import kernel_params
 from edge.errors import InputError
 from kernels.int4 import apply_scales, check_group, check_params, unpack_nibbles
 from kernels.layout import TinygemmLayout, host_layout, unpack_codes
-
-DEFAULT_CHUNK_ROWS = 512  # measured here, see the table above
 
 
 def tiles(n: int, layout: TinygemmLayout) -> bool:
@@ -55,7 +54,7 @@ def to_tinygemm(
     zeros: torch.Tensor,
     group: int,
     *,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
     name: str = "qweight",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint tensors -> (packed uint8 [N, K/2] in the host layout, scales_and_zeros bf16 [K/g, N, 2]).
@@ -66,6 +65,8 @@ def to_tinygemm(
     n, half_k = qweight.shape
     check_params((n, 2 * half_k), scales, zeros, group, name)
     block = host_layout().block
+    if chunk_rows is None:  # edge.kernel_params owns the default (a checkpoint's config names its own)
+        chunk_rows = kernel_params.repack_chunk_rows(amx=torch.cpu._is_amx_tile_supported(), block=block)
     if chunk_rows <= 0 or chunk_rows % block:
         raise InputError("chunk_rows", chunk_rows, f"a positive multiple of this host's tinygemm block {block}")
     packed = torch.empty(n, half_k, dtype=torch.uint8)  # [N, K/2]

@@ -8,6 +8,7 @@ import pytest
 
 from edge import rules
 from edge.facts import fact
+from edge.kernel_params import KernelParams
 from edge.ledger import estimate
 from edge.model_reader import default_model, read_model
 from edge.shapes import LinearShape, ModelShape
@@ -17,8 +18,12 @@ BASELINE = 500 * 2**20
 AVX2_BLOCK = 32
 
 
+def kernel(block=AVX2_BLOCK, threshold=2, dtype="float32", chunk=512) -> KernelParams:
+    return KernelParams(block=block, dequant_threshold=threshold, prefill_dtype=dtype, repack_chunk_rows=chunk)
+
+
 def ledger(
-    model, path, layout=None, group=None, *, max_model_len=2048, seqs=1, block=AVX2_BLOCK, budget=None
+    model, path, layout=None, group=None, *, max_model_len=2048, seqs=1, block=AVX2_BLOCK, budget=None, **params
 ):
     return estimate(
         model,
@@ -27,14 +32,19 @@ def ledger(
         group,
         max_model_len=max_model_len,
         max_num_seqs=seqs,
-        tinygemm_block=block,
+        kernel=kernel(block, **params),
         budget_bytes=budget,
         engine_baseline_bytes=BASELINE,
     )
 
 
-def by_name(led) -> dict:
-    return {item.name: item for item in led.items}
+def by_kind(led) -> dict:
+    """(kind, layer) -> item: what the ledger's stable fields say, not its display names."""
+    return {(item.kind, item.layer): item for item in led.items}
+
+
+def layers_of(led, kind: str) -> set[str]:
+    return {item.layer for item in led.items if item.kind == kind}
 
 
 PATHS = [
@@ -57,6 +67,7 @@ def test_resident_items_sum_to_resident_and_peak_adds_the_largest_transient(fixt
     transients = [i.bytes for i in led.items if i.phase != "resident"]
     assert led.peak_bytes == led.resident_bytes + max(transients, default=0)
     assert len({i.name for i in led.items}) == len(led.items)  # every item named once
+    assert len(by_kind(led)) == len(led.items)  # and every (kind, layer) once
     assert all(i.bytes >= 0 and i.detail for i in led.items)
 
 
@@ -92,7 +103,7 @@ def synthetic(*ns: int) -> ModelShape:
 
 
 def row_major_copies(led) -> set[str]:
-    return {i.name.removesuffix(" row-major copy") for i in led.items if i.name.endswith("row-major copy")}
+    return layers_of(led, "row-major-copy")
 
 
 @pytest.mark.parametrize(("block", "untiled"), [(32, {"n48_proj"}), (64, {"n48_proj", "n96_proj"})])
@@ -111,30 +122,32 @@ def test_kernel_only_keeps_no_row_major_copy():
 
 
 def test_a_row_major_copy_costs_what_its_tinygemm_buffer_costs():
-    items = by_name(ledger(synthetic(48), "w4a16-tinygemm", "direct", 64))
+    items = by_kind(ledger(synthetic(48), "w4a16-tinygemm", "direct", 64))
     # 2 layers x (48 x 64 / 2 B codes + 2 x 2 B x 48 x 64/64 scales and zeros)
-    assert items["n48_proj row-major copy"].bytes == items["n48_proj int4 tinygemm"].bytes == 2 * (1536 + 192)
+    copy, buffer = items["row-major-copy", "n48_proj"], items["int4-weights", "n48_proj"]
+    assert copy.bytes == buffer.bytes == 2 * (1536 + 192)
 
 
 def test_a_layer_that_cannot_pack_stays_bf16():
-    items = by_name(ledger(synthetic(40, 64), "w4a16-tinygemm", "direct", 64))
-    assert items["n40_proj kept bf16"].bytes == 2 * 40 * 64 * 2
-    assert "n40_proj int4 tinygemm" not in items
+    items = by_kind(ledger(synthetic(40, 64), "w4a16-tinygemm", "direct", 64))
+    assert items["bf16-weights", "n40_proj"].bytes == 2 * 40 * 64 * 2
+    assert "N=40" in items["bf16-weights", "n40_proj"].detail
+    assert ("int4-weights", "n40_proj") not in items
 
 
 def test_tied_embedding_on_tinygemm_keeps_the_head_and_a_row_major_lookup_copy():
     model = default_model()
-    items = by_name(ledger(model, "w4a16-tinygemm", "kernel-only", 64))
+    items = by_kind(ledger(model, "w4a16-tinygemm", "kernel-only", 64))
     # 49152 x 576 / 2 B codes + 2 x 2 B x 49152 x 576/64 scales and zeros
     one_copy = 49152 * 576 // 2 + 4 * 49152 * 9
-    assert items["lm_head (tied embedding) int4 tinygemm"].bytes == one_copy
-    assert items["tied embedding row-major int4 copy (lookups)"].bytes == one_copy
-    assert "embedding (bf16)" not in items
+    assert items["int4-weights", "lm_head"].bytes == one_copy
+    assert items["lookup-copy", "embed_tokens"].bytes == one_copy
+    assert ("bf16-weights", "embed_tokens") not in items
 
 
 def test_rope_avoidable_bytes_is_what_capping_at_max_model_len_saves():
     model = default_model()
-    rope = by_name(ledger(model, "bf16", max_model_len=2048))["RoPE cos/sin table"]
+    rope = by_kind(ledger(model, "bf16", max_model_len=2048))["rope", None]
     row_bytes = model.rotary_dim * 2  # cos half + sin half, bf16
     assert rope.bytes == 8192 * row_bytes
     assert rope.avoidable_bytes == (8192 - 2048) * row_bytes
@@ -142,60 +155,61 @@ def test_rope_avoidable_bytes_is_what_capping_at_max_model_len_saves():
 
 def test_rope_has_nothing_to_avoid_at_full_context():
     assert (
-        by_name(ledger(default_model(), "bf16", max_model_len=8192))["RoPE cos/sin table"].avoidable_bytes
+        by_kind(ledger(default_model(), "bf16", max_model_len=8192))["rope", None].avoidable_bytes
         == 0
     )
 
 
 def test_gptq_untie_cost_equals_vocab_times_hidden_in_bf16():
-    items = by_name(ledger(default_model(), "w4a8-gptq", group=64))
-    assert items["embedding kept bf16 (cost of untying the head)"].bytes == 49152 * 576 * 2
-    assert "lm_head GPTQ int4" in items
+    items = by_kind(ledger(default_model(), "w4a8-gptq", group=64))
+    assert items["untie-cost", "embed_tokens"].bytes == 49152 * 576 * 2
+    assert ("int4-weights", "lm_head") in items
 
 
 def test_gptq_on_an_untied_model_names_no_untie_cost():
     model = read_model(CONFIGS / "mistral-7b-v0.3.json")
-    names = by_name(ledger(model, "w4a8-gptq", group=128))
-    assert "embedding (bf16)" in names
-    assert not any("untying" in name for name in names)
+    items = by_kind(ledger(model, "w4a8-gptq", group=128))
+    assert ("bf16-weights", "embed_tokens") in items
+    assert not layers_of(ledger(model, "w4a8-gptq", group=128), "untie-cost")
 
 
 def test_gptq_layer_bytes_are_qweight_scales_and_qzeros():
-    items = by_name(ledger(default_model(), "w4a8-gptq", group=64))
+    items = by_kind(ledger(default_model(), "w4a8-gptq", group=64))
     # 30 x (576 x 576 / 2 B qweight + 2 B x 576 x 9 scales + 4 B x 72 x 9 qzeros)
-    assert items["q_proj GPTQ int4"].bytes == 30 * (576 * 576 // 2 + 2 * 576 * 9 + 4 * 72 * 9)
+    assert items["int4-weights", "q_proj"].bytes == 30 * (576 * 576 // 2 + 2 * 576 * 9 + 4 * 72 * 9)
 
 
 def test_bf16_tied_model_stores_the_embedding_once():
-    items = by_name(ledger(default_model(), "bf16"))
-    assert items["embedding (bf16)"].bytes == 49152 * 576 * 2
-    assert "lm_head (bf16)" not in items
+    items = by_kind(ledger(default_model(), "bf16"))
+    assert items["bf16-weights", "embed_tokens"].bytes == 49152 * 576 * 2
+    assert ("bf16-weights", "lm_head") not in items
 
 
 def test_bf16_untied_model_stores_the_head_apart():
-    items = by_name(ledger(read_model(CONFIGS / "mistral-7b-v0.3.json"), "bf16"))
-    assert items["lm_head (bf16)"].bytes == 32768 * 4096 * 2
+    items = by_kind(ledger(read_model(CONFIGS / "mistral-7b-v0.3.json"), "bf16"))
+    assert items["bf16-weights", "lm_head"].bytes == 32768 * 4096 * 2
 
 
 def test_export_only_has_no_engine_or_kv_items():
-    names = by_name(ledger(default_model(), "export-only"))
-    assert not {"KV cache", "engine baseline", "allocator retention", "RoPE cos/sin table"} & set(names)
-    assert names["embedding w8a16 (exported graph)"].bytes == 49152 * 576 + 2 * 49152
+    led = ledger(default_model(), "export-only")
+    assert not {"kv-cache", "engine-baseline", "allocator-retention", "rope"} & {item.kind for item in led.items}
+    assert by_kind(led)["export-weights", "embed_tokens"].bytes == 49152 * 576 + 2 * 49152
 
 
 def test_kv_item_is_the_rule_and_engine_items_are_the_inputs():
     model = default_model()
-    items = by_name(ledger(model, "bf16", max_model_len=2048, seqs=4))
-    assert items["KV cache"].bytes == rules.kv_cache_bytes(model, 2048, 4)
-    assert items["engine baseline"].bytes == BASELINE
-    assert items["allocator retention"].bytes == fact("any.allocator_retention_bytes").value
+    items = by_kind(ledger(model, "bf16", max_model_len=2048, seqs=4))
+    assert items["kv-cache", None].bytes == rules.kv_cache_bytes(model, 2048, 4)
+    assert items["engine-baseline", None].bytes == BASELINE
+    assert items["allocator-retention", None].bytes == fact("any.allocator_retention_bytes").value
 
 
-def test_repack_transient_is_a_chunk_of_int32_codes():
-    items = by_name(ledger(default_model(), "w4a16-tinygemm", "direct", 64))
-    rows = int(fact("any.repack_chunk_rows").value)
-    assert items["repack transient (int32 codes)"].bytes == 4 * rows * 576  # head: 49152 rows > chunk
-    assert items["bf16 source tensor being converted"].bytes == 49152 * 576 * 2
+@pytest.mark.parametrize(("rows", "widest"), [(512, 512 * 1536), (2048, 2048 * 576)])
+def test_repack_transient_is_the_kernels_chunk_of_int32_codes(rows, widest):
+    """512 rows (this host's chunk): down_proj's 512 x 1536 is the widest chunk; 2048 (AMX): the head's."""
+    items = by_kind(ledger(default_model(), "w4a16-tinygemm", "direct", 64, chunk=rows))
+    assert items["repack-transient", None].bytes == 4 * widest
+    assert items["load-copy", None].bytes == 49152 * 576 * 2
 
 
 def test_fits_compares_peak_with_the_budget():
@@ -206,35 +220,31 @@ def test_fits_compares_peak_with_the_budget():
     assert not ledger(model, "bf16", budget=peak - 1).fits
 
 
-WORKING_SET = "prefill dequantize working set"
+WORKING_SET = "dequant-working-set"
+
+
+def working_set(led) -> int | None:
+    return next((item.bytes for item in led.items if item.kind == WORKING_SET), None)
 
 
 def test_kernel_only_untied_never_dequantizes():
-    names = by_name(ledger(synthetic(64, 96), "w4a16-tinygemm", "kernel-only", 64, seqs=8))
-    assert WORKING_SET not in names
+    assert working_set(ledger(synthetic(64, 96), "w4a16-tinygemm", "kernel-only", 64, seqs=8)) is None
 
 
-def test_direct_dequantizes_its_widest_layer_as_codes_plus_fp32_on_the_avx2_block():
-    led = ledger(synthetic(64, 512), "w4a16-tinygemm", "direct", 64, seqs=1, block=32)
-    assert by_name(led)[WORKING_SET].bytes == 512 * 64 * (1 + 4)
+@pytest.mark.parametrize(("dtype", "per_weight"), [("float32", 1 + 4), ("bfloat16", 1 + 4 + 2)])
+def test_direct_dequantizes_its_widest_layer_as_codes_plus_the_prefill_dtype(dtype, per_weight):
+    """The ledger reads the prefill dtype the plan gives the kernel, not the block (AVX-512 without BF16 has
+    block 64 and still dequantizes to fp32)."""
+    for block in (32, 64):
+        led = ledger(synthetic(64, 512), "w4a16-tinygemm", "direct", 64, seqs=1, block=block, dtype=dtype)
+        assert working_set(led) == 512 * 64 * per_weight
 
 
 def test_no_working_set_when_no_batch_reaches_the_threshold():
-    led = estimate(
-        synthetic(64, 512),
-        "w4a16-tinygemm",
-        "direct",
-        64,
-        max_model_len=512,
-        max_num_seqs=4,
-        tinygemm_block=32,
-        budget_bytes=None,
-        engine_baseline_bytes=BASELINE,
-        dequant_threshold=1024,
-    )
-    assert WORKING_SET not in by_name(led)
+    led = ledger(synthetic(64, 512), "w4a16-tinygemm", "direct", 64, max_model_len=512, seqs=4, threshold=1024)
+    assert working_set(led) is None
 
 
 def test_a_tied_head_dequantizes_even_in_kernel_only_once_enough_sequences_decode():
-    led = ledger(default_model(), "w4a16-tinygemm", "kernel-only", 64, seqs=4, block=64)
-    assert by_name(led)[WORKING_SET].bytes == 49152 * 576 * (1 + 4 + 2)
+    led = ledger(default_model(), "w4a16-tinygemm", "kernel-only", 64, seqs=4, block=64, dtype="bfloat16")
+    assert working_set(led) == 49152 * 576 * (1 + 4 + 2)

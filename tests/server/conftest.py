@@ -71,7 +71,9 @@ def smollm2_plan(*, fits: bool = True) -> Plan:
     the planner's choices. Only what the supervisor reads matters: vllm.args/env and memory.fits."""
     model = default_model()
     weights = 2 * model.total_params
-    item = MemoryItem(name="weights (bf16)", bytes=weights, phase="resident", detail="2 bytes x total_params")
+    item = MemoryItem(
+        kind="bf16-weights", name="weights (bf16)", bytes=weights, phase="resident", detail="2 bytes x total_params"
+    )
     budget = weights // 2 if not fits else None
     return Plan(
         path="bf16",

@@ -1,0 +1,103 @@
+"""The w4a16 kernel's parameters for a host: the one owner the planner, the ledger and the kernels all ask.
+
+Each is a pure function of what the asker knows about the host: the planner and the ledger pass facts from a
+DeviceProfile (edge.probe, or a device description), the kernels pass what the running torch reports
+(kernels.host). The plan writes the values into the checkpoint's `quantization_config`, and the vLLM method
+reads them from there, so the engine runs what the plan accounted for; a checkpoint without them (written by
+hand) gets the kernel side's answer from the same functions.
+
+    tinygemm_block      output channels per tinygemm block: 4 x the float vector width torch dispatched to
+    dequant_threshold   rows from which a batch dequantizes and runs a GEMM instead of tinygemm
+    prefill_dtype       the dtype of that GEMM
+    repack_chunk_rows   output channels repacked at a time at load (bounds the int32 transient)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from edge.device import DeviceProfile
+from edge.facts import fact
+
+PrefillDtype = Literal["bfloat16", "float32"]
+PREFILL_DTYPES: tuple[PrefillDtype, ...] = ("bfloat16", "float32")
+# torch.backends.cpu.get_cpu_capability() -> the facts-table key of the block it packs with.
+_BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block"}
+
+
+def derived_tinygemm_block(capability: str | None) -> int | None:
+    """The block torch packs with at this CPU capability (docs/FACTS.md), or None when no rule is known.
+
+    Authoritative is the measurement (kernels.layout, cached by edge.layout_cache); this is its fallback.
+    """
+    key = _BLOCK_FACTS.get(capability or "")
+    return int(fact(key).value) if key else None
+
+
+def block_fact_key(capability: str | None) -> str | None:
+    return _BLOCK_FACTS.get(capability or "")
+
+
+def dequant_threshold(*, amx: bool) -> int:
+    """AMX: 2 — tinygemm on a multi-row batch followed by vLLM's CPU attention dies with SIGILL (reference study).
+
+    Elsewhere the hazard does not exist and the crossover measured on the AVX2 host is used (128 rows at SmolLM2
+    shapes, benchmarks/dequant_paths.py); an AVX-512 host without AMX crosses over earlier (bf16 beats tinygemm
+    from ~16 rows there, docs/FACTS.md), which only a measurement on the device can settle.
+    """
+    key = "amx.dequant_threshold" if amx else "avx2.dequant_threshold"
+    return int(fact(key).value)
+
+
+def prefill_dtype(*, capability: str | None, native_bf16: bool) -> PrefillDtype:
+    """bf16 where torch dispatches AVX-512 kernels on a CPU with a native bf16 dot product (AVX512-BF16 or AMX);
+    fp32 elsewhere: without it a bf16 GEMM is slow at batch (AVX2 host, 2 threads, 4096x4096: M=64 bf16 57.7 ms
+    vs fp32 19.6 ms, M=512 471 vs 121 ms, docs/FACTS.md), and so is an AVX-512 CPU told to run AVX2 kernels."""
+    return "bfloat16" if native_bf16 and capability == "AVX512" else "float32"
+
+
+def repack_chunk_rows(*, amx: bool, block: int) -> int:
+    """AMX (24-32 threads): 2048 rows were fastest (reference study); here (1 thread, as vLLM serves) time is flat
+    in the chunk and 512 rows keep the transient small (kernels/tinygemm.py's table). Always whole blocks."""
+    rows = int(fact("any.repack_chunk_rows" if amx else "avx2.repack_chunk_rows").value)
+    return max(block, rows - rows % block)
+
+
+@dataclass(frozen=True)
+class KernelParams:
+    """The four values for one host, as the plan writes them into quantization_config."""
+
+    block: int
+    dequant_threshold: int
+    prefill_dtype: PrefillDtype
+    repack_chunk_rows: int
+
+
+def params(*, capability: str | None, amx: bool, native_bf16: bool, block: int) -> KernelParams:
+    return KernelParams(
+        block=block,
+        dequant_threshold=dequant_threshold(amx=amx),
+        prefill_dtype=prefill_dtype(capability=capability, native_bf16=native_bf16),
+        repack_chunk_rows=repack_chunk_rows(amx=amx, block=block),
+    )
+
+
+def device_capability(device: DeviceProfile) -> str | None:
+    """The torch CPU capability the device runs at: probed (it honours ATEN_CPU_CAPABILITY), else by ISA class."""
+    if device.runtime.torch_cpu_capability.value:
+        return device.runtime.torch_cpu_capability.value
+    return {"amx": "AVX512", "avx512": "AVX512", "avx2": "AVX2"}.get(device.isa_class)
+
+
+def for_device(device: DeviceProfile) -> KernelParams:
+    """The plan's values: the measured block when the device says it, else the block its capability implies
+    (AVX2's when not even that is known: the smaller block is the conservative ledger)."""
+    capability = device_capability(device)
+    block = device.runtime.tinygemm_block.value or derived_tinygemm_block(capability)
+    return params(
+        capability=capability,
+        amx=device.has_amx,
+        native_bf16=device.has_amx or device.has("avx512_bf16"),
+        block=block or int(fact("avx2.tinygemm_block").value),
+    )
