@@ -35,19 +35,7 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_rank_vllm(tmp_path_factory):
-    """vLLM's unquantized layers ask for the tensor-parallel group even on one rank: make a 1-rank world."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    with set_current_vllm_config(VllmConfig()):
-        store = tmp_path_factory.mktemp("dist") / "store"
-        parallel_state.init_distributed_environment(1, 0, f"file://{store}", 0, "gloo")
-        parallel_state.initialize_model_parallel(1, 1)
-        yield
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
+pytestmark = pytest.mark.usefixtures("single_rank_vllm")
 
 
 def quant_config(layout: str = "direct", **overrides) -> dict:
