@@ -105,8 +105,24 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
     )
     if plan.vllm is None:
         raise InputError("--path", plan.path, "a path vLLM can serve (export-only builds a graph, not a server)")
+    if args.device:
+        check_block_here(plan, args.device)
     serve_dir = convert(plan, source, converter) if plan.quantization_config is not None else source
     return Prepared(plan=plan, source_dir=source, serve_dir=serve_dir)
+
+
+def check_block_here(plan: Plan, device_file: str) -> None:
+    """A plan for a described device serves on this host only if this host's torch packs tinygemm the same way:
+    the engine refuses a checkpoint planned for another block (kernels/cpu_int4.py), and a supervisor would
+    restart that refusal forever. Refused here instead, before anything starts."""
+    planned = (plan.quantization_config or {}).get("tinygemm_block")
+    here = probe().runtime.tinygemm_block
+    if planned is not None and here.value is not None and here.value != planned:
+        raise InputError(
+            "--device", device_file,
+            f"a description of this host for a {plan.path} plan: it plans tinygemm blocks of {planned} channels, "
+            f"this host's torch packs {here.value} ({here.detail}); drop --device to plan for this host",
+        )  # fmt: skip
 
 
 def summary(prepared: Prepared, url: str) -> str:

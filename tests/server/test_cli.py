@@ -104,6 +104,24 @@ def test_a_described_device_is_planned_for_instead_of_this_host(model_dir):
     assert prepared.plan.device.has_amx
 
 
+def test_a_described_device_whose_tinygemm_block_differs_from_this_hosts_is_refused_before_serving(
+    model_dir, tmp_path, capsys
+):
+    """An AVX2 description served on an AVX-512 host (or the reverse) would load a checkpoint the engine must
+    refuse, in a restart loop; edge-serve exits 2 first, naming both blocks."""
+    from edge.probe import probe
+
+    here = probe().runtime.tinygemm_block.value
+    other = {32: 64, 64: 32}[here]
+    isa = ["avx2", "fma"] + (["avx512f", "avx512bw"] if other == 64 else [])
+    device = tmp_path / "device.json"
+    device.write_text(json.dumps({"arch": "x86_64", "isa": isa, "memory": "16GiB"}))
+    argv = ["--model", str(model_dir), "--device", str(device), "--path", "w4a16-tinygemm", "--dry-run"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"blocks of {other} channels" in err and f"packs {here}" in err
+
+
 def test_plan_only_serves_the_planner_without_a_model_or_engine(monkeypatch):
     served = {}
     monkeypatch.setattr(cli, "serve_app", lambda settings, app: served.update(app=app))
