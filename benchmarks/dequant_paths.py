@@ -10,7 +10,7 @@ Every variant runs once per pass at each M, passes interleave, and the median is
 smallest M from which the best dequantize path beats tinygemm.
 
 Default clock: CPU time of the calling thread with torch at 1 thread (what vLLM runs here: on a 2-core box it
-reserves one core, shared/FACTS.md), which shared cores barely disturb. `--threads 2 --clock wall` for wall time.
+reserves one core, docs/FACTS.md), which shared cores barely disturb. `--threads 2 --clock wall` for wall time.
 
     python benchmarks/dequant_paths.py [--passes 5] [--threads 1] [--clock thread|wall]
 

@@ -37,7 +37,7 @@ class LlamaShape:
 PRESETS = {
     # ~1.1B parameters (TinyLlama-1.1B's shape): 2.2 GB in bf16.
     "1b": LlamaShape(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, vocab=32000, tied=False),
-    # SmolLM2-135M's shape (FACTS.md), tied embeddings.
+    # SmolLM2-135M's shape (docs/FACTS.md), tied embeddings.
     "smollm2": LlamaShape(
         hidden=576,
         intermediate=1536,

@@ -12,7 +12,7 @@ small a chunk pays per-call overhead. For each shape, every chunk size runs once
                  hides the transient (it read as negative here).
   ratio          wall ms / best wall ms for the shape
 
-Default 1 torch thread: vLLM's worker runs 1 thread on this 2-core box (shared/FACTS.md), and OpenMP spinning
+Default 1 torch thread: vLLM's worker runs 1 thread on this 2-core box (docs/FACTS.md), and OpenMP spinning
 on shared cores inflates CPU time at 2.
 
     python benchmarks/repack_chunks.py [--passes 5] [--threads 1]

@@ -84,7 +84,7 @@ def _memory(obj: dict[str, Any]) -> int | None:
 
 
 def _tinygemm_block(value: Any) -> int | None:
-    # 32 on AVX2, 64 on AVX-512 (FACTS.md); any power of two a future vector width could give is accepted.
+    # 32 on AVX2, 64 on AVX-512 (docs/FACTS.md); any power of two a future vector width could give is accepted.
     if value is not None and (isinstance(value, bool) or value not in (16, 32, 64, 128, 256)):
         raise InputError("tinygemm_block", value, "a power of two from 16 to 256 (32 on AVX2, 64 on AVX-512)")
     return value

@@ -59,7 +59,7 @@ class RuntimeFacts(BaseModel):
     torch_version: Fact[str] = Fact()
     torch_cpu_capability: Fact[str] = Fact()  # torch.backends.cpu.get_cpu_capability(): "AVX2", "AVX512", ...
     vllm_version: Fact[str] = Fact()
-    vllm_native_library: Fact[str] = Fact()  # "_C", "_C_AVX512" or "_C_AVX2" (vLLM 0.28 x86, FACTS.md)
+    vllm_native_library: Fact[str] = Fact()  # "_C", "_C_AVX512" or "_C_AVX2" (vLLM 0.28 x86, docs/FACTS.md)
     tinygemm_block: Fact[int] = Fact()  # output channels per tinygemm block: 32 on AVX2, 64 on AVX-512
 
 

@@ -2,7 +2,7 @@
 
 Sources: "reference" is the study that motivated this product (Xeon Platinum 8480C, AMX, vLLM 0.28,
 Spark-X2.5-1.7B); "here" is this project's own AVX2 machines (2 cores of an AMD EPYC, no AVX-512, no AMX);
-"derived" is computed from a stated rule. See ../shared/FACTS.md and docs/MEASUREMENTS.md.
+"derived" is computed from a stated rule. See docs/FACTS.md and docs/MEASUREMENTS.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _fact(key: str, value: float, unit: str, source: FactSource, isa: IsaClass, 
     return MeasuredFact(key=key, value=value, unit=unit, source=source, isa_class=isa, date=date, note=note)
 
 
-_REF = "2026-10"  # the reference study's measurements, as dated in shared/FACTS.md's source
+_REF = "2026-10"  # the reference study's measurements, as dated in docs/FACTS.md's source
 _HERE = "2026-11"
 
 FACTS: dict[str, MeasuredFact] = {

@@ -1,6 +1,6 @@
 """The tinygemm block of this host, measured once per (torch version, CPU flags) and cached.
 
-Reading the packed int4 layout with the wrong block returns wrong weights (FACTS.md: 32 on this AVX2 host,
+Reading the packed int4 layout with the wrong block returns wrong weights (docs/FACTS.md: 32 on this AVX2 host,
 64 on AVX-512), so the block is measured by kernels.layout in a subprocess (edge/ never imports torch) and
 kept in $EDGE_SELECT_CACHE_DIR/tinygemm_layout.json (default ~/.cache/edge-select/). File shape:
 

@@ -127,7 +127,7 @@ def speed_options(isa_class: str) -> list[Option]:
 
 
 # Fidelity: bf16 is the reference; W4A16 keeps bf16 activations (+12.5% perplexity on the reference model);
-# W4A8 quantizes activations (+27.2%) and is never chosen for fidelity (FACTS.md: agents lost completion).
+# W4A8 quantizes activations (+27.2%) and is never chosen for fidelity (docs/FACTS.md: agents lost completion).
 FIDELITY_ORDER: dict[WeightPath, int] = {"bf16": 0, "w4a16-tinygemm": 1, "export-only": 2, "w4a8-gptq": 9}
 
 

@@ -31,7 +31,7 @@ def packable(lin: LinearShape, group: int) -> bool:
 
 
 def tiles_block(lin: LinearShape, block: int) -> bool:
-    """Does N split into whole n-blocks of the host's tinygemm layout ([N/B][K][B/2 bytes], FACTS.md)?
+    """Does N split into whole n-blocks of the host's tinygemm layout ([N/B][K][B/2 bytes], docs/FACTS.md)?
 
     The direct layout dequantizes prefill weights straight from the tinygemm buffer block by block; a layer
     whose N does not tile keeps a row-major copy, i.e. it runs dual. B comes from edge.kernel_params.

@@ -73,7 +73,7 @@ def torch_cpu_capability(
 
 
 def vllm_native_library(flags: Iterable[str], arch: str | None) -> Fact[str]:
-    """The native library vLLM 0.28 CPU loads at import (vllm/platforms/cpu.py import_kernels, FACTS.md)."""
+    """The native library vLLM 0.28 CPU loads at import (vllm/platforms/cpu.py import_kernels, docs/FACTS.md)."""
     flags = frozenset(flags)
     if arch == "x86_64":
         if flags >= TORCH_AVX512_FLAGS:

@@ -10,7 +10,7 @@ written last, so a directory whose manifest checks out is complete. `check_manif
 (sizes + the manifest's own checksum) and re-hashes every file when asked.
 
 torch is imported only by the writer: `edge-model default` checks a cached directory's manifest without it
-(importing torch takes ~1.5 s, ARCHITECTURE.md).
+(importing torch takes ~1.5 s, README.md "Layout").
 """
 
 from __future__ import annotations

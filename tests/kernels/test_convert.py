@@ -199,7 +199,7 @@ def test_layers_named_in_ignore_stay_bf16(smol_shaped, tmp_path):
 
 
 def test_k_not_divisible_by_the_group_is_an_error_naming_the_tensor(smol_shaped, tmp_path):
-    with pytest.raises(InputError) as error:  # K = 576 = 4.5 x 128 (FACTS.md: group 64 or 32 for SmolLM2)
+    with pytest.raises(InputError) as error:  # K = 576 = 4.5 x 128 (docs/FACTS.md: group 64 or 32 for SmolLM2)
         convert(smol_shaped, tmp_path / "dst", {**W4A16, "group_size": 128}, path="w4a16-tinygemm")
     assert error.value.field.startswith("model.") and error.value.field.endswith(".weight")
     assert "K=576" in str(error.value) and "128" in str(error.value)

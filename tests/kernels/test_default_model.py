@@ -132,7 +132,7 @@ def test_cli_reports_a_missing_package_with_exit_code_2(cache, monkeypatch, caps
 
 @pytest.mark.slow
 def test_the_built_model_answers_paris(cache):
-    """Real build from the GGUF (~60 s here), then greedy decoding through transformers (FACTS.md)."""
+    """Real build from the GGUF (~60 s here), then greedy decoding through transformers (docs/FACTS.md)."""
     pytest.importorskip("transformers")
     try:
         default_model.source_gguf()

