@@ -179,6 +179,7 @@ def _layers_of(table, kind):
     return {key: row for key, row in table.items() if key[0] == kind}
 
 
+@pytest.mark.heavy  # the scale search over all 211 real layers: ~30 s of CPU on 2 cores
 @pytest.mark.parametrize("kind", [*KINDS, "lm_head"])
 def test_search_improves_snr_over_absmax_on_every_real_layer(real_snr, kind):
     # Measured (docs/reports/2026-11-29-gptq-snr.md, group 64): smallest per-layer gain 1.20 dB (a k_proj).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
@@ -27,6 +28,7 @@ def fuzz(operation, examples: int, statuses: Counter) -> None:
     one_case()
 
 
+@pytest.mark.heavy  # 500 generated requests
 def test_plan_endpoints_never_answer_5xx_over_500_generated_cases():
     schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(Settings())).include(path_regex="^/plan")
     statuses: Counter = Counter()
