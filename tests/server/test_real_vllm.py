@@ -53,11 +53,11 @@ def complete(url: str, model: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
 
 
-@pytest.fixture
-def wrapper(tmp_path: Path):
+def start_wrapper(tmp_path: Path, extra_env: dict[str, str] | None = None):
     port = free_port()
     log = tmp_path / "edge-serve.log"
-    env = {**os.environ, "EDGE_HEALTH_POLL_S": "2", "EDGE_BACKOFF_INITIAL_S": "1", "EDGE_READY_TIMEOUT_S": "1100"}
+    env = {**os.environ, "EDGE_HEALTH_POLL_S": "2", "EDGE_BACKOFF_INITIAL_S": "1", "EDGE_READY_TIMEOUT_S": "1100",
+           **(extra_env or {})}  # fmt: skip
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "--port", str(port), "--max-model-len", "512"],
@@ -66,15 +66,25 @@ def wrapper(tmp_path: Path):
             env=env,
             cwd=Path(__file__).parents[2],
         )
+    return process, f"http://127.0.0.1:{port}", log
+
+
+def stop_wrapper(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)  # uvicorn shuts down; the lifespan stops the engine group
     try:
-        yield process, f"http://127.0.0.1:{port}", log
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture
+def wrapper(tmp_path: Path):
+    started = start_wrapper(tmp_path)
+    try:
+        yield started
     finally:
-        process.send_signal(signal.SIGTERM)  # uvicorn shuts down; the lifespan stops the engine group
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_wrapper(started[0])
 
 
 def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(wrapper):
@@ -109,3 +119,28 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
 
     again = complete(url, model)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+# How PyTorch runs on an AVX2 box, on any x86 host with AVX2 (docs/FACTS.md): ATen dispatches its AVX2 kernels
+# (tinygemm packs 32-channel blocks) and oneDNN keeps to AVX2. vLLM still loads the library the CPU flags pick.
+AVX2_DISPATCH = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_under_avx2_dispatch_edge_serve_plans_block_32_serves_and_answers_paris(tmp_path):
+    """The plan and the engine agree on the block under AVX2 dispatch (once they did not: the plan derived 64 from
+    the CPU flags, the engine measured 32, and vLLM died in warm-up in a restart loop)."""
+    process, url, log = start_wrapper(tmp_path, AVX2_DISPATCH)
+    try:
+        wait_for(lambda: ready(url), process, log)
+        plan = get(f"{url}/status").json()["plan"]
+        assert plan["device"]["runtime"]["torch_cpu_capability"]["value"] == "AVX2"
+        if plan["path"] == "w4a16-tinygemm":
+            config = plan["quantization_config"]
+            assert (config["tinygemm_block"], config["prefill_dtype"]) == (32, "float32")
+        model = get(f"{url}/v1/models").json()["data"][0]["id"]
+        answer = complete(url, model)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"].startswith(" Paris"), answer.json()["choices"][0]["text"]
+        assert get(f"{url}/status").json()["engine"]["restarts"] == 0
+    finally:
+        stop_wrapper(process)
