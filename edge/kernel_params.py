@@ -39,14 +39,16 @@ def block_fact_key(capability: str | None) -> str | None:
     return _BLOCK_FACTS.get(capability or "")
 
 
-def dequant_threshold(*, amx: bool) -> int:
+def dequant_threshold(*, amx: bool, prefill_dtype: PrefillDtype) -> int:
     """AMX: 2 — tinygemm on a multi-row batch followed by vLLM's CPU attention dies with SIGILL (reference study).
 
-    Elsewhere the hazard does not exist and the crossover measured on the AVX2 host is used (128 rows at SmolLM2
-    shapes, benchmarks/dequant_paths.py); an AVX-512 host without AMX crosses over earlier (bf16 beats tinygemm
-    from ~16 rows there, docs/FACTS.md), which only a measurement on the device can settle.
+    Elsewhere the hazard does not exist and the measured crossover of the GEMM the prefill runs is used: bf16
+    (AVX-512 with AVX512-BF16: 128 rows at SmolLM2 shapes, 256 at 4096x4096, 2026-11-30) or fp32 (AVX2: 128 at
+    SmolLM2 shapes, 256 at 4096x4096, 2026-11-29), both from benchmarks/dequant_paths.py.
     """
-    key = "amx.dequant_threshold" if amx else "avx2.dequant_threshold"
+    if amx:
+        return int(fact("amx.dequant_threshold").value)
+    key = "avx512.dequant_threshold" if prefill_dtype == "bfloat16" else "avx2.dequant_threshold"
     return int(fact(key).value)
 
 
@@ -75,10 +77,11 @@ class KernelParams:
 
 
 def params(*, capability: str | None, amx: bool, native_bf16: bool, block: int) -> KernelParams:
+    dtype = prefill_dtype(capability=capability, native_bf16=native_bf16)
     return KernelParams(
         block=block,
-        dequant_threshold=dequant_threshold(amx=amx),
-        prefill_dtype=prefill_dtype(capability=capability, native_bf16=native_bf16),
+        dequant_threshold=dequant_threshold(amx=amx, prefill_dtype=dtype),
+        prefill_dtype=dtype,
         repack_chunk_rows=repack_chunk_rows(amx=amx, block=block),
     )
 
