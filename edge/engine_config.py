@@ -44,6 +44,7 @@ def quantization_config(
             "tinygemm_block": kernel.block,
             "repack_chunk_rows": kernel.repack_chunk_rows,
             "quantize_embedding": model.tie_word_embeddings,
+            "int8": [layer.name for layer in layers if layer.format == "int8"],
             "ignore": kept_bf16(layers),
         }
     if path == "w4a8-gptq":

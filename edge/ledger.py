@@ -14,7 +14,7 @@ from edge import rules
 from edge.facts import fact
 from edge.kernel_params import KernelParams
 from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
-from edge.quantized_layers import EMBEDDING, LayerDecision, model_layers, rules_for
+from edge.quantized_layers import EMBEDDING, LayerDecision, QuantRules, model_layers, rules_for
 from edge.shapes import LinearShape, ModelShape
 
 BF16 = 2  # bytes; the engine runs every path with bf16 activations and bf16 non-quantized tensors
@@ -32,14 +32,17 @@ def estimate(
     kernel: KernelParams,
     budget_bytes: int | None,
     engine_baseline_bytes: int,
+    quant: QuantRules | None = None,
 ) -> MemoryLedger:
     """Itemized resident footprint and load-time peak of running `model` on `path`.
 
     kernel: the w4a16 kernel's parameters for the device (edge.kernel_params), the same values the plan writes
     into the checkpoint's quantization_config: block, dequant threshold, prefill dtype, repack chunk.
-    Which weights are quantized is asked of edge.quantized_layers, as the converter and the vLLM method do.
+    Which weights are quantized is asked of edge.quantized_layers, as the converter and the vLLM method do:
+    `quant`, by default the rules a plan writes (rules_for).
     """
-    layers = {d.name: d for d in model_layers(model, rules_for(model, path, group_size))}
+    quant = quant or rules_for(model, path, group_size)
+    layers = {d.name: d for d in model_layers(model, quant)}
     if path == "export-only":
         items = _export_weights(model)
     else:
@@ -163,6 +166,16 @@ def _bf16_weights(model: ModelShape) -> list[MemoryItem]:
     return items
 
 
+def int8_bytes(lin: LinearShape) -> int:
+    """int8 codes [N, K] + one bf16 scale per output channel [N] (kernels/int8.py)."""
+    return lin.count * (lin.n * lin.k + BF16 * lin.n)
+
+
+def _int8(lin: LinearShape, note: str = "") -> MemoryItem:
+    detail = f"{_times(lin)}({lin.n} x {lin.k} x 1 B + 2 B x {lin.n} scales) = {_mib(int8_bytes(lin))}{note}"
+    return _resident("int8-weights", f"{lin.name} int8 (8-bit set)", int8_bytes(lin), detail, layer=lin.name)
+
+
 def _kept_bf16(lin: LinearShape, why: str) -> MemoryItem:
     return _resident(
         "bf16-weights", f"{lin.name} kept bf16", bf16_bytes(lin), f"{why}: {_bf16_detail(lin)}", layer=lin.name
@@ -180,7 +193,10 @@ def _tinygemm_weights(
     head = _head(model)
     tied = model.tie_word_embeddings
     items: list[MemoryItem] = []
-    if tied and layers[EMBEDDING].format == "int4":
+    if layers[EMBEDDING].format == "int8":
+        shared = " (tied: the head multiplies the same rows)" if tied else ""
+        items.append(_int8(_embedding(model), shared))
+    elif tied and layers[EMBEDDING].format == "int4":
         detail = _tinygemm_detail(head, group)
         items += [
             _resident("int4-weights", "lm_head (tied embedding) int4 tinygemm", tinygemm_bytes(head, group), detail,
@@ -198,6 +214,8 @@ def _tinygemm_weights(
             packed.append(lin)
             items.append(_resident("int4-weights", f"{lin.name} int4 tinygemm", tinygemm_bytes(lin, group),
                                    _tinygemm_detail(lin, group), layer=lin.name))  # fmt: skip
+        elif decision.format == "int8":
+            items.append(_int8(lin))
         else:
             items.append(_kept_bf16(lin, decision.why))
     return items + _row_major_copies(packed, layout, group, block)
@@ -416,22 +434,28 @@ def _dequant_working_set(
     kernels/int4_ops.py dequantizes to [N, K]: uint8 codes (1 B) then fp32 arithmetic (4 B, kernels/int4.py
     apply_scales), cast to the plan's prefill dtype (edge.kernel_params: bf16 adds 2 B, fp32 is computed in
     place). Decoder layers see prompt-length batches; the head one row per running sequence.
-    kernels/cpu_int4.py runs a tied head dual whatever the layout, so even kernel-only dequantizes it. Freed
-    after each layer: a transient on top of the resident total, not resident itself.
+    kernels/cpu_int4.py runs a tied int4 head dual whatever the layout, so even kernel-only dequantizes it; an
+    int8 layer (kernels/int8.py) dequantizes wide batches to bf16 in every layout. Freed after each layer: a
+    transient on top of the resident total, not resident itself.
     """
     threshold = kernel.dequant_threshold
-    per_weight = 1 + 4 + (2 if kernel.prefill_dtype == "bfloat16" else 0)
-    candidates = []
-    if layout != "kernel-only" and max_model_len >= threshold:
-        candidates += _layer_linears(model)
-    if max_num_seqs >= threshold and (layout != "kernel-only" or model.tie_word_embeddings):
-        candidates.append(_head(model))
-    candidates = [lin for lin in candidates if layers[lin.name].format == "int4"]
+    # int4: uint8 codes + fp32 values (+ the bf16 cast unless fp32 is the prefill dtype); int8: fp32 + bf16
+    bytes_per = {"int4": 1 + 4 + (2 if kernel.prefill_dtype == "bfloat16" else 0), "int8": 4 + 2}
+    def dequantizes(lin: LinearShape, rows: int, int4_dequantizes: bool) -> bool:
+        fmt = layers[lin.name].format
+        return rows >= threshold and (fmt == "int8" or (fmt == "int4" and int4_dequantizes))
+
+    # int8 layers dequantize wide batches in every layout (kernels/int4_ops.py cpu_int8_linear)
+    candidates = [lin for lin in _layer_linears(model) if dequantizes(lin, max_model_len, layout != "kernel-only")]
+    head = _head(model)
+    if dequantizes(head, max_num_seqs, layout != "kernel-only" or model.tie_word_embeddings):
+        candidates.append(head)
     if not candidates:
         return []
-    widest = max(candidates, key=lambda lin: lin.n * lin.k)
+    widest = max(candidates, key=lambda lin: lin.n * lin.k * bytes_per[layers[lin.name].format])
+    per_weight = bytes_per[layers[widest.name].format]
     size = per_weight * widest.n * widest.k
-    cast = "" if per_weight == 5 else " + bf16 cast"
+    what = {5: "uint8 codes + fp32 values", 7: "uint8 codes + fp32 values + bf16 cast", 6: "fp32 + bf16 values"}
     return [
         MemoryItem(
             kind="dequant-working-set",
@@ -439,7 +463,7 @@ def _dequant_working_set(
             name="prefill dequantize working set",
             phase="run-transient",
             bytes=size,
-            detail=f"{widest.name}: {widest.n} x {widest.k} x {per_weight} B (uint8 codes + fp32 values{cast})"
+            detail=f"{widest.name}: {widest.n} x {widest.k} x {per_weight} B ({what[per_weight]})"
             f" = {_mib(size)}, once a batch reaches {threshold} rows",
         )
     ]

@@ -7,11 +7,12 @@ Asked three ways, always through `QuantRules`:
 
 A layer stays bf16 when `quantization_config.ignore` names it, when the kernel cannot take its shape (tinygemm
 packs N in 16s; vLLM's CPU GPTQ wants N and K in 32s), or when a layer vLLM fuses it with stays bf16 (q/k/v
-load into one qkv_proj, gate/up into one gate_up_proj: a fused layer is quantized whole or not at all).
+load into one qkv_proj, gate/up into one gate_up_proj: a fused layer takes one format, the widest of its parts).
+A w4a16 weight in the 8-bit set (`quantization_config.int8`: kinds, prefixes or globs) is int8 per channel.
 The embedding and the head:
-    w4a16-tinygemm  the embedding is quantized when `quantize_embedding` says so, and a tied head with it;
-                    plans say so for tied embeddings only (an untied one is just a lookup); an untied head is a
-                    linear like any other
+    w4a16-tinygemm  plans put both in the 8-bit set (EIGHT_BIT_SET); a tied head follows its embedding. A config
+                    without them there quantizes the embedding to int4 when `quantize_embedding` says so; an
+                    untied head is then a linear like any other
     w4a8-gptq       the embedding stays bf16; the head is quantized (`lm_head: true`; a tied one is untied)
 Pure: no torch, no I/O.
 """
@@ -29,9 +30,15 @@ from edge import rules
 from edge.errors import InputError
 from edge.shapes import ModelShape
 
-Format = Literal["int4", "bf16"]
+Format = Literal["int4", "int8", "bf16"]
 HEAD = "lm_head"
 EMBEDDING = "embed_tokens"
+# The 8-bit set a w4a16 plan writes (quantization_config.int8): the embedding and the head. llama.cpp keeps
+# the output tensor and a tied embedding at 6-8 bits, Meta's quantized Llama 3.2 both at 8, and the default
+# model's own GGUF stores them as Q8_0 (docs/FACTS.md); edge-eval measures what it buys (docs/reports/).
+EIGHT_BIT_SET: tuple[str, ...] = (EMBEDDING, HEAD)
+# When vLLM fuses weights of different formats into one layer, all take the widest.
+_WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
 # vLLM's fused layers and the checkpoint weights they load (Llama's packed_modules_mapping).
 SHARDS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -63,6 +70,7 @@ class Decision:
 
 
 INT4 = Decision("int4", "quantized")
+INT8 = Decision("int8", "in the 8-bit set (quantization_config.int8)")
 
 
 def kind(prefix: str) -> str:
@@ -84,6 +92,7 @@ class QuantRules:
     ignore: tuple[str, ...] = ()
     quantize_embedding: bool = False  # w4a16: the tied embedding and the head it serves
     quantize_head: bool = True  # w4a8-gptq: `lm_head`
+    int8: tuple[str, ...] = ()  # w4a16: the 8-bit set, as kinds, prefixes or globs (`quantization_config.int8`)
     tied: bool = False
     # A K the group does not divide: an error when a checkpoint's config does not fit its model (converter, vLLM
     # method); bf16 with the reason when the planner weighs a path it may refuse anyway.
@@ -98,6 +107,7 @@ class QuantRules:
             ignore=tuple(qconfig.get("ignore") or ()),
             quantize_embedding=bool(qconfig.get("quantize_embedding", False)),
             quantize_head=bool(qconfig.get("lm_head", path == "w4a8-gptq")),
+            int8=tuple(qconfig.get("int8") or ()) if path == "w4a16-tinygemm" else (),
             tied=tied,
         )
 
@@ -121,17 +131,21 @@ class QuantRules:
             return Decision("bf16", "quantization_config.lm_head is not true")
         if self.ignored(prefix):
             return Decision("bf16", "listed in quantization_config.ignore")
+        if matches(prefix, self.int8):
+            return INT8
         return self._shape(prefix, n, k)
 
     def _embedding(self, prefix: str, n: int, k: int) -> Decision:
         if self.path == "w4a8-gptq":
             return Decision("bf16", "a lookup: vLLM's GPTQ keeps the embedding bf16 (the head is untied from it)")
+        embedding = prefix.removesuffix(HEAD) + f"model.{EMBEDDING}" if kind(prefix) == HEAD else prefix
+        if self.ignored(embedding) or (self.tied and self.ignored(HEAD)):
+            return Decision("bf16", "the embedding or the head tied to it is listed in quantization_config.ignore")
+        if matches(embedding, self.int8) or (self.tied and matches(HEAD, self.int8)):
+            return INT8
         if not self.quantize_embedding:
             why = "" if self.tied else "an untied embedding is a lookup: "
             return Decision("bf16", f"{why}quantization_config.quantize_embedding is not true")
-        embedding = prefix.removesuffix(HEAD) + f"model.{EMBEDDING}" if kind(prefix) == HEAD else prefix
-        if self.ignored(embedding) or self.ignored(HEAD):
-            return Decision("bf16", "the tied embedding or its head is listed in quantization_config.ignore")
         return self._shape(prefix, n, k)
 
     def _shape(self, prefix: str, n: int, k: int) -> Decision:
@@ -153,36 +167,39 @@ class QuantRules:
         if self.ignored(prefix):
             return Decision("bf16", "listed in quantization_config.ignore")
         base = prefix.removesuffix(kind(prefix))
-        for shard, n in shards:
-            decision = self.weight(base + shard, n, k)
-            if not decision.quantized:
-                return Decision("bf16", f"fused with {shard}, which stays bf16 ({decision.why})")
-        return INT4
+        decided = [(shard, self.weight(base + shard, n, k)) for shard, n in shards]
+        shard, widest = max(decided, key=lambda pair: _WIDTH[pair[1].format])
+        if all(d.format == widest.format for _, d in decided):
+            return widest
+        return Decision(widest.format, f"fused with {shard}, which is {widest.format} ({widest.why})")
 
     def weights(self, shapes: Mapping[str, tuple[int, int]]) -> dict[str, Decision]:
         """Every checkpoint weight (prefix -> (N, K)), the fused-sibling rule applied."""
         decided = {prefix: self.weight(prefix, n, k) for prefix, (n, k) in shapes.items()}
         for prefix, decision in list(decided.items()):
             fused = FUSED.get(kind(prefix))
-            if decision.quantized or fused is None:
+            if fused is None:
                 continue
             base = prefix.removesuffix(kind(prefix))
             for sibling in SHARDS[fused]:
-                if decided.get(base + sibling, decision).quantized:
+                other = decided.get(base + sibling)
+                if other is not None and _WIDTH[other.format] < _WIDTH[decision.format]:
                     decided[base + sibling] = Decision(
-                        "bf16", f"fused with {kind(prefix)} in vLLM's {fused}, which stays bf16 ({decision.why})"
+                        decision.format,
+                        f"fused with {kind(prefix)} in vLLM's {fused}, which is {decision.format} ({decision.why})",
                     )
         return decided
 
 
 def rules_for(model: ModelShape, path: str, group_size: int | None, ignore: Sequence[str] = ()) -> QuantRules:
-    """The rules a plan writes for this model: a tied embedding is quantized with its head (w4a16)."""
+    """The rules a plan writes for this model: w4a16 keeps the embedding and the head in the 8-bit set."""
     return QuantRules(
         path=path,
         group_size=group_size,
         ignore=tuple(ignore),
         quantize_embedding=model.tie_word_embeddings,
         quantize_head=True,
+        int8=EIGHT_BIT_SET if path == "w4a16-tinygemm" else (),
         tied=model.tie_word_embeddings,
         strict=False,
     )

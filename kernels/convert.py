@@ -88,7 +88,8 @@ class Source:
 class Decisions:
     """What happens to each source tensor; `quantize` maps a name to the prefix its outputs are named by."""
 
-    quantize: dict[str, str] = field(default_factory=dict)
+    quantize: dict[str, str] = field(default_factory=dict)  # 4-bit (the path's format)
+    int8: dict[str, str] = field(default_factory=dict)  # the 8-bit set (kernels/int8.py), same naming
     kept: dict[str, str] = field(default_factory=dict)  # name -> why it stays bf16
     dropped: dict[str, str] = field(default_factory=dict)  # name -> why it is not written
     head_from_embedding: str | None = None  # gptq: the embedding also written as the quantized lm_head
@@ -168,7 +169,9 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
         name = f"{prefix}.weight"
         if name == embedding and not decision.quantized and not quant.quantize_embedding:
             continue  # an embedding nobody asked to quantize is passed through, not "kept"
-        if decision.quantized:
+        if decision.format == "int8":
+            decisions.int8[name] = prefix
+        elif decision.quantized:
             decisions.quantize[name] = prefix
         else:
             decisions.kept[name] = decision.why
@@ -179,9 +182,13 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
             decisions.head_from_embedding = embedding
         else:
             decisions.kept["lm_head (tied)"] = head.why
-    elif path == "w4a16-tinygemm" and source.tied and embedding and embedding not in decisions.quantize:
+    elif path == "w4a16-tinygemm" and source.tied and embedding and not _written_quantized(decisions, embedding):
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
     return decisions
+
+
+def _written_quantized(decisions: Decisions, name: str) -> bool:
+    return name in decisions.quantize or name in decisions.int8
 
 
 def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
@@ -324,6 +331,7 @@ def _write(
         "bytes_in": bytes_in,
         "bytes_out": writer.bytes_written,
         "quantized": sorted(decisions.quantize),
+        "int8": sorted(decisions.int8),
         "kept": dict(sorted(decisions.kept.items())),
         "dropped": dict(sorted(decisions.dropped.items())),
         "added": ["lm_head (quantized from the embedding; tie_word_embeddings set false)"]
@@ -345,6 +353,11 @@ def _convert_tensor(
 ) -> dict[str, torch.Tensor]:
     import torch
 
+    if name in decisions.int8:
+        from kernels.int8 import quantize_int8
+
+        qweight, scales = quantize_int8(tensor, name=name)
+        return {f"{decisions.int8[name]}.qweight": qweight, f"{decisions.int8[name]}.scales": scales}  # [N, K], [N]
     prefix = decisions.quantize.get(name)
     if prefix is None:
         return {name: tensor.to(torch.bfloat16)}  # no copy when already bf16: bit-exact passthrough
@@ -417,9 +430,9 @@ def _finish_directory(
 
 def describe(summary: dict[str, Any]) -> str:
     """The end-of-conversion summary, for people."""
-    quantized, kept = len(summary["quantized"]), len(summary["kept"])
+    quantized, kept, int8 = len(summary["quantized"]), len(summary["kept"]), len(summary.get("int8", []))
     lines = [
-        f"converted {summary['tensors_in']} tensors: {quantized} quantized, {kept} linears kept in bf16, "
+        f"converted {summary['tensors_in']} tensors: {quantized} quantized, {int8} int8, {kept} kept in bf16, "
         f"{len(summary['dropped'])} dropped; {summary['bytes_in'] / 1e6:.1f} MB in -> "
         f"{summary['bytes_out'] / 1e6:.1f} MB out ({', '.join(summary['files'])})"
     ]

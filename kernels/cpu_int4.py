@@ -12,6 +12,10 @@ Layouts:
     direct       direct_dequant true,  prefill_dequant true: tinygemm buffer only; prefill dequantizes from it
                  (a layer whose N does not tile the host block keeps the row-major copy: dual for that layer)
     kernel-only  prefill_dequant false: tinygemm for every batch, no copy
+
+The 8-bit set (`int8`: the embedding and the head in every plan, kernels/int8.py) loads `<prefix>.qweight` int8
+[N, K] and `.scales` bf16 [N] and runs PyTorch's int8 weight-only GEMM. Which weights are int4, int8 or bf16 is
+asked of edge.quantized_layers, as the plan's ledger and the converter ask it.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from edge import kernel_params
 from edge.errors import InputError
-from edge.quantized_layers import SHARDS, Decision, QuantRules
+from edge.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
 from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
-from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear
+from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear, int8_embedding, int8_linear
 from kernels.layout import host_layout
 from kernels.tinygemm import tiles, to_tinygemm
 
@@ -62,9 +66,11 @@ def quantization_config(
     group_size: int = 64,
     dequant_threshold: int | None = None,
     quantize_embedding: bool = True,
+    int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
     ignore: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The `quantization_config` dict for a layout on this host, as a plan would write it (tests, benchmarks)."""
+    """The `quantization_config` dict for a layout on this host, as a plan would write it (tests, benchmarks);
+    `int8=()` leaves the embedding and the head to 4 bits."""
     if layout not in LAYOUTS:
         raise InputError("layout", layout, f"one of {sorted(LAYOUTS)}")
     host = host_params()
@@ -78,6 +84,7 @@ def quantization_config(
         "tinygemm_block": host.block,
         "repack_chunk_rows": host.repack_chunk_rows,
         "quantize_embedding": quantize_embedding,
+        "int8": list(int8),
         "ignore": list(ignore or []),
     }
 
@@ -107,6 +114,7 @@ class CpuInt4Config(QuantizationConfig):
         tinygemm_block: int | None = None,
         repack_chunk_rows: int | None = None,
         quantize_embedding: bool = False,
+        int8: list[str] | None = None,
         ignore: list[str] | None = None,
     ) -> None:
         super().__init__()
@@ -134,6 +142,7 @@ class CpuInt4Config(QuantizationConfig):
         self.tinygemm_block = host.block
         self.repack_chunk_rows = repack_chunk_rows or host.repack_chunk_rows
         self.quantize_embedding = quantize_embedding
+        self.int8 = list(int8 or [])
         self.ignore = list(ignore or [])
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
@@ -172,6 +181,7 @@ class CpuInt4Config(QuantizationConfig):
             tinygemm_block=config.get("tinygemm_block"),
             repack_chunk_rows=config.get("repack_chunk_rows"),
             quantize_embedding=bool(config.get("quantize_embedding", False)),
+            int8=list(config.get("int8", [])),
             ignore=list(config.get("ignore", [])),
         )
 
@@ -187,6 +197,7 @@ class CpuInt4Config(QuantizationConfig):
             "tinygemm_block": self.tinygemm_block,
             "repack_chunk_rows": self.repack_chunk_rows,
             "quantize_embedding": self.quantize_embedding,
+            "int8": list(self.int8),
             "ignore": list(self.ignore),
         }
 
@@ -215,14 +226,17 @@ class CpuInt4Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, LinearBase):
-            quantized = self._linear_decision(layer, prefix).quantized
-            return CpuInt4LinearMethod(self) if quantized else UnquantizedLinearMethod()
+            linear_methods = {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod}
+            method = linear_methods.get(self._linear_decision(layer, prefix).format)
+            return method(self) if method else UnquantizedLinearMethod()
         if not isinstance(layer, VocabParallelEmbedding):
             return None
         is_head = isinstance(layer, ParallelLMHead)
         name = prefix or ("lm_head" if is_head else "model.embed_tokens")
         decision = self.rules.weight(name, layer.org_vocab_size, layer.embedding_dim)
-        return CpuInt4EmbeddingMethod(self) if decision.quantized else None
+        embedding_methods = {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod}
+        method = embedding_methods.get(decision.format)
+        return method(self) if method else None
 
     def _linear_decision(self, layer: LinearBase, prefix: str) -> Decision:
         """A fused vLLM layer (qkv_proj, gate_up_proj) is decided from the checkpoint weights it loads."""
@@ -354,3 +368,51 @@ def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias:
         config.prefill_dtype == "float32",
     )
     return y if bias is None else y + bias
+
+
+class _Int8Weights:
+    """The 8-bit set's tensors (kernels/int8.py): qweight int8 [N, K] and scales bf16 [N], loaded as stored."""
+
+    def __init__(self, config: CpuInt4Config) -> None:
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        layer.register_parameter(
+            "qweight", _param(torch.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra_weight_attrs)
+        )  # [N, K]
+        layer.register_parameter(
+            "scales", _param(torch.empty(n, dtype=torch.bfloat16), output_dim=0, **extra_weight_attrs)
+        )  # [N]
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pass  # PyTorch's int8 weight-only GEMM reads the checkpoint layout as is
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = int8_linear(x, layer.qweight, layer.scales, self.config.dequant_threshold)
+        return y if bias is None else y + bias
+
+
+class CpuInt8LinearMethod(_Int8Weights, LinearMethodBase):
+    """A linear layer in the 8-bit set (fused shards stack along N, like the int4 method's)."""
+
+
+class CpuInt8EmbeddingMethod(_Int8Weights, QuantizeMethodBase):
+    """The embedding (lookups gather int8 rows) and the head (int8 GEMM); a tied head shares the same tensors."""
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        assert isinstance(embed_tokens.quant_method, CpuInt8EmbeddingMethod), "tied head needs an int8 embedding"
+        layer.qweight, layer.scales = embed_tokens.qweight, embed_tokens.scales
+        return layer
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        return int8_embedding(input_, layer.qweight, layer.scales)

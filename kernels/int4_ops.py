@@ -1,4 +1,5 @@
-"""The `cpu_int4` forward as opaque torch ops: torch.ops.vllm.cpu_int4_linear and .cpu_int4_embedding.
+"""The `cpu_int4` forward as opaque torch ops: torch.ops.vllm.cpu_int4_linear and .cpu_int4_embedding, and the
+8-bit set's .cpu_int8_linear and .cpu_int8_embedding.
 
 vLLM compiles the model with Dynamo. Inside these ops the path depends on the number of rows (tinygemm
 below `dequant_threshold`, a dequantize + GEMM above it); traced, that branch would specialise the graph on
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kernels.int4 import apply_scales, dequantize, unpack_nibbles
+from kernels.int8 import dequantize_int8
 from kernels.layout import host_layout
 from kernels.tinygemm import dequantize_tinygemm, linear
 
@@ -92,6 +94,35 @@ def _embedding_fake(
     return qweight.new_empty((*ids.shape, qweight.shape[1] * 2), dtype=torch.bfloat16)
 
 
+def _int8_linear_impl(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] bf16 for an int8 layer (kernels/int8.py): qweight int8 [N, K], scales bf16 [N].
+    Narrow batches run PyTorch's int8 weight-only GEMM; from dequant_threshold rows, dequantize and run bf16."""
+    n = qweight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+    if x2.shape[0] < dequant_threshold:
+        y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)  # [M, N]
+    else:
+        y = torch.mm(x2, dequantize_int8(qweight, scales).t())
+    return y.view(*x.shape[:-1], n)
+
+
+def _int8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.bfloat16)
+
+
+def _int8_embedding_impl(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """ids [...] -> [..., H] bf16: gather the int8 rows and their scales, dequantize only those."""
+    flat = ids.reshape(-1)  # [T]
+    rows = dequantize_int8(qweight.index_select(0, flat), scales.index_select(0, flat))  # [T, H]
+    return rows.view(*ids.shape, rows.shape[-1])
+
+
+def _int8_embedding_fake(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return qweight.new_empty((*ids.shape, qweight.shape[1]), dtype=torch.bfloat16)
+
+
 def _register() -> None:
     # This module is imported once per process (the plugin imports it in every vLLM process); defining an op
     # twice would raise, so the import is the guard.
@@ -99,6 +130,8 @@ def _register() -> None:
 
     direct_register_custom_op("cpu_int4_linear", _linear_impl, fake_impl=_linear_fake)
     direct_register_custom_op("cpu_int4_embedding", _embedding_impl, fake_impl=_embedding_fake)
+    direct_register_custom_op("cpu_int8_linear", _int8_linear_impl, fake_impl=_int8_linear_fake)
+    direct_register_custom_op("cpu_int8_embedding", _int8_embedding_impl, fake_impl=_int8_embedding_fake)
 
 
 _register()
@@ -126,3 +159,11 @@ def int4_embedding(
     ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
 ) -> torch.Tensor:
     return torch.ops.vllm.cpu_int4_embedding(ids, qweight, scales, zeros, group)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int) -> torch.Tensor:
+    return torch.ops.vllm.cpu_int8_linear(x, qweight, scales, dequant_threshold)
+
+
+def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.vllm.cpu_int8_embedding(ids, qweight, scales)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from edge.facts import fact
 from edge.kernel_params import KernelParams
 from edge.ledger import estimate
 from edge.model_reader import default_model, read_model
+from edge.quantized_layers import QuantRules, rules_for
 from edge.shapes import LinearShape, ModelShape
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
@@ -22,8 +24,14 @@ def kernel(block=AVX2_BLOCK, threshold=2, dtype="float32", chunk=512) -> KernelP
     return KernelParams(block=block, dequant_threshold=threshold, prefill_dtype=dtype, repack_chunk_rows=chunk)
 
 
+def int4_head(model, group=64) -> QuantRules:
+    """Rules without the 8-bit set: the head (and a tied embedding) at 4 bits, as a hand-written config may say."""
+    return replace(rules_for(model, "w4a16-tinygemm", group), int8=())
+
+
 def ledger(
-    model, path, layout=None, group=None, *, max_model_len=2048, seqs=1, block=AVX2_BLOCK, budget=None, **params
+    model, path, layout=None, group=None, *, max_model_len=2048, seqs=1, block=AVX2_BLOCK, budget=None, quant=None,
+    **params,
 ):
     return estimate(
         model,
@@ -35,6 +43,7 @@ def ledger(
         kernel=kernel(block, **params),
         budget_bytes=budget,
         engine_baseline_bytes=BASELINE,
+        quant=quant,
     )
 
 
@@ -112,9 +121,25 @@ def test_direct_keeps_a_row_major_copy_only_for_layers_whose_n_does_not_tile_the
     assert row_major_copies(led) == untiled
 
 
-def test_dual_keeps_a_row_major_copy_of_every_quantized_layer():
+def test_dual_keeps_a_row_major_copy_of_every_int4_layer():
     led = ledger(synthetic(48, 64, 96), "w4a16-tinygemm", "dual", 64)
-    assert row_major_copies(led) == {"n48_proj", "n64_proj", "n96_proj", "lm_head"}
+    assert row_major_copies(led) == {"n48_proj", "n64_proj", "n96_proj"}  # the head is int8: nothing to repack
+    model = synthetic(48, 64, 96)
+    with_int4_head = ledger(model, "w4a16-tinygemm", "dual", 64, quant=int4_head(model))
+    assert row_major_copies(with_int4_head) == {"n48_proj", "n64_proj", "n96_proj", "lm_head"}
+
+
+def test_the_plans_8_bit_set_stores_a_tied_embedding_once_as_int8_codes_and_channel_scales():
+    items = by_kind(ledger(default_model(), "w4a16-tinygemm", "direct", 64))
+    assert items["int8-weights", "embed_tokens"].bytes == 49152 * 576 + 2 * 49152
+    assert not {("int4-weights", "lm_head"), ("lookup-copy", "embed_tokens"), ("int8-weights", "lm_head")} & set(items)
+
+
+def test_an_untied_head_in_the_8_bit_set_is_int8_beside_an_int8_embedding():
+    model = read_model(CONFIGS / "mistral-7b-v0.3.json")
+    items = by_kind(ledger(model, "w4a16-tinygemm", "direct", 128))
+    one = 32768 * 4096 + 2 * 32768
+    assert items["int8-weights", "lm_head"].bytes == items["int8-weights", "embed_tokens"].bytes == one
 
 
 def test_kernel_only_keeps_no_row_major_copy():
@@ -137,7 +162,7 @@ def test_a_layer_that_cannot_pack_stays_bf16():
 
 def test_tied_embedding_on_tinygemm_keeps_the_head_and_a_row_major_lookup_copy():
     model = default_model()
-    items = by_kind(ledger(model, "w4a16-tinygemm", "kernel-only", 64))
+    items = by_kind(ledger(model, "w4a16-tinygemm", "kernel-only", 64, quant=int4_head(model)))
     # 49152 x 576 / 2 B codes + 2 x 2 B x 49152 x 576/64 scales and zeros
     one_copy = 49152 * 576 // 2 + 4 * 49152 * 9
     assert items["int4-weights", "lm_head"].bytes == one_copy
@@ -206,8 +231,9 @@ def test_kv_item_is_the_rule_and_engine_items_are_the_inputs():
 
 @pytest.mark.parametrize(("rows", "widest"), [(512, 512 * 1536), (2048, 2048 * 576)])
 def test_repack_transient_is_the_kernels_chunk_of_int32_codes(rows, widest):
-    """512 rows (this host's chunk): down_proj's 512 x 1536 is the widest chunk; 2048 (AMX): the head's."""
-    items = by_kind(ledger(default_model(), "w4a16-tinygemm", "direct", 64, chunk=rows))
+    """512 rows (this host's chunk): down_proj's 512 x 1536 is the widest chunk; 2048 (AMX): an int4 head's."""
+    model = default_model()
+    items = by_kind(ledger(model, "w4a16-tinygemm", "direct", 64, chunk=rows, quant=int4_head(model)))
     assert items["repack-transient", None].bytes == 4 * widest
     assert items["load-copy", None].bytes == 49152 * 576 * 2
 
@@ -227,8 +253,14 @@ def working_set(led) -> int | None:
     return next((item.bytes for item in led.items if item.kind == WORKING_SET), None)
 
 
-def test_kernel_only_untied_never_dequantizes():
-    assert working_set(ledger(synthetic(64, 96), "w4a16-tinygemm", "kernel-only", 64, seqs=8)) is None
+def test_kernel_only_untied_never_dequantizes_int4():
+    model = synthetic(64, 96)
+    assert working_set(ledger(model, "w4a16-tinygemm", "kernel-only", 64, seqs=8, quant=int4_head(model))) is None
+
+
+def test_an_int8_head_dequantizes_to_bf16_once_enough_sequences_decode_even_in_kernel_only():
+    led = ledger(synthetic(64, 96), "w4a16-tinygemm", "kernel-only", 64, seqs=8)
+    assert working_set(led) == 256 * 64 * (4 + 2)
 
 
 @pytest.mark.parametrize(("dtype", "per_weight"), [("float32", 1 + 4), ("bfloat16", 1 + 4 + 2)])
@@ -246,5 +278,6 @@ def test_no_working_set_when_no_batch_reaches_the_threshold():
 
 
 def test_a_tied_head_dequantizes_even_in_kernel_only_once_enough_sequences_decode():
-    led = ledger(default_model(), "w4a16-tinygemm", "kernel-only", 64, seqs=4, block=64, dtype="bfloat16")
+    model = default_model()
+    led = ledger(model, "w4a16-tinygemm", "kernel-only", 64, seqs=4, block=64, dtype="bfloat16", quant=int4_head(model))
     assert working_set(led) == 49152 * 576 * (1 + 4 + 2)

@@ -18,6 +18,7 @@ from edge.errors import InputError
 from kernels.checkpoint import INDEX_FILE
 from kernels.convert import MANIFEST, convert, main
 from kernels.int4 import dequantize
+from kernels.int8 import dequantize_int8
 
 GROUP = 64
 W4A16 = {
@@ -109,6 +110,20 @@ def test_the_tied_head_is_not_written_and_the_embedding_is_quantized_once(w4a16_
     written = _tensors(w4a16_dst)
     assert not [name for name in written if name.startswith("lm_head")]
     assert written["model.embed_tokens.qweight"].shape == (2048, 576 // 2)
+
+
+def test_the_8_bit_set_writes_the_tied_embedding_as_int8_codes_and_channel_scales(smol_shaped, tmp_path):
+    written = _tensors(convert(smol_shaped, tmp_path / "dst", {**W4A16, "int8": ["embed_tokens", "lm_head"]},
+                               path="w4a16-tinygemm"))  # fmt: skip
+    qweight, scales = written["model.embed_tokens.qweight"], written["model.embed_tokens.scales"]
+    assert (qweight.dtype, tuple(qweight.shape), scales.dtype, tuple(scales.shape)) == (
+        torch.int8, (2048, 576), torch.bfloat16, (2048,)
+    )
+    embedding = _tensors(smol_shaped)["model.embed_tokens.weight"].float()
+    error = (dequantize_int8(qweight, scales, torch.float32) - embedding).abs()
+    assert (error <= scales.float().unsqueeze(1) / 2 * 1.01).all()  # round to nearest of the stored scale
+    assert not [name for name in written if name.startswith("lm_head")]
+    assert written["model.layers.0.mlp.down_proj.qweight"].dtype == torch.uint8  # the layers stay 4-bit
 
 
 def test_norms_are_written_unchanged(smol_shaped, w4a16_dst):

@@ -22,9 +22,17 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
 )
 
 from edge.errors import InputError  # noqa: E402
-from kernels.cpu_int4 import CpuInt4Config, CpuInt4EmbeddingMethod, CpuInt4LinearMethod, host_params  # noqa: E402
+from kernels.cpu_int4 import (  # noqa: E402
+    CpuInt4Config,
+    CpuInt4EmbeddingMethod,
+    CpuInt4LinearMethod,
+    CpuInt8EmbeddingMethod,
+    CpuInt8LinearMethod,
+    host_params,
+)
 from kernels.int4 import dequantize, quantize_packed  # noqa: E402
 from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY  # noqa: E402
+from kernels.int8 import dequantize_int8, quantize_int8  # noqa: E402
 
 GROUP = 64
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
@@ -49,6 +57,7 @@ def quant_config(layout: str = "direct", **overrides) -> dict:
         "tinygemm_block": host.block,
         "repack_chunk_rows": host.repack_chunk_rows,
         "quantize_embedding": True,
+        "int8": [],
         "ignore": [],
         **LAYOUTS[layout],
         **overrides,
@@ -338,6 +347,51 @@ def test_tied_head_runs_tinygemm_on_the_shared_weights(layout):
     logits = head.quant_method.apply(head, x)
     assert logits.shape == (1, VOCAB)
     assert snr_db(logits, reference(x, *tensors)) > 40
+
+
+# --- the 8-bit set ------------------------------------------------------------------------------------------
+
+
+def int8_tied_pair(seqs_threshold: int = 2):
+    config = CpuInt4Config.from_config(quant_config(int8=["embed_tokens", "lm_head"], dequant_threshold=seqs_threshold))
+    config.tied_embeddings = True
+    embedding = VocabParallelEmbedding(VOCAB, HIDDEN, quant_config=config, prefix="model.embed_tokens", disable_tp=True)
+    head = ParallelLMHead(VOCAB, HIDDEN, quant_config=config, prefix="lm_head", disable_tp=True)
+    head = head.tie_weights(embedding)
+    w = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(9)) * 0.02
+    qweight, scales = quantize_int8(w)
+    for name, tensor in (("qweight", qweight), ("scales", scales)):
+        getattr(embedding, name).weight_loader(getattr(embedding, name), tensor)
+    for module in (embedding, head):
+        module.quant_method.process_weights_after_loading(module)
+    return embedding, head, qweight, scales
+
+
+def test_the_8_bit_set_gives_the_embedding_and_the_tied_head_one_int8_copy():
+    embedding, head, qweight, scales = int8_tied_pair()
+    assert isinstance(embedding.quant_method, CpuInt8EmbeddingMethod)
+    assert head.qweight is embedding.qweight and head.qweight.dtype == torch.int8  # [V, H], shared
+    ids = torch.tensor([0, 5, 49151, 5])
+    assert torch.equal(embedding(ids), dequantize_int8(qweight, scales)[ids])
+
+
+@pytest.mark.parametrize("rows", [1, 4])  # int8 GEMM below the threshold (4), dequantize + bf16 GEMM at it
+def test_int8_head_matches_the_dequantized_reference(rows):
+    _, head, qweight, scales = int8_tied_pair(seqs_threshold=4)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    logits = head.quant_method.apply(head, x)
+    assert logits.shape == (rows, VOCAB)
+    assert snr_db(logits, x.float() @ dequantize_int8(qweight, scales, torch.float32).T) > 40
+
+
+def test_a_linear_in_the_8_bit_set_gets_the_int8_method_and_its_fused_siblings_follow():
+    config = CpuInt4Config.from_config(quant_config(int8=["model.layers.0.mlp.up_proj"]))
+    layer = MergedColumnParallelLinear(
+        HIDDEN, [INTERMEDIATE] * 2, bias=False, quant_config=config, prefix="model.layers.0.mlp.gate_up_proj",
+        disable_tp=True,
+    )  # fmt: skip
+    assert isinstance(layer.quant_method, CpuInt8LinearMethod)  # gate_proj widened to int8 with up_proj
+    assert "up_proj" in config._linear_decision(layer, "model.layers.0.mlp.gate_up_proj").why
 
 
 # --- compile cache fix --------------------------------------------------------------------------------------

@@ -28,7 +28,14 @@ from edge.device import DeviceProfile  # noqa: E402
 from edge.model_reader import read_model_config  # noqa: E402
 from edge.planner import make_plan  # noqa: E402
 from kernels.convert import Source, decide  # noqa: E402
-from kernels.cpu_int4 import CpuInt4Config, CpuInt4EmbeddingMethod, CpuInt4LinearMethod, host_params  # noqa: E402
+from kernels.cpu_int4 import (  # noqa: E402
+    CpuInt4Config,
+    CpuInt4EmbeddingMethod,
+    CpuInt4LinearMethod,
+    CpuInt8EmbeddingMethod,
+    CpuInt8LinearMethod,
+    host_params,
+)
 
 pytestmark = pytest.mark.usefixtures("single_rank_vllm")
 
@@ -77,8 +84,8 @@ def converter_formats(model, qconfig) -> dict[str, set[str]]:
     formats: dict[str, set[str]] = {}
     for name in source.shapes:
         kind = name.removesuffix(".weight").rsplit(".", 1)[-1]
-        quantized = name in decisions.quantize
-        formats.setdefault(kind, set()).add("int4" if quantized else "bf16")
+        fmt = "int4" if name in decisions.quantize else "int8" if name in decisions.int8 else "bf16"
+        formats.setdefault(kind, set()).add(fmt)
     if model.tie_word_embeddings:  # the head is the embedding
         formats["lm_head"] = formats["embed_tokens"]
     return formats
@@ -94,9 +101,10 @@ def vllm_formats(model, qconfig) -> dict[str, str]:
     formats = {}
 
     def record(kinds, method):
-        quantized = isinstance(method, CpuInt4LinearMethod | CpuInt4EmbeddingMethod)
+        int4 = isinstance(method, CpuInt4LinearMethod | CpuInt4EmbeddingMethod)
+        int8 = isinstance(method, CpuInt8LinearMethod | CpuInt8EmbeddingMethod)
         for kind in kinds:
-            formats[kind] = "int4" if quantized else "bf16"
+            formats[kind] = "int4" if int4 else "int8" if int8 else "bf16"
 
     with torch.device("meta"):
         attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
@@ -128,7 +136,8 @@ def test_plan_converter_and_vllm_method_quantize_the_same_layers(config):
         assert converted.get(kind, {fmt}) == {fmt}, (kind, fmt, converted.get(kind))
         if kind in served:
             assert served[kind] == fmt, (kind, fmt, served[kind])
-    ledger = {item.layer: item.kind for item in plan.memory.items if item.kind in ("int4-weights", "bf16-weights")}
+    weights = ("int4-weights", "int8-weights", "bf16-weights")
+    ledger = {item.layer: item.kind for item in plan.memory.items if item.kind in weights}
     for kind, fmt in planned.items():
         if kind in ledger:
             assert ledger[kind] == f"{fmt}-weights", (kind, fmt, ledger[kind])
@@ -140,4 +149,5 @@ def test_the_narrow_model_really_keeps_its_fused_attention_bf16():
     formats = {layer.name: layer.format for layer in plan.layers}
     assert formats["q_proj"] == formats["k_proj"] == formats["v_proj"] == "bf16"
     assert formats["o_proj"] == formats["down_proj"] == "int4"
+    assert formats["embed_tokens"] == formats["lm_head"] == "int8"
     assert "fused with k_proj" in next(layer.why for layer in plan.layers if layer.name == "q_proj")
