@@ -44,6 +44,8 @@ def quantization_config(
             "tinygemm_block": kernel.block,
             "repack_chunk_rows": kernel.repack_chunk_rows,
             "quantize_embedding": model.tie_word_embeddings,
+            # the converter takes the 4-bit codes from the source's own grid (edge-source.json), not re-rounding
+            "codes_from_source": model.source_grid == group_size,
             "int8": [layer.name for layer in layers if layer.format == "int8"],
             "ignore": kept_bf16(layers),
         }

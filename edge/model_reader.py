@@ -36,14 +36,21 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 
 
+# The default model is built from a Q4_1 GGUF (docs/FACTS.md): its weights lie on a group-32 grid, as the
+# edge-source.json that edge-model writes beside them says (kernels/default_model.py).
+DEFAULT_MODEL_SOURCE_GRID = 32
+
+
 def default_model() -> ModelShape:
     """The embedded default model's shapes (its real config.json ships inside the package)."""
     text = resources.files("edge").joinpath(_DEFAULT_MODEL_FILE).read_text(encoding="utf-8")
-    return read_model_config(json.loads(text), DEFAULT_MODEL_NAME)
+    shape = read_model_config(json.loads(text), DEFAULT_MODEL_NAME)
+    return shape.model_copy(update={"source_grid": DEFAULT_MODEL_SOURCE_GRID})
 
 
 def read_model(path: str | Path) -> ModelShape:
-    """Shapes of the model in a local HF directory (its config.json) or of a config.json file."""
+    """Shapes of the model in a local HF directory (its config.json) or of a config.json file; a directory's
+    edge-source.json (written by edge-model for a model built from a GGUF) adds the source's own 4-bit grid."""
     path = Path(path)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
@@ -53,7 +60,26 @@ def read_model(path: str | Path) -> ModelShape:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise InputError(str(config_file), str(err), "a readable JSON file") from err
     name = path.name if path.is_dir() else (path.parent.name if path.name == "config.json" else path.stem)
-    return read_model_config(config, name or str(path))
+    shape = read_model_config(config, name or str(path))
+    grid = source_grid(config_file.parent / SOURCE_FILE)
+    return shape.model_copy(update={"source_grid": grid}) if grid else shape
+
+
+SOURCE_FILE = "edge-source.json"
+
+
+def source_grid(path: Path) -> int | None:
+    """The `q4_group` of an edge-source.json: {"format": "gguf", "q4_group": 32, ...}; None when absent."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(str(path), str(err), "a readable JSON file") from err
+    group = record.get("q4_group") if isinstance(record, dict) else None
+    if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group <= 0):
+        raise InputError(f"{path}: q4_group", group, "a positive integer or absent")
+    return group
 
 
 def read_model_config(config: dict, name: str) -> ModelShape:

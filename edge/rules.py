@@ -21,8 +21,11 @@ SLIDING = "sliding_attention"
 
 
 def pick_group_size(model: ModelShape) -> int | None:
-    """The largest group size that divides the K of every quantizable linear (the head included), or None."""
-    return next((g for g in GROUP_SIZES if all(lin.k % g == 0 for lin in model.linears)), None)
+    """The source's own 4-bit grid when it has one that fits (re-rounding it onto another grid throws away what
+    the source had: a Q4_1 source re-quantized at group 64 kept 62 % of its top-1 tokens, docs/FACTS.md);
+    else the largest group size that divides the K of every quantizable linear (the head included), or None."""
+    candidates = ((model.source_grid,) if model.source_grid in GROUP_SIZES else ()) + GROUP_SIZES
+    return next((g for g in candidates if all(lin.k % g == 0 for lin in model.linears)), None)
 
 
 def packable(lin: LinearShape, group: int) -> bool:

@@ -33,6 +33,11 @@ class ModelShape(BaseModel):
     )
     sliding_window: int | None = None
     torch_dtype: str | None = None  # as written in config.json
+    source_grid: int | None = Field(
+        default=None,
+        description="Group size of a 4-bit grid the weights already lie on: 32 for a model dequantized from a "
+        "Q4_0/Q4_1 GGUF (its edge-source.json). A plan keeps that grid and reads the codes from the source.",
+    )
     linears: list[LinearShape]  # every linear that can be quantized, the head included (name "lm_head")
 
     @property

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import importlib.metadata
 import json
 import os
 import re
@@ -42,11 +43,12 @@ from kernels.checkpoint import (
     sha256_file,
     write_manifest,
 )
+from kernels.default_model import SOURCE_RECORD
 
 if TYPE_CHECKING:
     import torch
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"  # 2: the 8-bit set, codes from the source's own grid
 MANIFEST = "edge-convert.json"
 SHARD_BYTES = 1 << 30
 QUANTIZE_CHUNK_ROWS = 4096  # a multiple of 32, so chunks keep tinygemm's N % 16 and GPTQ's N % 32
@@ -93,6 +95,8 @@ class Decisions:
     kept: dict[str, str] = field(default_factory=dict)  # name -> why it stays bf16
     dropped: dict[str, str] = field(default_factory=dict)  # name -> why it is not written
     head_from_embedding: str | None = None  # gptq: the embedding also written as the quantized lm_head
+    grid: Any = None  # the source's GGUF (kernels.gguf_source.GgufModel) when codes come from its own grid
+    exact: set[str] = field(default_factory=set)  # 4-bit tensors whose codes are read from `grid`
 
 
 def read_source(src: Path) -> Source:
@@ -184,7 +188,43 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
             decisions.kept["lm_head (tied)"] = head.why
     elif path == "w4a16-tinygemm" and source.tied and embedding and not _written_quantized(decisions, embedding):
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
+    if path == "w4a16-tinygemm" and qconfig.get("codes_from_source"):
+        _read_codes_from_source(source, qconfig, decisions)
     return decisions
+
+
+def _read_codes_from_source(source: Source, qconfig: dict[str, Any], decisions: Decisions) -> None:
+    """The 4-bit tensors the source's GGUF holds on the same grid take its codes (kernels.gguf_source): no
+    re-rounding. The GGUF is the one edge-source.json names, checked by its sha256."""
+    from kernels.gguf_source import BLOCK, read_gguf
+
+    record_file = source.directory / SOURCE_RECORD
+    if not record_file.is_file():
+        raise InputError("quantization_config.codes_from_source", True, f"a source with {SOURCE_RECORD}")
+    record = json.loads(record_file.read_text())
+    if qconfig["group_size"] != BLOCK or record.get("q4_group") != BLOCK:
+        grid = record.get("q4_group")
+        raise InputError("quantization_config.group_size", qconfig["group_size"],
+                         f"the source grid's group {grid} when codes_from_source is true")  # fmt: skip
+    gguf = _locate_gguf(record)
+    decisions.grid = read_gguf(gguf)
+    decisions.exact = {
+        name for name in decisions.quantize
+        if name in decisions.grid.tensors and decisions.grid.tensors[name].type in ("Q4_0", "Q4_1")
+    }  # fmt: skip
+
+
+def _locate_gguf(record: dict[str, Any]) -> Path:
+    """The GGUF an edge-source.json names: its installed distribution's file, verified by sha256."""
+    dist, file = str(record.get("dist", "")).split("==")[0], record.get("file")
+    try:
+        path = Path(str(importlib.metadata.distribution(dist).locate_file(file)))
+    except (importlib.metadata.PackageNotFoundError, ValueError, TypeError):
+        expected = "an installed distribution holding the source GGUF"
+        raise InputError(SOURCE_RECORD, record.get("dist"), expected) from None
+    if not path.is_file() or sha256_file(path) != record.get("sha256"):
+        raise InputError(SOURCE_RECORD, str(path), f"the GGUF whose sha256 is {record.get('sha256')}")
+    return path
 
 
 def _written_quantized(decisions: Decisions, name: str) -> bool:
@@ -332,6 +372,7 @@ def _write(
         "bytes_out": writer.bytes_written,
         "quantized": sorted(decisions.quantize),
         "int8": sorted(decisions.int8),
+        "codes_from_source": sorted(decisions.exact),
         "kept": dict(sorted(decisions.kept.items())),
         "dropped": dict(sorted(decisions.dropped.items())),
         "added": ["lm_head (quantized from the embedding; tie_word_embeddings set false)"]
@@ -353,6 +394,12 @@ def _convert_tensor(
 ) -> dict[str, torch.Tensor]:
     import torch
 
+    if name in decisions.exact:
+        from kernels.gguf_source import cpu_int4_tensors
+
+        qweight, scales, zeros = cpu_int4_tensors(decisions.grid, name)  # the source's own codes, group 32
+        prefix = decisions.quantize[name]
+        return {f"{prefix}.qweight": qweight, f"{prefix}.scales": scales, f"{prefix}.zeros": zeros}
     if name in decisions.int8:
         from kernels.int8 import quantize_int8
 

