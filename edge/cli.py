@@ -16,6 +16,7 @@ import sys
 
 from edge.errors import InputError
 from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan, format_bytes
+from edge.quality import DEFAULT_MAX_KLD
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
 
@@ -39,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
     parser.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
     parser.add_argument("--force", action="store_true", help="run a pinned path that a gate refuses")
+    parser.add_argument("--max-kld", type=float, default=DEFAULT_MAX_KLD, metavar="NATS",
+                        help="speed trades quality only within this measured mean KL divergence per token "
+                             f"(default {DEFAULT_MAX_KLD}: just above llama.cpp's plain 4-bit formats); "
+                             "measurements are edge-eval's records in the cache directory")
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
     return parser  # fmt: skip
 
@@ -67,8 +72,26 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return make_plan(
         _device(args.device), _model(args.model), priority=args.priority, budget_bytes=budget,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, path=args.path,
-        layout=args.layout, force=args.force,
+        layout=args.layout, force=args.force, quality=quality_records(), max_kld=args.max_kld,
     )  # fmt: skip
+
+
+def quality_records():
+    """edge-eval's records in the cache directory (kernels/evaluate.py writes them; none is fine)."""
+    from edge.paths import cache_dir
+    from edge.quality import load_records
+
+    return load_records(cache_dir() / "quality")
+
+
+def _quality(plan: Plan) -> str:
+    quality = plan.quality
+    if quality is None or quality.record is None:
+        return f"{quality.status if quality else 'unmeasured'}: {quality.note if quality else ''}"
+    r = quality.record
+    return (f"mean KLD {r.kld_mean:.4f} +- {r.kld_mean_se:.4f}, top-1 {r.top1_agreement:.1%} +- "
+            f"{r.top1_agreement_se:.1%}, perplexity ratio {r.ppl_ratio:.3f}, confident flips "
+            f"{r.confident_flip_rate:.2%} ({quality.note})")  # fmt: skip
 
 
 def _gib(n: int | None) -> str:
@@ -88,6 +111,7 @@ def render(plan: Plan) -> str:
         f"[{device.isa_class}: {isa}], {device.compute_cores or '?'} cores, {_gib(device.usable_memory_bytes)} usable",
         f"  path      {plan.path}{layout}{group}  (priority {plan.priority})",
         f"  verified  {'yes' if plan.verified else 'no'}: {plan.verified_detail}",
+        f"  quality   {_quality(plan)}",
         f"  memory    resident {_gib(memory.resident_bytes)}, load peak {_gib(memory.peak_bytes)}, "
         f"budget {_gib(memory.budget_bytes)}: {fits}",
     ]  # fmt: skip

@@ -16,7 +16,9 @@ from edge.shapes import LinearShape, ModelShape
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The name of the bf16 directory edge-model builds (kernels.default_model.MODEL_NAME), so that a plan for
+# "the default model" and one read from that directory name the same model (quality records match by name).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-bf16"
 _DEFAULT_MODEL_FILE = "data/smollm2-135m-instruct.json"
 
 # architecture -> (model_type, tie_word_embeddings default as transformers' config class has it)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from edge.device import DeviceProfile
+from edge.quality import PlanQuality
 from edge.quantized_layers import LayerDecision
 from edge.shapes import ModelShape
 
@@ -114,6 +115,7 @@ class Plan(BaseModel):
     max_num_seqs: int
     memory: MemoryLedger
     layers: list[LayerDecision] = []  # what the path stores each kind of weight as (edge.quantized_layers)
+    quality: PlanQuality | None = None  # what the path costs in quality, measured by edge-eval or not
     quantization_config: dict[str, Any] | None  # written into the converted checkpoint's config.json
     vllm: VllmConfig | None  # None for export-only
     reasons: list[Reason]

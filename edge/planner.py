@@ -28,6 +28,7 @@ from edge.plan import (
     WeightPath,
     format_bytes,
 )
+from edge.quality import DEFAULT_MAX_KLD, PlanQuality, QualityRecord, find, quality_key
 from edge.quantized_layers import EMBEDDING, QUANTIZED_PATHS, LayerDecision, model_layers, rules_for
 from edge.rank import Option, rank
 from edge.shapes import ModelShape
@@ -53,6 +54,7 @@ class Request:
     max_model_len: int
     max_num_seqs: int
     kernel: kernel_params.KernelParams
+    max_kld: float = DEFAULT_MAX_KLD
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Evaluated:
     option: Option
     gate: Gate
     memory: MemoryLedger
+    quality: QualityRecord | None = None  # edge-eval's measurement of this option's weights, when there is one
+
+    def too_lossy(self, max_kld: float) -> bool:
+        return self.quality is not None and self.quality.kld_mean > max_kld
 
 
 def _check_inputs(priority: str, path: str | None, layout: str | None, max_model_len: int | None,
@@ -136,7 +142,11 @@ def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
         return Alternative(**base, status="does-not-fit", why_not=why,
                            hint=f"a memory budget of at least {_gib(ev.memory.peak_bytes)}")
     priority = req.priority
-    if ev.option.path == "w4a8-gptq" and priority == "fidelity":
+    if priority == "speed" and ev.too_lossy(req.max_kld):
+        assert ev.quality is not None
+        why = (f"measured mean KLD {ev.quality.kld_mean:.4f} (top-1 {ev.quality.top1_agreement:.1%}) exceeds the "
+               f"speed priority's quality floor --max-kld {req.max_kld:g}")
+    elif ev.option.path == "w4a8-gptq" and priority == "fidelity":
         why = "quantizes activations to int8 (+27.2% perplexity on the reference model); fidelity never does"
     elif ev.option.request_cost is not None and ev.option.request_cost == chosen.option.request_cost:
         extra = ev.memory.resident_bytes - chosen.memory.resident_bytes
@@ -153,7 +163,7 @@ def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
 
 
 def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layout: str | None,
-          force: bool) -> Evaluated:
+          force: bool, max_kld: float) -> Evaluated:
     pinned = [ev for ev in evaluated
               if (path is None or ev.option.path == path) and (layout is None or ev.option.layout == layout)]
     if path is not None or layout is not None:
@@ -165,9 +175,10 @@ def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layo
             raise PlanRefused("path", path or layout, f"a path this device can run ({refusals}); --force overrides")
         candidates = runnable or pinned
     else:
-        # fidelity never quantizes activations: W4A8 only when pinned.
+        # fidelity never quantizes activations: W4A8 only when pinned; speed trades quality only within max_kld.
         candidates = [ev for ev in evaluated if ev.gate.runnable
-                      and not (priority == "fidelity" and ev.option.path == "w4a8-gptq")]
+                      and not (priority == "fidelity" and ev.option.path == "w4a8-gptq")
+                      and not (priority == "speed" and ev.too_lossy(max_kld))]
     assert candidates, "bf16 or export-only is always runnable"
     fitting = [ev for ev in candidates if ev.memory.fits]
     return fitting[0] if fitting else min(candidates, key=lambda ev: ev.memory.peak_bytes)  # fmt: skip
@@ -184,8 +195,14 @@ def make_plan(
     path: WeightPath | None = None,
     layout: Layout | None = None,
     force: bool = False,
+    quality: list[QualityRecord] | None = None,
+    max_kld: float = DEFAULT_MAX_KLD,
 ) -> Plan:
+    """quality: edge-eval records (edge.quality.load_records); an option whose measured mean KLD exceeds
+    max_kld is not chosen for speed, and the plan's `quality` section reports the chosen option's record."""
     _check_inputs(priority, path, layout, max_model_len, max_num_seqs, budget_bytes, model)
+    if not max_kld > 0:
+        raise InputError("max_kld", max_kld, "a positive mean KL divergence (nats per token)")
     if layout is not None:
         path = "w4a16-tinygemm"
     req = Request(
@@ -193,11 +210,13 @@ def make_plan(
         budget=budget_bytes if budget_bytes is not None else device.usable_memory_bytes,
         max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
         max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, kernel=kernel_params.for_device(device),
+        max_kld=max_kld,
     )  # fmt: skip
     gates = all_gates(device, model)
-    evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req))
+    evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
+                           _measured(option, gates[option.path], req, quality or []))
                  for option in _options(device, priority)]  # fmt: skip
-    chosen = _pick(evaluated, priority, path, layout, force)
+    chosen = _pick(evaluated, priority, path, layout, force, max_kld)
     gate, option = chosen.gate, chosen.option
     layers = model_layers(model, rules_for(model, option.path, gate.group_size))
     qconfig = quantization_config(model, option.path, option.layout, gate.group_size, layers, req.kernel)
@@ -219,12 +238,41 @@ def make_plan(
         quantization_config=qconfig,
         vllm=vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
                          max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes),
+        quality=_plan_quality(chosen),
         reasons=_reasons(chosen, priority, device, req.kernel.block),
         alternatives=[_alternative(ev, chosen, req) for ev in evaluated if ev is not chosen],
         warnings=_warnings(chosen, device, layers),
         pinned=path is not None,
         forced=force and not gate.runnable,
     )  # fmt: skip
+
+
+def _qconfig(option: Option, gate: Gate, req: Request) -> dict | None:
+    layers = model_layers(req.model, rules_for(req.model, option.path, gate.group_size))
+    return quantization_config(req.model, option.path, option.layout, gate.group_size, layers, req.kernel)
+
+
+def _measured(option: Option, gate: Gate, req: Request, records: list[QualityRecord]) -> QualityRecord | None:
+    if not records or not gate.runnable or option.path == "export-only":
+        return None
+    return find(records, req.model.name, quality_key(option.path, _qconfig(option, gate, req)))
+
+
+def _plan_quality(chosen: Evaluated) -> PlanQuality:
+    record = chosen.quality
+    if chosen.option.path == "bf16":
+        return PlanQuality(status="reference", note="bf16 is the source's own weights: the reference")
+    if record is not None:
+        return PlanQuality(status="measured", record=record, note=(
+            f"edge-eval, {record.tokens} scored tokens" + (f" on {record.cpu}" if record.cpu else "")
+            + (f", {record.measured_at}" if record.measured_at else "")))  # fmt: skip
+    nearest = {"w4a8-gptq": "amx.w4a8.perplexity_delta", "w4a16-tinygemm": "amx.w4a16.perplexity_delta"}
+    key = nearest.get(chosen.option.path)
+    if key is None:
+        return PlanQuality(status="unmeasured", note="no edge-eval record for this path and model")
+    f = fact(key)
+    return PlanQuality(status="unmeasured", note=f"no edge-eval record for this model and configuration; nearest "
+                       f"reference: {f.note} (+{f.value:g}{f.unit}, {f.source}, facts[{key}])")  # fmt: skip
 
 
 def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile, block: int) -> list[Reason]:
@@ -237,6 +285,12 @@ def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile, block
                f"{budget}", value=memory.peak_bytes, unit="bytes", source="derived"),
         *chosen.option.reasons,
     ]  # fmt: skip
+    if chosen.quality is not None:
+        q = chosen.quality
+        reasons.append(Reason(
+            text=f"measured quality: mean KLD {q.kld_mean:.4f} +- {q.kld_mean_se:.4f}, top-1 {q.top1_agreement:.1%}, "
+            f"perplexity ratio {q.ppl_ratio:.3f} ({q.tokens} tokens, edge-eval)",
+            value=q.kld_mean, unit="nats/token", source="measured by edge-eval"))  # fmt: skip
     if chosen.option.path == "w4a16-tinygemm":
         source = device.runtime.tinygemm_block.source
         reasons.append(Reason(text=f"tinygemm n-block {block} channels ({source})", value=block,

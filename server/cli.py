@@ -26,6 +26,7 @@ from pathlib import Path
 
 import uvicorn
 
+from edge.cli import quality_records
 from edge.describe import load_device_file, parse_size
 from edge.errors import InputError
 from edge.model_reader import read_model
@@ -102,6 +103,7 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
         path=args.path,
         layout=args.layout,
         force=args.force,
+        quality=quality_records(),
     )
     if plan.vllm is None:
         raise InputError("--path", plan.path, "a path vLLM can serve (export-only builds a graph, not a server)")

@@ -5,6 +5,7 @@ Every edge.errors.InputError raised here or below keeps its field; `located()` s
 
 from __future__ import annotations
 
+from edge.cli import quality_records
 from edge.cpuinfo import parse_cpuinfo
 from edge.describe import parse_device_json, parse_size
 from edge.device import DeviceProfile
@@ -76,6 +77,7 @@ def plan_one(device: DeviceProfile, model: ModelShape, options: _PlanOptions, bu
         budget_bytes=budget,
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
+        quality=quality_records(),
         **pins,
     )
 

@@ -26,7 +26,7 @@ def linears(shape) -> dict[str, tuple[int, int, int]]:
 
 def test_default_model_is_smollm2_135m_instruct_with_its_published_shapes():
     model = default_model()
-    assert model.name == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+    assert model.name == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct-bf16"
     assert (model.architecture, model.model_type) == ("LlamaForCausalLM", "llama")
     assert (model.hidden_size, model.intermediate_size, model.num_layers) == (576, 1536, 30)
     assert (model.num_heads, model.num_kv_heads, model.head_dim, model.rotary_dim) == (9, 3, 64, 64)

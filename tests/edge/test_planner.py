@@ -7,6 +7,7 @@ import pytest
 from edge.errors import InputError
 from edge.plan import Plan
 from edge.planner import PlanRefused, make_plan
+from edge.quality import QualityRecord, quality_key
 from edge.rank import rank, speed_options
 
 
@@ -130,11 +131,47 @@ def test_a_phone_gets_an_export_and_no_engine(phone, smollm2):
     assert all(a.status == "incompatible" for a in plan.alternatives)
 
 
-def test_tied_embedding_is_quantized_for_w4a16(avx2_host, smollm2):
+def test_tied_embedding_and_head_are_in_the_8_bit_set_for_w4a16(avx2_host, smollm2):
     plan = make_plan(avx2_host, smollm2, layout="kernel-only")
     assert smollm2.tie_word_embeddings
-    assert plan.quantization_config["quantize_embedding"] is True
-    assert plan.quantization_config["group_size"] == 64
+    assert plan.quantization_config["int8"] == ["embed_tokens", "lm_head"]
+    assert {layer.name: layer.format for layer in plan.layers}["lm_head"] == "int8"
+    assert plan.quantization_config["group_size"] == 32  # the default model's own Q4_1 grid
+    assert plan.quantization_config["codes_from_source"] is True
+
+
+def record(model, key, kld: float) -> QualityRecord:
+    return QualityRecord(model=model.name, key=key, kld_mean=kld, kld_mean_se=kld / 20, top1_agreement=0.9,
+                         top1_agreement_se=0.003, ppl_ratio=1.02, ppl_ratio_se=0.004, confident_flip_rate=0.01,
+                         confident_flip_rate_se=0.001, tokens=16384, cpu="test CPU")  # fmt: skip
+
+
+def test_a_measurement_reports_the_plans_quality(avx2_host, smollm2):
+    unmeasured = make_plan(avx2_host, smollm2)
+    assert unmeasured.quality.status == "unmeasured" and "nearest reference" in unmeasured.quality.note
+    key = quality_key(unmeasured.path, unmeasured.quantization_config)
+    measured = make_plan(avx2_host, smollm2, quality=[record(smollm2, key, 0.004)])
+    assert measured.path == unmeasured.path
+    assert measured.quality.status == "measured" and measured.quality.record.kld_mean == 0.004
+    assert any("measured quality: mean KLD 0.0040" in reason.text for reason in measured.reasons)
+
+
+def test_a_measured_kld_over_the_floor_changes_the_speed_choice(avx2_host, smollm2):
+    """Speed trades quality only within --max-kld: a 4-bit path measured worse is not chosen, and says why."""
+    fast = make_plan(avx2_host, smollm2)
+    assert fast.path == "w4a16-tinygemm"
+    lossy = record(smollm2, quality_key(fast.path, fast.quantization_config), 0.3)
+    plan = make_plan(avx2_host, smollm2, quality=[lossy])
+    assert plan.path != "w4a16-tinygemm"
+    why = next(alt.why_not for alt in plan.alternatives if alt.path == "w4a16-tinygemm")
+    assert "exceeds the speed priority's quality floor --max-kld 0.08" in why
+    assert make_plan(avx2_host, smollm2, quality=[lossy], max_kld=0.5).path == "w4a16-tinygemm"
+
+
+def test_a_record_of_another_configuration_does_not_match(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2)
+    other = record(smollm2, quality_key(plan.path, {**plan.quantization_config, "group_size": 64}), 0.3)
+    assert make_plan(avx2_host, smollm2, quality=[other]).quality.status == "unmeasured"
 
 
 def test_small_boxes_give_vllm_every_core(avx2_host, smollm2):

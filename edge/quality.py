@@ -1,0 +1,87 @@
+"""What a path costs in quality: records that edge-eval measured, matched to the options a plan weighs.
+
+A record is one edge-eval measurement of one model converted with one `quantization_config`, against its bf16
+source, on real prose (kernels/evaluate.py writes them under $EDGE_SELECT_CACHE_DIR/quality/). The planner is
+pure: the CLI and the server read the records (`load_records`) and pass them in. A record matches an option
+when the model's name and the settings that change the weights' numbers agree (`quality_key`); kernel settings
+that only move time (layout, threshold, block) do not enter the key.
+
+Without a record the plan says `unmeasured` and quotes the nearest reference fact (docs/FACTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+# The speed priority trades quality only within this mean KL divergence (per token, nats) unless told otherwise.
+# llama.cpp's plain 4-bit round-to-nearest formats (Q4_0/Q4_1, group 32) sit at 0.072 on Llama-3-8B and its
+# Q4_K_M at 0.031 (tools/perplexity README, docs/FACTS.md): a floor just above the plain 4-bit grid lets what
+# llama.cpp users run every day through and stops what is worse (the old g64 re-rounding of the default model
+# kept 62 % of its top-1 tokens).
+DEFAULT_MAX_KLD = 0.08
+# Settings of a quantization_config that change the weights' values (and so the quality).
+_NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "quantize_embedding", "int8",
+                 "ignore", "lm_head")  # fmt: skip
+
+
+class QualityRecord(BaseModel):
+    """One edge-eval measurement, with standard errors."""
+
+    model: str  # the source model's name (its directory's name)
+    key: dict[str, Any]  # quality_key(path, quantization_config) of the candidate
+    kld_mean: float
+    kld_mean_se: float
+    kld_p99: float | None = None
+    top1_agreement: float  # fraction
+    top1_agreement_se: float
+    ppl_ratio: float
+    ppl_ratio_se: float
+    confident_flip_rate: float
+    confident_flip_rate_se: float
+    tokens: int
+    cpu: str | None = None
+    measured_at: str | None = None
+    report: str | None = None  # the report file it came from
+
+
+class PlanQuality(BaseModel):
+    """The plan's `quality` section."""
+
+    status: Literal["measured", "unmeasured", "reference"]
+    record: QualityRecord | None = None
+    note: str  # where the numbers come from, or the nearest reference fact when unmeasured
+
+
+def quality_key(path: str, qconfig: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The part of an option that decides its numbers: the path and the value-changing config settings."""
+    key: dict[str, Any] = {"path": path}
+    for name in _NUMERIC_KEYS:
+        if qconfig and name in qconfig:
+            value = qconfig[name]
+            key[name] = sorted(value) if isinstance(value, list) else value
+    return key
+
+
+def find(records: list[QualityRecord], model: str, key: Mapping[str, Any]) -> QualityRecord | None:
+    """The record with the most scored tokens for this model and key, or None."""
+    matching = [r for r in records if r.model == model and r.key == dict(key)]
+    return max(matching, key=lambda r: r.tokens, default=None)
+
+
+def load_records(directory: Path) -> list[QualityRecord]:
+    """Every readable record in `directory` (*.json written by edge-eval); anything else is skipped."""
+    records = []
+    for file in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            data = json.loads(file.read_text())
+            record = data.get("record") if isinstance(data, dict) else None
+            if record is not None:
+                records.append(QualityRecord.model_validate({**record, "report": str(file)}))
+        except (OSError, ValueError, ValidationError):
+            continue
+    return records
