@@ -25,8 +25,8 @@ from pydantic import BaseModel, ValidationError
 # kept 62 % of its top-1 tokens).
 DEFAULT_MAX_KLD = 0.08
 # Settings of a quantization_config that change the weights' values (and so the quality).
-_NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "quantize_embedding", "int8",
-                 "ignore", "lm_head")  # fmt: skip
+_NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "quantize_embedding",
+                 "int8", "ignore", "lm_head")  # fmt: skip
 
 
 class QualityRecord(BaseModel):

@@ -411,7 +411,8 @@ def _convert_tensor(
     if path == "w4a16-tinygemm":
         from kernels.int4 import quantize_packed
 
-        parts = [quantize_packed(rows, qconfig["group_size"], name=name) for rows in _row_chunks(tensor)]
+        search = qconfig.get("rounding") == "search"  # kernels/asym_search.py; else min/max round-to-nearest
+        parts = [quantize_packed(rows, qconfig["group_size"], name=name, search=search) for rows in _row_chunks(tensor)]
         return {
             f"{prefix}.qweight": torch.cat([p[0] for p in parts]),  # [N, K/2] uint8
             f"{prefix}.scales": torch.cat([p[1] for p in parts]),  # [N, K/g] bf16

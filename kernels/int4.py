@@ -35,11 +35,22 @@ _MIN_SCALE = 1e-6  # a constant group gets this scale: every code lands on 8, i.
 
 
 def quantize(
-    w: torch.Tensor, group: int, *, name: str = "w"
+    w: torch.Tensor, group: int, *, name: str = "w", search: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize w [N, K] (any float dtype) to codes uint8 [N, K] in 0..15, scales and zeros bf16 [N, K/group]."""
+    """Quantize w [N, K] (any float dtype) to codes uint8 [N, K] in 0..15, scales and zeros bf16 [N, K/group].
+
+    search: the scale-and-minimum search with a least-squares refit (kernels/asym_search.py) instead of min/max.
+    """
     n, k = _check_weight(w, group, name)
     groups = w.detach().to(torch.float32).reshape(n, k // group, group)  # [N, K/g, g]
+    if search:
+        from kernels import asym_search
+
+        flat = groups.reshape(-1, group)  # [N*K/g, g]
+        scale, zero = asym_search.stored(*asym_search.search(flat))  # [N*K/g] fp32, bf16-representable
+        codes = asym_search.codes_for(flat, scale, zero).to(torch.uint8)
+        shape = (n, k // group)
+        return codes.reshape(n, k), scale.reshape(shape).to(torch.bfloat16), zero.reshape(shape).to(torch.bfloat16)
     low = groups.amin(dim=-1)  # [N, K/g]
     high = groups.amax(dim=-1)
     scales = ((high - low) / 15).clamp(min=_MIN_SCALE).to(torch.bfloat16)  # [N, K/g]
@@ -121,10 +132,10 @@ def apply_scales(
 
 
 def quantize_packed(
-    w: torch.Tensor, group: int, *, name: str = "w"
+    w: torch.Tensor, group: int, *, name: str = "w", search: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize() then pack_nibbles(): (qweight uint8 [N, K/2], scales bf16 [N, K/g], zeros bf16 [N, K/g])."""
-    codes, scales, zeros = quantize(w, group, name=name)
+    codes, scales, zeros = quantize(w, group, name=name, search=search)
     return pack_nibbles(codes, name=name), scales, zeros
 
 
