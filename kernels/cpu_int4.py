@@ -290,8 +290,9 @@ def _repack(
     layer.int4_mode = mode
 
 
-class _Int4Weights:
-    """What the linear and the embedding/head methods share: their config and the int4 parameters they load."""
+class _Weights:
+    """What every cpu_int4 method shares: its config and vLLM's create_weights, which registers the checkpoint's
+    tensors for a [N, K] weight (fused shards stack along N; for the head, this rank's padded vocab)."""
 
     def __init__(self, config: CpuInt4Config) -> None:
         self.config = config
@@ -306,8 +307,17 @@ class _Int4Weights:
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        n = sum(output_partition_sizes)  # fused shards stack along N; for the head, this rank's padded vocab
-        _create_int4_params(layer, n, input_size_per_partition, self.config.group_size, extra_weight_attrs)
+        self.register(layer, sum(output_partition_sizes), input_size_per_partition, extra_weight_attrs)
+
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class _Int4Weights(_Weights):
+    """The int4 parameters the linear and the embedding/head methods load."""
+
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
+        _create_int4_params(layer, n, k, self.config.group_size, extra)
 
 
 class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
@@ -370,29 +380,14 @@ def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias:
     return y if bias is None else y + bias
 
 
-class _Int8Weights:
+class _Int8Weights(_Weights):
     """The 8-bit set's tensors (kernels/int8.py): qweight int8 [N, K] and scales bf16 [N], loaded as stored."""
 
-    def __init__(self, config: CpuInt4Config) -> None:
-        self.config = config
-
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
-    ) -> None:
-        n, k = sum(output_partition_sizes), input_size_per_partition
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
         layer.register_parameter(
-            "qweight", _param(torch.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra_weight_attrs)
+            "qweight", _param(torch.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra)
         )  # [N, K]
-        layer.register_parameter(
-            "scales", _param(torch.empty(n, dtype=torch.bfloat16), output_dim=0, **extra_weight_attrs)
-        )  # [N]
+        layer.register_parameter("scales", _param(torch.empty(n, dtype=torch.bfloat16), output_dim=0, **extra))  # [N]
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pass  # PyTorch's int8 weight-only GEMM reads the checkpoint layout as is
