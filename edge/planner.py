@@ -92,7 +92,7 @@ def _estimate(option: Option, gate: Gate, req: Request, max_model_len: int | Non
         req.model, option.path, option.layout, gate.group_size,
         max_model_len=max_model_len or req.max_model_len, max_num_seqs=req.max_num_seqs,
         kernel=req.kernel, budget_bytes=req.budget,
-        engine_baseline_bytes=int(fact("any.vllm_engine_baseline_bytes").value),
+        engine_baseline_bytes=int(fact("any.vllm_engine_baseline_bytes").value), quant=_quant(option, gate, req),
     )  # fmt: skip
 
 
@@ -218,7 +218,7 @@ def make_plan(
                  for option in _options(device, priority)]  # fmt: skip
     chosen = _pick(evaluated, priority, path, layout, force, max_kld)
     gate, option = chosen.gate, chosen.option
-    layers = model_layers(model, rules_for(model, option.path, gate.group_size))
+    layers = model_layers(model, _quant(option, gate, req))
     qconfig = quantization_config(model, option.path, option.layout, gate.group_size, layers, req.kernel)
     kv_bytes = rules.kv_cache_bytes(model, req.max_model_len, req.max_num_seqs)
     verified, verified_detail = verification(option.path, option.layout, device.isa_class)
@@ -247,8 +247,12 @@ def make_plan(
     )  # fmt: skip
 
 
+def _quant(option: Option, gate: Gate, req: Request):
+    return rules_for(req.model, option.path, gate.group_size, req.priority)
+
+
 def _qconfig(option: Option, gate: Gate, req: Request) -> dict | None:
-    layers = model_layers(req.model, rules_for(req.model, option.path, gate.group_size))
+    layers = model_layers(req.model, _quant(option, gate, req))
     return quantization_config(req.model, option.path, option.layout, gate.group_size, layers, req.kernel)
 
 

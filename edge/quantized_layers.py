@@ -37,6 +37,11 @@ EMBEDDING = "embed_tokens"
 # the output tensor and a tied embedding at 6-8 bits, Meta's quantized Llama 3.2 both at 8, and the default
 # model's own GGUF stores them as Q8_0 (docs/FACTS.md); edge-eval measures what it buys (docs/reports/).
 EIGHT_BIT_SET: tuple[str, ...] = (EMBEDDING, HEAD)
+# Which format a w4a16 plan gives the embedding and the head, by priority. Measured on the default model
+# (edge-eval, 16384 tokens of prose, group-32 source codes, AMD EPYC Zen 5, 2026-11-30; docs/reports/
+# 2026-11-30-quality.md): head and embedding int8 top-1 96.5 %, mean KLD 0.0029; bf16 97.9 %, 0.0016; int4
+# 84.5 %, 0.059. int8 halves the head's decode time against bf16 (1.90 vs 3.79 ms at 49152x576, M=1).
+HEAD_FORMAT: dict[str, Format] = {"speed": "int8", "fidelity": "bf16"}
 # When vLLM fuses weights of different formats into one layer, all take the widest.
 _WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
 # vLLM's fused layers and the checkpoint weights they load (Llama's packed_modules_mapping).
@@ -191,15 +196,19 @@ class QuantRules:
         return decided
 
 
-def rules_for(model: ModelShape, path: str, group_size: int | None, ignore: Sequence[str] = ()) -> QuantRules:
-    """The rules a plan writes for this model: w4a16 keeps the embedding and the head in the 8-bit set."""
+def rules_for(
+    model: ModelShape, path: str, group_size: int | None, priority: str = "speed", ignore: Sequence[str] = ()
+) -> QuantRules:
+    """The rules a plan writes for this model: w4a16 gives the embedding and the head HEAD_FORMAT[priority]
+    (the 8-bit set for speed; bf16, listed in `ignore`, for fidelity)."""
+    head_format = HEAD_FORMAT[priority] if path == "w4a16-tinygemm" else None
     return QuantRules(
         path=path,
         group_size=group_size,
-        ignore=tuple(ignore),
-        quantize_embedding=model.tie_word_embeddings,
+        ignore=tuple(ignore) + ((HEAD,) if head_format == "bf16" else ()),
+        quantize_embedding=model.tie_word_embeddings,  # a tied head listed in `ignore` keeps it bf16 all the same
         quantize_head=True,
-        int8=EIGHT_BIT_SET if path == "w4a16-tinygemm" else (),
+        int8=EIGHT_BIT_SET if head_format == "int8" else (),
         tied=model.tie_word_embeddings,
         strict=False,
     )

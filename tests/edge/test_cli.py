@@ -15,6 +15,13 @@ from edge.plan import Plan
 DATA = Path(__file__).parent / "data"
 
 
+@pytest.fixture(autouse=True)
+def no_quality_records(tmp_path, monkeypatch):
+    """A cache of the test's own: the plans below are specified without edge-eval records (the quality
+    records' effect on a plan is specified in test_planner.py and test_quality_cli below)."""
+    monkeypatch.setenv("EDGE_SELECT_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def edge_select(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("edge-select", path=str(Path(sys.executable).parent))
     assert exe, "the edge-select console script is installed with the project"
@@ -73,3 +80,23 @@ def test_default_path_imports_neither_torch_nor_vllm():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path):
+    """edge-eval writes records under the cache's quality/ (kernels/evaluate.py); edge-select reads them."""
+    from edge.quality import QualityRecord, quality_key
+
+    plan = Plan.model_validate_json(edge_select("--json").stdout)
+    record = QualityRecord(
+        model=plan.model.name, key=quality_key(plan.path, plan.quantization_config), kld_mean=0.25, kld_mean_se=0.01,
+        top1_agreement=0.7, top1_agreement_se=0.01, ppl_ratio=1.3, ppl_ratio_se=0.01, confident_flip_rate=0.02,
+        confident_flip_rate_se=0.002, tokens=16384,
+    )
+    quality = tmp_path / "cache" / "quality"
+    quality.mkdir(parents=True)
+    (quality / "one.json").write_text(json.dumps({"record": record.model_dump()}))
+    (quality / "not-a-record.json").write_text("{}")
+    measured = Plan.model_validate_json(edge_select("--json", "--max-kld", "0.5").stdout)
+    assert measured.quality.status == "measured" and measured.quality.record.kld_mean == 0.25
+    floored = Plan.model_validate_json(edge_select("--json").stdout)  # 0.25 > the default floor of 0.08
+    assert floored.path != plan.path or floored.layout != plan.layout
