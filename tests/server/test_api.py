@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from edge.cli import quality_records
 from edge.cpuinfo import parse_cpuinfo
 from edge.describe import parse_device_json
 from edge.model_reader import default_model, read_model_config
@@ -35,7 +36,8 @@ def client() -> TestClient:
 
 
 def plan_json(**kwargs) -> dict:
-    return json.loads(make_plan(**kwargs).model_dump_json())
+    """The planner's own plan, with the quality records /plan reads too (the cache's edge-eval records)."""
+    return json.loads(make_plan(**kwargs, quality=quality_records()).model_dump_json())
 
 
 def test_plan_from_cpuinfo_text_is_the_planners_plan_for_that_device(client):
