@@ -58,12 +58,13 @@ def main() -> None:
     print("| quantized at 4 bits (the rest bf16) | mean KLD | top-1 agreement | perplexity ratio | confident flips |")
     print("|---|---|---|---|---|")
     for label, m, _, _ in rows:
-        def cell(key: str, pct: bool = False) -> str:
-            value, se = m[key]["value"], m[key]["se"]
-            return f"{value:.2%} +- {se:.2%}" if pct else f"{value:.4f} +- {se:.4f}"
+        print(f"| {label} | {cell(m, 'mean_kld')} | {cell(m, 'top1_agreement', True)} | {cell(m, 'ppl_ratio')} | "
+              f"{cell(m, 'confident_flip_rate', True)} |")  # fmt: skip
 
-        print(f"| {label} | {cell('mean_kld')} | {cell('top1_agreement', True)} | {cell('ppl_ratio')} | "
-              f"{cell('confident_flip_rate', True)} |")  # fmt: skip
+
+def cell(metrics: dict, key: str, pct: bool = False) -> str:
+    value, se = metrics[key]["value"], metrics[key]["se"]
+    return f"{value:.2%} +- {se:.2%}" if pct else f"{value:.4f} +- {se:.4f}"
 
 
 if __name__ == "__main__":

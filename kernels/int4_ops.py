@@ -102,6 +102,10 @@ def _int8_linear_impl(
     n = qweight.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
     if x2.shape[0] < dequant_threshold:
+        # torch 2.13's AVX-512 kernel crashes (SIGSEGV) on int8 weights not 64-byte aligned, as tensors read
+        # straight from a safetensors file are (8-byte); vLLM's own parameters are aligned, so this never copies there.
+        if qweight.data_ptr() % 64:
+            qweight = qweight.clone()
         y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)  # [M, N]
     else:
         y = torch.mm(x2, dequantize_int8(qweight, scales).t())
