@@ -42,6 +42,11 @@ EIGHT_BIT_SET: tuple[str, ...] = (EMBEDDING, HEAD)
 # 2026-11-30-quality.md): head and embedding int8 top-1 96.5 %, mean KLD 0.0029; bf16 97.9 %, 0.0016; int4
 # 84.5 %, 0.059. int8 halves the head's decode time against bf16 (1.90 vs 3.79 ms at 49152x576, M=1).
 HEAD_FORMAT: dict[str, Format] = {"speed": "int8", "fidelity": "bf16"}
+# The most sensitive linears, which a fidelity plan also keeps at 8 bits when the source has no 4-bit grid of its
+# own. One group at a time at 4 bits (group 64, edge-eval, same host and text): q/k/v cost a mean KLD of 0.104 for
+# 16.6 M weights, about 7 times gate/up's cost per weight; on a plain bf16 source at group 64, moving q/k/v to
+# int8 cut the whole model's KLD from 0.170 to 0.097 and raised top-1 from 77.9 to 82.8 % for ~8 MB (135M model).
+SENSITIVE_SET: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 # When vLLM fuses weights of different formats into one layer, all take the widest.
 _WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
 # vLLM's fused layers and the checkpoint weights they load (Llama's packed_modules_mapping).
@@ -200,15 +205,17 @@ def rules_for(
     model: ModelShape, path: str, group_size: int | None, priority: str = "speed", ignore: Sequence[str] = ()
 ) -> QuantRules:
     """The rules a plan writes for this model: w4a16 gives the embedding and the head HEAD_FORMAT[priority]
-    (the 8-bit set for speed; bf16, listed in `ignore`, for fidelity)."""
+    (the 8-bit set for speed; bf16, listed in `ignore`, for fidelity); fidelity also keeps SENSITIVE_SET at 8 bits
+    unless the source's own grid holds them already."""
     head_format = HEAD_FORMAT[priority] if path == "w4a16-tinygemm" else None
+    sensitive = SENSITIVE_SET if path == "w4a16-tinygemm" and priority == "fidelity" and not model.source_grid else ()
     return QuantRules(
         path=path,
         group_size=group_size,
         ignore=tuple(ignore) + ((HEAD,) if head_format == "bf16" else ()),
         quantize_embedding=model.tie_word_embeddings,  # a tied head listed in `ignore` keeps it bf16 all the same
         quantize_head=True,
-        int8=EIGHT_BIT_SET if head_format == "int8" else (),
+        int8=(EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive,
         tied=model.tie_word_embeddings,
         strict=False,
     )

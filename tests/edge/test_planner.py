@@ -220,3 +220,20 @@ def test_verified_only_where_measured_on_the_isa_class(graviton, smollm2, avx2_h
     assert not arm.verified
     assert any("extrapolated" in w for w in arm.warnings)
     assert make_plan(avx2_host, smollm2, path="bf16").verified
+
+
+def test_fidelity_on_4_bits_keeps_qkv_at_8_bits_for_a_plain_bf16_source(avx2_host, llama_1b):
+    """Measured: q/k/v are the most sensitive weights at 4 bits (edge.quantized_layers.SENSITIVE_SET)."""
+    plain = llama_1b
+    formats = {layer.name: layer.format for layer in make_plan(avx2_host, plain, priority="fidelity",
+                                                                path="w4a16-tinygemm").layers}  # fmt: skip
+    assert formats["q_proj"] == formats["k_proj"] == formats["v_proj"] == "int8"
+    assert formats["lm_head"] == formats["embed_tokens"] == "bf16" and formats["down_proj"] == "int4"
+    speed = {layer.name: layer.format for layer in make_plan(avx2_host, plain, path="w4a16-tinygemm").layers}
+    assert speed["q_proj"] == "int4" and speed["lm_head"] == "int8"
+
+
+def test_a_source_on_its_own_grid_keeps_every_linear_at_4_bits_even_for_fidelity(avx2_host, smollm2):
+    formats = {layer.name: layer.format for layer in make_plan(avx2_host, smollm2, priority="fidelity",
+                                                                path="w4a16-tinygemm").layers}  # fmt: skip
+    assert formats["q_proj"] == "int4" and formats["lm_head"] == "bf16"

@@ -50,7 +50,7 @@ NARROW_KV = {
 }  # fmt: skip
 
 
-def this_host_plan(model):
+def this_host_plan(model, priority: str = "speed"):
     """A w4a16 plan for `model` with this host's kernel values (the block the engine will check)."""
     host = host_params()
     isa = ["avx2", "fma"] + (["avx512f", "avx512bw"] if host.block == 64 else [])
@@ -59,7 +59,7 @@ def this_host_plan(model):
         "memory_total_bytes": {"value": 64 * 2**30}, "memory_available_bytes": {"value": 64 * 2**30},
         "runtime": {"tinygemm_block": {"value": host.block, "source": "torch"}},
     })  # fmt: skip
-    return make_plan(device, model, path="w4a16-tinygemm", layout="direct")
+    return make_plan(device, model, path="w4a16-tinygemm", layout="direct", priority=priority)
 
 
 def checkpoint_shapes(model) -> dict[str, tuple[list[int], str]]:
@@ -124,11 +124,12 @@ def vllm_formats(model, qconfig) -> dict[str, str]:
     return formats
 
 
+@pytest.mark.parametrize("priority", ["speed", "fidelity"])  # int8 head vs bf16 head and int8 q/k/v
 @pytest.mark.parametrize("config", [*FIXTURES, "narrow-kv"])
-def test_plan_converter_and_vllm_method_quantize_the_same_layers(config):
+def test_plan_converter_and_vllm_method_quantize_the_same_layers(config, priority):
     raw = NARROW_KV if config == "narrow-kv" else json.loads((CONFIGS / f"{config}.json").read_text())
     model = read_model_config(raw, config)
-    plan = this_host_plan(model)
+    plan = this_host_plan(model, priority)
     planned = {layer.name: layer.format for layer in plan.layers}
     converted = converter_formats(model, plan.quantization_config)
     served = vllm_formats(model, plan.quantization_config)
