@@ -6,9 +6,12 @@ spelling (`~/.cache/edge-select/...`, readable and pure); `resolve` maps that on
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 DEFAULT_SPELLING = "~/.cache/edge-select"
 
@@ -26,3 +29,10 @@ def resolve(path: str, env: Mapping[str, str] | None = None) -> str:
     if path == DEFAULT_SPELLING or path.startswith(DEFAULT_SPELLING + "/"):
         return str(cache_dir(env)) + path[len(DEFAULT_SPELLING):]
     return os.path.expanduser(path)
+
+
+def converted_dir(model_dir: Path, quantization_config: dict[str, Any], env: Mapping[str, str] | None = None) -> Path:
+    """Where the conversion of this model for this quantization_config lives; same config, same place (edge-serve
+    converts there, edge-eval --plan evaluates there)."""
+    digest = hashlib.sha256(json.dumps(quantization_config, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir(env) / "converted" / f"{Path(model_dir).name}-{digest}"

@@ -490,7 +490,7 @@ def _print_progress(done: int, total: int, name: str) -> None:
     print(f"[{done}/{total}] {name}", file=sys.stderr)
 
 
-def _load_plan(plan_file: Path):
+def load_plan(plan_file: Path):
     from pydantic import ValidationError
 
     from edge.plan import Plan
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace a DST holding another conversion")
     args = parser.parse_args(argv)
     try:
-        plan = _load_plan(args.plan) if args.plan else _plan_for_this_host(args.src)
+        plan = load_plan(args.plan) if args.plan else _plan_for_this_host(args.src)
         dst = convert(args.src, args.dst, plan.quantization_config, path=plan.path,
                       progress=_print_progress, force=args.force)  # fmt: skip
     except InputError as error:

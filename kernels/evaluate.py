@@ -235,12 +235,31 @@ def format_report(report: QualityReport) -> str:
     return "\n".join(lines)
 
 
+def apply_plan(source: Path, plan_file: Path) -> Path:
+    """The checkpoint a plan makes of SOURCE: converted by kernels.convert into the cache's converted/ (the place
+    edge-serve uses, edge.paths.converted_dir), or SOURCE itself for a bf16 plan."""
+    from edge.paths import converted_dir
+    from kernels.convert import convert, load_plan
+
+    plan = load_plan(plan_file)
+    if plan.quantization_config is None:
+        if plan.path != "bf16":
+            expected = f"a plan edge-eval can apply (path {plan.path} builds no checkpoint)"
+            raise InputError("--plan", str(plan_file), expected)
+        return Path(source)
+    dst = converted_dir(Path(source).resolve(), plan.quantization_config)
+    return convert(source, dst, plan.quantization_config, path=plan.path, log=lambda message: None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="edge-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("source", metavar="SOURCE", type=Path, help="the bf16 source model directory")
-    parser.add_argument("candidate", metavar="CANDIDATE", type=Path, help="the converted checkpoint directory")
+    parser.add_argument("candidate", metavar="CANDIDATE", type=Path, nargs="?",
+                        help="the converted checkpoint directory (or --plan)")
+    parser.add_argument("--plan", type=Path, help="a Plan JSON (edge-select --json): convert SOURCE by it (into the "
+                        "cache's converted/, as edge-serve does; skipped when up to date) and evaluate that")
     parser.add_argument("--text", type=Path, help="a UTF-8 text file (default: the packaged Opticks text)")
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens to score (default %(default)s)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="chunk length (default %(default)s)")
@@ -252,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # stdout carries the report only: vLLM (imported with the int4 ops) logs to stdout by default
         with contextlib.redirect_stdout(sys.stderr):
-            report = evaluate(args.source, args.candidate, args.text, tokens=args.tokens, chunk_len=args.chunk,
+            candidate = apply_plan(args.source, args.plan) if args.plan else args.candidate
+            if candidate is None:
+                raise InputError("CANDIDATE", None, "a converted checkpoint directory, or --plan PLAN.json")
+            report = evaluate(args.source, candidate, args.text, tokens=args.tokens, chunk_len=args.chunk,
                               threads=args.threads, progress=not args.quiet, use_cache=not args.no_cache)  # fmt: skip
     except InputError as error:
         print(f"edge-eval: {error}", file=sys.stderr)

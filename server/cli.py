@@ -12,8 +12,6 @@ interrupted. Other settings come from EDGE_* environment variables (server/setti
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -30,7 +28,7 @@ from edge.cli import quality_records
 from edge.describe import load_device_file, parse_size
 from edge.errors import InputError
 from edge.model_reader import read_model
-from edge.paths import cache_dir
+from edge.paths import converted_dir
 from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan
 from edge.planner import make_plan
 from edge.probe import probe
@@ -54,12 +52,6 @@ def default_model_dir(command: Sequence[str] | None = None) -> Path:
     if done.returncode != 0:
         raise InputError("--model", None, f"a model directory; `edge-model default` failed: {done.stderr.strip()}")
     return Path(done.stdout.strip().splitlines()[-1])
-
-
-def converted_dir(model_dir: Path, quantization_config: dict) -> Path:
-    """Where the conversion for this model and quantization_config lives; same config, same place."""
-    digest = hashlib.sha256(json.dumps(quantization_config, sort_keys=True).encode()).hexdigest()[:12]
-    return cache_dir() / "converted" / f"{model_dir.name}-{digest}"
 
 
 def convert(plan: Plan, model_dir: Path, command: Sequence[str] | None = None) -> Path:

@@ -513,3 +513,26 @@ def test_candidate_logprobs_match_the_vllm_engine(default_source, tmp_path):
 
 if __name__ == "__main__":  # the vLLM side of test_candidate_logprobs_match_the_vllm_engine (spawned workers)
     vllm_prompt_logprobs(json.loads(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text()), Path(sys.argv[1]))
+
+
+def test_cli_applies_a_plan_converting_into_the_cache_and_evaluating_that(tiny, tmp_path, cache):
+    """edge-eval SOURCE --plan PLAN.json: the checkpoint the plan makes (converted where edge-serve converts)."""
+    from edge.model_reader import read_model
+    from edge.paths import converted_dir
+    from edge.planner import make_plan
+    from edge.probe import probe
+
+    plan = make_plan(probe(), read_model(tiny), path="w4a16-tinygemm")
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.model_dump_json())
+    proc = _cli(str(tiny), "--plan", str(plan_file), "--json", "--quiet", "--tokens", "256", "--chunk", "64")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["quant_method"] == "cpu_int4"
+    assert Path(report["candidate"]) == converted_dir(tiny.resolve(), plan.quantization_config)
+    assert report["metrics"]["mean_kld"]["value"] > 0
+
+
+def test_cli_without_a_candidate_or_a_plan_exits_2(tiny):
+    proc = _cli(str(tiny))
+    assert proc.returncode == 2 and "CANDIDATE" in proc.stderr and "--plan" in proc.stderr
