@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="speed trades quality only within this measured mean KL divergence per token "
                              f"(default {DEFAULT_MAX_KLD}: just above llama.cpp's plain 4-bit formats); "
                              "measurements are edge-eval's records in the cache directory")
+    parser.add_argument("--evaluate", action="store_true",
+                        help="first measure the plan (and a runner-up with other weights) with edge-eval: converts "
+                             "and scores on this CPU, minutes; needs torch. The plan then quotes the measurement")
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
     return parser  # fmt: skip
 
@@ -136,10 +139,56 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def evaluate(args: argparse.Namespace, plan: Plan) -> None:
+    """edge-eval the plan and the first runnable alternative whose weights differ (a child process: edge/ never
+    imports torch); the records land in the cache, where the next plan_from_args reads them."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from edge.quality import quality_key
+
+    if importlib.util.find_spec("torch") is None:
+        raise InputError("--evaluate", True, "torch installed (the project's vllm extra): edge-eval runs the kernels")
+    if args.model is not None and not Path(args.model).is_dir():
+        raise InputError("--model", args.model, "a model directory with weights when --evaluate is given")
+    source = args.model or _run([sys.executable, "-m", "kernels.default_model", "default"], "edge-model default")
+    plans, seen = [plan], [quality_key(plan.path, plan.quantization_config)]
+    for alt in plan.alternatives:
+        if len(plans) > 1 or alt.status != "runnable" or alt.path not in ("w4a16-tinygemm", "w4a8-gptq"):
+            continue
+        other = plan_from_args(argparse.Namespace(**{**vars(args), "path": alt.path, "layout": alt.layout}))
+        if quality_key(other.path, other.quantization_config) not in seen:  # layouts share weights: one is enough
+            plans.append(other)
+    for candidate in plans:
+        if candidate.quantization_config is None:
+            continue  # bf16 is the reference
+        with tempfile.NamedTemporaryFile("w", suffix=".plan.json", delete=False) as f:
+            f.write(candidate.model_dump_json())
+        try:
+            print(f"edge-select: evaluating {candidate.path}/{candidate.layout} (edge-eval)", file=sys.stderr)
+            _run([sys.executable, "-m", "kernels.evaluate", source, "--plan", f.name, "--json", "--quiet"], "edge-eval")
+        finally:
+            Path(f.name).unlink(missing_ok=True)
+
+
+def _run(command: list[str], what: str) -> str:
+    import subprocess
+
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InputError("--evaluate", what, f"a successful run ({last})")
+    return done.stdout.strip().splitlines()[-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         plan = plan_from_args(args)
+        if args.evaluate:
+            evaluate(args, plan)
+            plan = plan_from_args(args)
     except InputError as error:
         print(f"edge-select: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
