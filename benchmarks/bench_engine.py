@@ -91,8 +91,10 @@ def run_child(model: str, variant: str, cache_root: Path, log: Path) -> dict:
 
 def prepare(models: list[str]) -> dict[tuple[str, str], str]:
     """Model dirs per (model, variant): bf16 sources and their cpu_int4 conversions (cached)."""
+    from edge.model_reader import read_model
+    from edge.planner import make_plan
+    from edge.probe import probe
     from kernels.convert import convert
-    from kernels.cpu_int4 import quantization_config
 
     sources: dict[str, Path] = {}
     for name in models:
@@ -113,7 +115,8 @@ def prepare(models: list[str]) -> dict[tuple[str, str], str]:
     for name, src in sources.items():
         dirs[(name, "bf16")] = dirs[(name, NOFIX)] = str(src)
         for layout in VARIANTS[1:]:
-            qconfig = quantization_config(layout, group_size=64)
+            # what a speed plan for this host writes for that layout (group, source codes, 8-bit set, kernel values)
+            qconfig = make_plan(probe(), read_model(src), path="w4a16-tinygemm", layout=layout).quantization_config
             dst = CACHE / "bench" / f"{src.name}-{layout}"
             dirs[(name, layout)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
     return dirs
@@ -231,9 +234,16 @@ def write_report(stamps: list[str], work: Path, out: Path) -> None:
     for name in models:
         dirs.update(prepare([name]))
     raws = ", ".join(str(work / f"{stamp}.json") for stamp in stamps)
-    header = (f"# Engine benchmark, {date.today()}\n\nvLLM 0.28 CPU, this host (2 shared AVX2 cores, vLLM runs "
-              f"1 thread). Raw results: {raws}.")  # fmt: skip
+    header = f"# Engine benchmark, {date.today()}\n\nvLLM 0.28 CPU, {host()}, vLLM runs 1 thread. Raw results: {raws}."
     out.write_text(report(results, dirs, models, header))
+
+
+def host() -> str:
+    """This host as the probe sees it: CPU model, ISA class, cores (every published number names its CPU)."""
+    from edge.probe import probe
+
+    device = probe(measure_layout=False)
+    return f"{device.cpu_model.value} ({device.isa_class}, {device.compute_cores} cores)"
 
 
 def main() -> None:
@@ -279,8 +289,8 @@ def main() -> None:
                 results.append(result)
                 raw.write_text(json.dumps(results, indent=1))
                 args.report.parent.mkdir(parents=True, exist_ok=True)
-                header = (f"# Engine benchmark, {date.today()}\n\nvLLM 0.28 CPU, this host (2 shared AVX2 cores, "
-                          f"vLLM runs 1 thread). Raw results: {raw}. Command: `{' '.join(sys.argv)}`")  # fmt: skip
+                header = (f"# Engine benchmark, {date.today()}\n\nvLLM 0.28 CPU, {host()}, vLLM runs 1 thread. Raw "
+                          f"results: {raw}. Command: `{' '.join(sys.argv)}`")  # fmt: skip
                 args.report.write_text(report(results, dirs, report_models, header))
 
 
