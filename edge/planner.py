@@ -101,7 +101,7 @@ def _options(device: DeviceProfile, priority: Priority) -> list[Option]:
     export = Option("export-only", None, None, "", [Reason(
         text="vLLM has no phone/NPU backend; a calibrated w8a16 export was the only scheme correct on device "
         "(36.9 dB; int8 activations gave 5.1 dB)", source="reference study")])
-    ranked = rank(device.isa_class, priority)
+    ranked = rank(device.isa_class, priority, native_bf16=device.has("avx512_bf16") or device.has_amx)
     options = [export, *ranked] if device.is_phone else [*ranked, export]
     covered = {o.path for o in options}
     return options + [Option(p, None, None, "unmeasured") for p in WEIGHT_PATHS if p not in covered]

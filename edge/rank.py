@@ -1,9 +1,9 @@
 """Rank the (path, layout) options for a device by priority, from the measured facts of its ISA class.
 
 Speed is judged on one request: a 512-token prompt (prefill) and 128 generated tokens (single-stream decode),
-because an edge box's user waits for both. Where the ISA class has measurements (AMX: reference study; AVX2:
-this project's host) the cost is computed from them; elsewhere the rule is derived (decode is bandwidth-bound,
-so fewer weight bytes win) and said to be extrapolated.
+because an edge box's user waits for both. Where the ISA class has measurements (AMX: reference study; AVX2 and
+AVX-512 with AVX512-BF16: this project's hosts) the cost is computed from them; elsewhere the rule is derived
+(decode is bandwidth-bound, so fewer weight bytes win) and said to be extrapolated.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ class Option:
 
 def _cite(key: str, text: str) -> Reason:
     f = fact(key)
-    source = {"reference": "reference study (Xeon 8480C, AMX)", "here": "measured here (AVX2)"}.get(
-        f.source, f.source
-    )
+    classes = {"avx2": "measured here (AVX2)", "avx512": "measured here (AVX-512, Zen 5)"}
+    here = classes.get(f.isa_class, "measured here")
+    source = {"reference": "reference study (Xeon 8480C, AMX)", "here": here}.get(f.source, f.source)
     return Reason(text=text, fact=key, value=f.value, unit=f.unit, source=source)
 
 
@@ -100,6 +100,30 @@ def _avx2_options(extrapolated: bool) -> list[Option]:
     return options
 
 
+def _avx512_options(extrapolated: bool) -> list[Option]:
+    """Milliseconds per request per 4096x4096 layer from the AVX-512 host's GEMM medians (Zen 5, AVX512-BF16, 1
+    thread, group 64): wide batches dequantize to bf16 and run the native bf16 GEMM (edge.kernel_params)."""
+    unit = "ms per request per 4096x4096 layer (512-token prefill + 128 single-row steps, 1 thread)"
+    bf16_1, bf16_512 = fact("avx512.1t.gemm.m1.bf16_ms").value, fact("avx512.1t.gemm.m512.bf16_ms").value
+    int4_1, int4_512 = fact("avx512.1t.gemm.m1.int4_ms").value, fact("avx512.1t.gemm.m512.int4_ms").value
+    dequant_512 = fact("avx512.1t.dequant_bf16.m512_ms").value
+    decode_reason = _cite("avx512.1t.gemm.m1.int4_ms", "one-row tinygemm (decode step)")
+    prefill_reason = _cite("avx512.1t.dequant_bf16.m512_ms", "512-row prefill: dequantize once, then a bf16 GEMM")
+    engine_reason = _cite("avx512.engine.direct.decode_tok_s",
+                          "in vLLM on the default model, direct decoded 2.1x and prefilled 1.4x as fast as bf16")
+    options = [
+        Option("bf16", None, bf16_512 + NEW_TOKENS * bf16_1, unit,
+               [_cite("avx512.1t.gemm.m1.bf16_ms", "one-row bf16 GEMM (decode step)")], extrapolated),
+        Option("w4a16-tinygemm", "kernel-only", int4_512 + NEW_TOKENS * int4_1, unit,
+               [decode_reason, _cite("avx512.1t.gemm.m512.int4_ms", "512-row tinygemm (prefill)")], extrapolated),
+    ]  # fmt: skip
+    for layout in ("direct", "dual"):  # equal speed; direct keeps one copy, so it sorts first
+        reasons = [decode_reason, prefill_reason] + ([engine_reason] if layout == "direct" else [])
+        options.append(Option("w4a16-tinygemm", layout, dequant_512 + NEW_TOKENS * int4_1, unit, reasons,
+                              extrapolated))
+    return options
+
+
 def _derived_options() -> list[Option]:
     """No measurements for this ISA class: decode reads every weight each step, so fewer bytes per weight win."""
     unit = "bytes read per weight per decode step (derived)"
@@ -114,12 +138,16 @@ def _derived_options() -> list[Option]:
     return options
 
 
-def speed_options(isa_class: str) -> list[Option]:
-    """Every option this ISA class can be ranked on, fastest first (the gates decide what is runnable)."""
+def speed_options(isa_class: str, native_bf16: bool = True) -> list[Option]:
+    """Every option this ISA class can be ranked on, fastest first (the gates decide what is runnable).
+
+    AVX-512 was measured on a CPU with AVX512-BF16 (Zen 5); one without it (Ice Lake) dequantizes to fp32 and is
+    ranked on AVX2's fp32 numbers, marked extrapolated."""
     if isa_class == "amx":
         options = _amx_options()
+    elif isa_class == "avx512" and native_bf16:
+        options = _avx512_options(extrapolated=False)
     elif isa_class in ("avx2", "avx512"):
-        # AVX-512 without AMX has not been measured; AVX2's numbers are the nearest class (extrapolated).
         options = _avx2_options(extrapolated=isa_class != "avx2")
     else:
         options = _derived_options()
@@ -131,9 +159,9 @@ def speed_options(isa_class: str) -> list[Option]:
 FIDELITY_ORDER: dict[WeightPath, int] = {"bf16": 0, "w4a16-tinygemm": 1, "export-only": 2, "w4a8-gptq": 9}
 
 
-def rank(isa_class: str, priority: Priority) -> list[Option]:
+def rank(isa_class: str, priority: Priority, native_bf16: bool = True) -> list[Option]:
     """Every option, best first for the priority; fidelity puts W4A8 last and the planner never picks it."""
-    options = speed_options(isa_class)
+    options = speed_options(isa_class, native_bf16)
     if priority == "fidelity":
         options.sort(key=lambda o: FIDELITY_ORDER[o.path])  # stable: speed order within a path
     return options

@@ -27,6 +27,12 @@ def sapphire_rapids() -> DeviceProfile:
 
 
 @pytest.fixture
+def zen5() -> DeviceProfile:
+    """This project's AVX-512 machine (AMD EPYC Zen 5: avx512_bf16, avx512_vnni, no AMX), its /proc/cpuinfo saved."""
+    return cpuinfo_device("epyc_zen5_avx512")
+
+
+@pytest.fixture
 def ice_lake() -> DeviceProfile:
     return cpuinfo_device("icelake_8375c")
 

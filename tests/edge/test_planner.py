@@ -237,3 +237,18 @@ def test_a_source_on_its_own_grid_keeps_every_linear_at_4_bits_even_for_fidelity
     formats = {layer.name: layer.format for layer in make_plan(avx2_host, smollm2, priority="fidelity",
                                                                 path="w4a16-tinygemm").layers}  # fmt: skip
     assert formats["q_proj"] == "int4" and formats["lm_head"] == "bf16"
+
+
+def test_an_avx512_bf16_host_is_ranked_on_its_own_measurements(zen5, smollm2):
+    plan = make_plan(zen5, smollm2)
+    assert (plan.path, plan.layout) == ("w4a16-tinygemm", "direct")
+    assert not any("extrapolated" in w for w in plan.warnings)
+    assert {r.fact for r in plan.reasons if r.fact} >= {"avx512.1t.gemm.m1.int4_ms", "avx512.1t.dequant_bf16.m512_ms"}
+    config = plan.quantization_config
+    assert (config["prefill_dtype"], config["tinygemm_block"], config["dequant_threshold"]) == ("bfloat16", 64, 128)
+
+
+def test_an_avx512_host_without_bf16_is_ranked_on_avx2s_fp32_numbers_and_says_so(ice_lake, smollm2):
+    plan = make_plan(ice_lake, smollm2)
+    assert any("extrapolated" in w for w in plan.warnings)
+    assert plan.quantization_config["prefill_dtype"] == "float32"
