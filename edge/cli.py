@@ -16,7 +16,7 @@ import sys
 
 from edge.errors import InputError
 from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan, format_bytes
-from edge.quality import DEFAULT_MAX_KLD
+from edge.quality import DEFAULT_MAX_KLD, cached_records
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
 
@@ -75,16 +75,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return make_plan(
         _device(args.device), _model(args.model), priority=args.priority, budget_bytes=budget,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, path=args.path,
-        layout=args.layout, force=args.force, quality=quality_records(), max_kld=args.max_kld,
+        layout=args.layout, force=args.force, quality=cached_records(), max_kld=args.max_kld,
     )  # fmt: skip
-
-
-def quality_records():
-    """edge-eval's records in the cache directory (kernels/evaluate.py writes them; none is fine)."""
-    from edge.paths import cache_dir
-    from edge.quality import load_records
-
-    return load_records(cache_dir() / "quality")
 
 
 def _quality(plan: Plan) -> str:

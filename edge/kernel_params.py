@@ -2,9 +2,9 @@
 
 Each is a pure function of what the asker knows about the host: the planner and the ledger pass facts from a
 DeviceProfile (edge.probe, or a device description), the kernels pass what the running torch reports
-(kernels.host). The plan writes the values into the checkpoint's `quantization_config`, and the vLLM method
-reads them from there, so the engine runs what the plan accounted for; a checkpoint without them (written by
-hand) gets the kernel side's answer from the same functions.
+(kernels.cpu_int4.host_params). The plan writes the values into the checkpoint's `quantization_config`, and the
+vLLM method reads them from there, so the engine runs what the plan accounted for; a checkpoint without them
+(written by hand) gets the kernel side's answer from the same functions.
 
     tinygemm_block      output channels per tinygemm block: 4 x the float vector width torch dispatched to
     dequant_threshold   rows from which a batch dequantizes and runs a GEMM instead of tinygemm
@@ -31,7 +31,7 @@ def derived_tinygemm_block(capability: str | None) -> int | None:
 
     Authoritative is the measurement (kernels.layout, cached by edge.layout_cache); this is its fallback.
     """
-    key = _BLOCK_FACTS.get(capability or "")
+    key = block_fact_key(capability)
     return int(fact(key).value) if key else None
 
 

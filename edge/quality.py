@@ -73,6 +73,13 @@ def find(records: list[QualityRecord], model: str, key: Mapping[str, Any]) -> Qu
     return max(matching, key=lambda r: r.tokens, default=None)
 
 
+def cached_records() -> list[QualityRecord]:
+    """edge-eval's records in the cache directory ($EDGE_SELECT_CACHE_DIR/quality/); none is fine."""
+    from edge.paths import cache_dir
+
+    return load_records(cache_dir() / "quality")
+
+
 def load_records(directory: Path) -> list[QualityRecord]:
     """Every readable record in `directory` (*.json written by edge-eval); anything else is skipped."""
     records = []

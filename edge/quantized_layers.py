@@ -10,9 +10,9 @@ packs N in 16s; vLLM's CPU GPTQ wants N and K in 32s), or when a layer vLLM fuse
 load into one qkv_proj, gate/up into one gate_up_proj: a fused layer takes one format, the widest of its parts).
 A w4a16 weight in the 8-bit set (`quantization_config.int8`: kinds, prefixes or globs) is int8 per channel.
 The embedding and the head:
-    w4a16-tinygemm  plans put both in the 8-bit set (EIGHT_BIT_SET); a tied head follows its embedding. A config
-                    without them there quantizes the embedding to int4 when `quantize_embedding` says so; an
-                    untied head is then a linear like any other
+    w4a16-tinygemm  plans give both HEAD_FORMAT[priority]: the 8-bit set (EIGHT_BIT_SET) for speed, bf16 (listed
+                    in `ignore`) for fidelity; a tied head follows its embedding. A config with neither quantizes
+                    the embedding to int4 when `quantize_embedding` says so; an untied head is then a linear
     w4a8-gptq       the embedding stays bf16; the head is quantized (`lm_head: true`; a tied one is untied)
 Pure: no torch, no I/O.
 """

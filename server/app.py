@@ -21,6 +21,7 @@ from edge.model_reader import default_model
 from edge.plan import Plan, Priority
 from edge.planner import make_plan
 from edge.probe import probe
+from edge.quality import cached_records
 from server import planning
 from server.middleware import BearerToken, BodyLimit
 from server.proxy import engine_unavailable, forward
@@ -100,11 +101,12 @@ def create_app(
             return _input_error_response(["body", "devices"], error)
         model = planning.read_model(request)
         budget = planning.budget_bytes(request)
+        quality = cached_records()
         results = []
         for index, device in enumerate(request.devices):
             try:
                 profile = planning.read_device(device)
-                results.append(BatchItem(index=index, plan=planning.plan_one(profile, model, request, budget)))
+                results.append(BatchItem(index=index, plan=planning.plan_one(profile, model, request, budget, quality)))
             except InputError as exc:
                 loc: list[str | int] = ["body", "devices", index]
                 error = ErrorItem(loc=loc, msg=str(exc), type="input_error", field=exc.field)
@@ -118,7 +120,7 @@ def create_app(
     ) -> Plan:
         if plan is not None:
             return plan
-        return make_plan(probe(), default_model(), priority=priority)
+        return make_plan(probe(), default_model(), priority=priority, quality=cached_records())
 
     @app.get("/probe", response_model=DeviceProfile, tags=["plan"], summary="This host's device profile")
     def get_probe() -> DeviceProfile:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import uvicorn
 
-from edge.cli import quality_records
 from edge.describe import load_device_file, parse_size
 from edge.errors import InputError
 from edge.model_reader import read_model
@@ -32,6 +31,7 @@ from edge.paths import converted_dir
 from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan
 from edge.planner import make_plan
 from edge.probe import probe
+from edge.quality import cached_records
 from server.app import create_app, weight_path
 from server.settings import Settings
 from server.supervisor import EngineRefused, EngineSupervisor
@@ -95,7 +95,7 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
         path=args.path,
         layout=args.layout,
         force=args.force,
-        quality=quality_records(),
+        quality=cached_records(),
     )
     if plan.vllm is None:
         raise InputError("--path", plan.path, "a path vLLM can serve (export-only builds a graph, not a server)")

@@ -5,7 +5,6 @@ Every edge.errors.InputError raised here or below keeps its field; `located()` s
 
 from __future__ import annotations
 
-from edge.cli import quality_records
 from edge.cpuinfo import parse_cpuinfo
 from edge.describe import parse_device_json, parse_size
 from edge.device import DeviceProfile
@@ -14,6 +13,7 @@ from edge.model_reader import default_model, read_model_config
 from edge.nfd import parse_nfd_labels
 from edge.plan import Plan
 from edge.planner import make_plan
+from edge.quality import QualityRecord, cached_records
 from edge.shapes import ModelShape
 from server.schemas import ConfigModel, CpuinfoDevice, NfdDevice, PlanRequest, ProfileDevice, _PlanOptions
 
@@ -69,7 +69,15 @@ def budget_bytes(options: _PlanOptions) -> int | None:
     return _located(["body", "memory_budget"], parse_size, budget, "memory_budget")
 
 
-def plan_one(device: DeviceProfile, model: ModelShape, options: _PlanOptions, budget: int | None, **pins) -> Plan:
+def plan_one(
+    device: DeviceProfile,
+    model: ModelShape,
+    options: _PlanOptions,
+    budget: int | None,
+    quality: list[QualityRecord],
+    **pins,
+) -> Plan:
+    """One plan; `quality` is read once per request (edge.quality.cached_records), not once per device."""
     return make_plan(
         device,
         model,
@@ -77,7 +85,7 @@ def plan_one(device: DeviceProfile, model: ModelShape, options: _PlanOptions, bu
         budget_bytes=budget,
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
-        quality=quality_records(),
+        quality=quality,
         **pins,
     )
 
@@ -89,4 +97,4 @@ def plan_request(request: PlanRequest) -> Plan:
     model = read_model(request)
     budget = budget_bytes(request)
     pins = {"path": request.path, "layout": request.layout, "force": request.force}
-    return _located(["body"], plan_one, device, model, request, budget, **pins)
+    return _located(["body"], plan_one, device, model, request, budget, cached_records(), **pins)

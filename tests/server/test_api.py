@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from edge.cli import quality_records
 from edge.cpuinfo import parse_cpuinfo
 from edge.describe import parse_device_json
 from edge.model_reader import default_model, read_model_config
 from edge.nfd import parse_nfd_labels
 from edge.planner import make_plan
+from edge.quality import cached_records
 from server.app import create_app, weight_path
 from server.settings import Settings
 from tests.server.conftest import smollm2_plan
@@ -37,7 +37,7 @@ def client() -> TestClient:
 
 def plan_json(**kwargs) -> dict:
     """The planner's own plan, with the quality records /plan reads too (the cache's edge-eval records)."""
-    return json.loads(make_plan(**kwargs, quality=quality_records()).model_dump_json())
+    return json.loads(make_plan(**kwargs, quality=cached_records()).model_dump_json())
 
 
 def test_plan_from_cpuinfo_text_is_the_planners_plan_for_that_device(client):
