@@ -1,0 +1,186 @@
+"""Calibration records: what timing the candidate kernels (edge.kernel_registry) on one device produced.
+
+`edge-calibrate` (kernels.calibrate) writes them; the planner's cost model (edge.cost) reads them; fleet planners
+store them (`POST /calibrations`). Pure: pydantic models, matching, and reading record files; no torch.
+
+A record is keyed by what invalidates it: the CPU (model string and ISA flags), torch's and vLLM's versions and
+the native library vLLM loads. Bump CALIBRATION_SCHEMA on any change an older reader would misread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from edge.device import ISA_FEATURES, DeviceProfile
+
+CALIBRATION_SCHEMA = "1"
+KernelStatus = Literal["ok", "absent", "crashed", "failed"]
+
+
+class KernelTime(BaseModel):
+    """Median milliseconds of one call of a kernel on an [M, K] x [K, N] problem."""
+
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    m: int = Field(gt=0)
+    ms: float = Field(gt=0)
+    calls: int = Field(default=1, gt=0)  # how many timed calls the median is of
+
+
+class KernelResult(BaseModel):
+    kernel: str  # a name in edge.kernel_registry.KERNELS
+    status: KernelStatus  # ok: timed; absent: the host's library has no such op; crashed: the child died
+    reason: str | None = None  # why not ok, in words ("killed by SIGILL", "_C_AVX2 registers no ...")
+    times: list[KernelTime] = []
+
+    def at(self, n: int, k: int) -> dict[int, float]:
+        """{m: ms} measured at exactly this shape."""
+        return {t.m: t.ms for t in self.times if t.n == n and t.k == k}
+
+
+class ThreadTime(BaseModel):
+    """One decode step of the calibrated shapes (M=1, every shape once) with this many threads."""
+
+    threads: int = Field(gt=0)
+    kernel: str
+    ms: float = Field(gt=0)
+
+
+class CalibrationRecord(BaseModel):
+    schema_version: Literal["1"] = CALIBRATION_SCHEMA
+    cpu_model: str = Field(min_length=1)
+    isa_flags: list[str]  # the flags of edge.device.ISA_FEATURES the CPU has
+    isa_class: str
+    cores: int = Field(gt=0)  # cores the calibration could use
+    threads: int = Field(gt=0)  # threads every kernel time was measured with (vLLM's serving count)
+    torch_version: str | None = None
+    vllm_version: str | None = None
+    native_library: str | None = None  # "_C", "_C_AVX512", "_C_AVX2": what vLLM loads on this CPU
+    torch_capability: str | None = None  # torch.backends.cpu.get_cpu_capability()
+    group_size: int = Field(gt=0)  # of the int4 weights timed
+    model: str | None = None  # whose linear shapes were timed
+    llc_bytes: int | None = None  # last-level cache; decode weights rotate through a buffer larger than it
+    read_bandwidth_gb_s: float | None = None
+    thread_scaling: list[ThreadTime] = []
+    kernels: list[KernelResult]
+    measured_at: str  # ISO 8601
+    duration_s: float | None = None
+
+    @field_validator("isa_flags")
+    @classmethod
+    def _known_flags(cls, flags: list[str]) -> list[str]:
+        unknown = sorted(set(flags) - set(ISA_FEATURES))
+        if unknown:
+            raise ValueError(f"expected ISA flags from {', '.join(ISA_FEATURES)}, got {', '.join(unknown)}")
+        return sorted(set(flags))
+
+    @property
+    def key(self) -> str:
+        """Same CPU, same torch, same vLLM and native library: same key (and a newer record replaces it)."""
+        return record_key(self.cpu_model, self.isa_flags, self.torch_version, self.vllm_version, self.native_library)
+
+    @property
+    def digest(self) -> str:
+        """Identifies this exact record (posting it twice stores it once)."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+    def kernel(self, name: str) -> KernelResult | None:
+        return next((k for k in self.kernels if k.kernel == name), None)
+
+    def timed(self, name: str) -> KernelResult | None:
+        result = self.kernel(name)
+        return result if result is not None and result.status == "ok" and result.times else None
+
+    def describe(self) -> str:
+        """One line for reasons and logs: which CPU, when, with what."""
+        return (f"calibrated on {self.cpu_model}, {self.measured_at[:10]}, {self.threads} thread"
+                f"{'s' if self.threads != 1 else ''}, torch {self.torch_version}, vLLM {self.vllm_version} "
+                f"({self.native_library})")  # fmt: skip
+
+
+def record_key(cpu_model: str, isa_flags: Iterable[str], torch_version: str | None, vllm_version: str | None,
+               native_library: str | None) -> str:  # fmt: skip
+    blob = json.dumps([cpu_model.strip(), sorted(set(isa_flags)), torch_version, vllm_version, native_library])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def matches(record: CalibrationRecord, device: DeviceProfile) -> bool:
+    """The record was taken on this kind of CPU: the same model string and the same ISA flags. Versions are
+    compared only where the device states them (a remote description rarely does)."""
+    if device.cpu_model.value is None or record.cpu_model.strip() != device.cpu_model.value.strip():
+        return False
+    if sorted(set(device.isa.value or [])) != record.isa_flags:
+        return False
+    runtime = device.runtime
+    for stated, recorded in ((runtime.torch_version.value, record.torch_version),
+                             (runtime.vllm_version.value, record.vllm_version),
+                             (runtime.vllm_native_library.value, record.native_library)):  # fmt: skip
+        if stated is not None and recorded is not None and stated != recorded:
+            return False
+    return True
+
+
+def best_match(records: Iterable[CalibrationRecord], device: DeviceProfile,
+               model: str | None = None) -> CalibrationRecord | None:  # fmt: skip
+    """The newest matching record, preferring one that timed this model's own shapes."""
+    found = [r for r in records if matches(r, device)]
+    if not found:
+        return None
+    return max(found, key=lambda r: (model is not None and r.model == model, r.measured_at))
+
+
+def parse(data: object, field: str = "calibration") -> CalibrationRecord:
+    """A record from JSON-decoded data; InputError naming the field and the value otherwise."""
+    from edge.errors import InputError
+
+    try:
+        return CalibrationRecord.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or field
+        raise InputError(f"{field}.{where}" if where != field else field, first.get("input"),
+                         first["msg"]) from None  # fmt: skip
+
+
+def load_file(path: Path) -> CalibrationRecord:
+    from edge.errors import InputError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise InputError("calibration", str(path), f"a readable calibration record (JSON): {err}") from None
+    return parse(data)
+
+
+def load_records(directory: Path) -> list[CalibrationRecord]:
+    """Every readable record in `directory`; anything else is skipped (a cache is never an error)."""
+    records = []
+    for file in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            records.append(CalibrationRecord.model_validate_json(file.read_text()))
+        except (OSError, ValueError, ValidationError):
+            continue
+    return records
+
+
+def cache_directory() -> Path:
+    from edge.paths import cache_dir
+
+    return cache_dir() / "calibration"
+
+
+def cached_records() -> list[CalibrationRecord]:
+    """edge-calibrate's records for this host and others, from the cache directory; none is fine."""
+    return load_records(cache_directory())
+
+
+def record_path(record: CalibrationRecord, directory: Path | None = None) -> Path:
+    """Where a record lives in the cache: one file per key and model (a recalibration replaces it)."""
+    model = (record.model or "any").replace("/", "_")
+    return (directory or cache_directory()) / f"{record.key}-{model}.json"

@@ -1,0 +1,184 @@
+"""The cost model: what one request costs each option, from a calibration record's kernel times.
+
+A request is a prompt prefill (PROMPT_TOKENS rows through every linear) plus NEW_TOKENS decode steps (one row per
+sequence), as vLLM runs them: q/k/v fused into qkv_proj, gate/up into gate_up_proj, and the head applied only to
+the last row of each sequence (logits are computed for sampled positions only). With max_num_seqs > 1 the decode
+steps are batched: `batch` sequences share each step, so the request's share of a step is cost(M=batch) / batch.
+
+Each linear runs the kernel its format and the option say (edge.kernel_registry): int4 layers the path's own
+kernels (below the dequant threshold the decode kernel, from it the prefill kernel), int8 layers the int8 kernel,
+bf16 layers the bf16 GEMM. Times come from the record at the exact shape and M when measured; between measured M
+they are interpolated linearly; a shape the record lacks is scaled from the measured shape of nearest size by
+weight count (said so in the result). Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from edge.calibration import CalibrationRecord, KernelResult
+from edge.kernel_registry import FORMAT_KERNEL, PREFILL_KERNELS, kernels_for
+from edge.plan import Layout, WeightPath
+from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision
+
+PROMPT_TOKENS = 512
+NEW_TOKENS = 128
+CALIBRATION_ROWS = (1, 4, 16, 128, 512)  # M values edge-calibrate times: decode, batched decode, prefill sizes
+_WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class EngineLinear:
+    """One GEMM vLLM runs per layer (fused as vLLM fuses it), `count` times per forward."""
+
+    name: str
+    n: int
+    k: int
+    count: int
+    format: str  # int4, int8 or bf16 (edge.quantized_layers)
+
+    @property
+    def logits(self) -> bool:
+        return self.name == HEAD
+
+
+def engine_linears(layers: list[LayerDecision]) -> list[EngineLinear]:
+    """The plan's layer decisions as vLLM's GEMMs: shards fused (N added, the widest format), the embedding out
+    (a lookup, not a GEMM)."""
+    out: list[EngineLinear] = []
+    by_name = {layer.name: layer for layer in layers}
+    for layer in layers:
+        if layer.name == EMBEDDING:
+            continue
+        fused = FUSED.get(layer.name)
+        if fused is None or not all(s in by_name for s in SHARDS[fused]):
+            out.append(EngineLinear(layer.name, layer.n, layer.k, layer.count, layer.format))
+            continue
+        if layer.name != SHARDS[fused][0]:
+            continue  # added with the first shard
+        parts = [by_name[s] for s in SHARDS[fused]]
+        fmt = max((p.format for p in parts), key=_WIDTH.__getitem__)
+        out.append(EngineLinear(fused, sum(p.n for p in parts), layer.k, layer.count, fmt))
+    return out
+
+
+def calibration_shapes(layers: list[LayerDecision]) -> list[tuple[int, int]]:
+    """The distinct [N, K] edge-calibrate times for a model: every GEMM vLLM runs."""
+    return sorted({(lin.n, lin.k) for lin in engine_linears(layers)})
+
+
+class Unmeasured(LookupError):
+    """The record has no usable time for a kernel the option needs."""
+
+
+def _interpolate(points: dict[int, float], m: int) -> float:
+    """ms at m rows from {rows: ms}: exact, linear between neighbours, proportional beyond the last."""
+    if m in points:
+        return points[m]
+    ms = sorted(points)
+    i = bisect_left(ms, m)
+    if i == 0:
+        return points[ms[0]]  # fewer rows than the smallest measured cost no less than a GEMV
+    if i == len(ms):
+        return points[ms[-1]] * m / ms[-1]
+    lo, hi = ms[i - 1], ms[i]
+    return points[lo] + (points[hi] - points[lo]) * (m - lo) / (hi - lo)
+
+
+@dataclass
+class KernelTimes:
+    """A record's times for one kernel, with the shape fallback stated."""
+
+    result: KernelResult
+    scaled: set[tuple[int, int]] = field(default_factory=set)  # shapes scaled from another measured shape
+
+    def ms(self, n: int, k: int, m: int) -> float:
+        points = self.result.at(n, k)
+        if not points:
+            shapes = {(t.n, t.k) for t in self.result.times}
+            assert shapes, "timed results carry times"
+            near_n, near_k = min(shapes, key=lambda s: abs(s[0] * s[1] - n * k))
+            self.scaled.add((n, k))
+            return _interpolate(self.result.at(near_n, near_k), m) * (n * k) / (near_n * near_k)
+        return _interpolate(points, m)
+
+
+def kernel_times(record: CalibrationRecord, name: str) -> KernelTimes:
+    result = record.timed(name)
+    if result is None:
+        found = record.kernel(name)
+        why = f"{found.status}: {found.reason}" if found is not None else "not in the record"
+        raise Unmeasured(f"{name} ({why})")
+    return KernelTimes(result)
+
+
+def measured_threshold(record: CalibrationRecord, shapes: list[tuple[int, int]], prefill: str) -> int | None:
+    """The smallest calibrated M from which `prefill` (dequantize + GEMM) beats tinygemm on the model's shapes
+    summed, and keeps beating it at every larger measured M; None when it never does."""
+    try:
+        decode, wide = kernel_times(record, "tinygemm"), kernel_times(record, prefill)
+    except Unmeasured:
+        return None
+    rows = sorted({t.m for t in wide.result.times} & {t.m for t in decode.result.times})
+    crossover = None
+    for m in rows:
+        wins = sum(wide.ms(n, k, m) for n, k in shapes) < sum(decode.ms(n, k, m) for n, k in shapes)
+        crossover = (crossover or m) if wins else None
+    return crossover
+
+
+def faster_prefill(record: CalibrationRecord, shapes: list[tuple[int, int]], rows: int = PROMPT_TOKENS) -> str | None:
+    """Which prefill dtype ("bfloat16" or "float32") the record measured faster at `rows` on these shapes."""
+    costs = {}
+    for dtype, name in PREFILL_KERNELS.items():
+        try:
+            times = kernel_times(record, name)
+        except Unmeasured:
+            continue
+        costs[dtype] = sum(times.ms(n, k, rows) for n, k in shapes)
+    return min(costs, key=costs.__getitem__) if costs else None
+
+
+@dataclass
+class RequestCost:
+    ms: float  # one request: prefill + NEW_TOKENS decode steps (the request's share when batched)
+    prefill_ms: float
+    decode_step_ms: float  # one decode step for one sequence (the batch's step / batch)
+    kernels: dict[str, float]  # ms of the request spent in each kernel
+    scaled_shapes: list[str]  # shapes not in the record, scaled from another
+
+
+def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: WeightPath, layout: Layout | None,
+                 *, dequant_threshold: int, prefill_dtype: str, batch: int = 1) -> RequestCost:  # fmt: skip
+    """Raises Unmeasured when a kernel the option needs has no times in the record."""
+    int4_kernels = {
+        "decode": kernels_for(path, layout, "decode"),
+        "prefill": kernels_for(path, layout, "prefill"),
+    }
+    if path == "w4a16-tinygemm" and layout in ("direct", "dual"):
+        int4_kernels["prefill"] = [PREFILL_KERNELS[prefill_dtype]]
+    times: dict[str, KernelTimes] = {}
+    spent: dict[str, float] = {}
+
+    def run(lin: EngineLinear, m: int) -> float:
+        if lin.format == "int4" or (path == "bf16" and lin.format == "bf16"):
+            role = "prefill" if (m >= dequant_threshold and int4_kernels["prefill"]) else "decode"
+            names = int4_kernels[role] or int4_kernels["decode"]
+            assert names, f"{path}/{layout} has no kernel for {role}"
+            name = names[0]
+        else:
+            name = FORMAT_KERNEL[lin.format]
+        if name not in times:
+            times[name] = kernel_times(record, name)
+        ms = times[name].ms(lin.n, lin.k, m) * lin.count
+        spent[name] = spent.get(name, 0.0) + ms
+        return ms
+
+    prefill = sum(run(lin, 1 if lin.logits else PROMPT_TOKENS) for lin in linears)
+    before = dict(spent)
+    step = sum(run(lin, batch) for lin in linears) / batch
+    for name in spent:  # the request's share of NEW_TOKENS steps, from the one batched step recorded
+        spent[name] = before.get(name, 0.0) + (spent[name] - before.get(name, 0.0)) * NEW_TOKENS / batch
+    scaled = sorted({f"{n}x{k}" for t in times.values() for n, k in t.scaled})
+    return RequestCost(prefill + NEW_TOKENS * step, prefill, step, spent, scaled)
