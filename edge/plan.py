@@ -15,7 +15,7 @@ from edge.quality import PlanQuality
 from edge.quantized_layers import LayerDecision
 from edge.shapes import ModelShape
 
-SCHEMA_VERSION = "2"  # 2: ledger items' kind and layer, the plan's layers, kernel parameters in the config
+SCHEMA_VERSION = "3"  # 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
 
 WeightPath = Literal["w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only"]
 Layout = Literal["direct", "dual", "kernel-only"]
@@ -101,6 +101,17 @@ class VllmConfig(BaseModel):
         return [*launcher, "--model", model_dir, *self.args]
 
 
+class CalibrationRef(BaseModel):
+    """The calibration record (edge.calibration) a plan's speed ranking rests on."""
+
+    key: str  # CPU, torch, vLLM and native library (edge.calibration.record_key)
+    digest: str  # this exact record
+    cpu_model: str
+    measured_at: str
+    model: str | None = None  # whose shapes it timed
+    threads: int
+
+
 class Plan(BaseModel):
     schema_version: str = SCHEMA_VERSION
     path: WeightPath
@@ -116,6 +127,7 @@ class Plan(BaseModel):
     memory: MemoryLedger
     layers: list[LayerDecision] = []  # what the path stores each kind of weight as (edge.quantized_layers)
     quality: PlanQuality | None = None  # what the path costs in quality, measured by edge-eval or not
+    calibration: CalibrationRef | None = None  # the device's kernel times the ranking used; None: facts table
     quantization_config: dict[str, Any] | None  # written into the converted checkpoint's config.json
     vllm: VllmConfig | None  # None for export-only
     reasons: list[Reason]

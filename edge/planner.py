@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edge import kernel_params, ledger, rules
+from edge.calibration import CalibrationRecord
 from edge.device import DeviceProfile
 from edge.engine_config import quantization_config, vllm_config
 from edge.errors import InputError
@@ -197,6 +198,7 @@ def make_plan(
     force: bool = False,
     quality: list[QualityRecord] | None = None,
     max_kld: float = DEFAULT_MAX_KLD,
+    calibration: CalibrationRecord | None = None,
 ) -> Plan:
     """quality: edge-eval records (edge.quality.load_records); an option whose measured mean KLD exceeds
     max_kld is not chosen for speed, and the plan's `quality` section reports the chosen option's record."""
