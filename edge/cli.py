@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--evaluate", action="store_true",
                         help="first measure the plan (and a runner-up with other weights) with edge-eval: converts "
                              "and scores on this CPU, minutes; needs torch. The plan then quotes the measurement")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="rank from this calibration record (edge-calibrate's JSON) instead of looking one up; "
+                             "by default a record of this CPU in the cache directory is used when there is one")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="first time the candidate kernels on this CPU at the model's shapes (edge-calibrate, "
+                             "about a minute; needs torch), then plan from those times")
     parser.add_argument("--json", action="store_true", help="print the Plan as JSON")
     return parser  # fmt: skip
 
@@ -72,11 +78,36 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     from edge.planner import make_plan
 
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    device, model = _device(args.device), _model(args.model)
     return make_plan(
-        _device(args.device), _model(args.model), priority=args.priority, budget_bytes=budget,
+        device, model, priority=args.priority, budget_bytes=budget,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, path=args.path,
         layout=args.layout, force=args.force, quality=cached_records(), max_kld=args.max_kld,
+        calibration=_calibration(args, device, model.name),
     )  # fmt: skip
+
+
+def _calibration(args: argparse.Namespace, device, model_name: str):
+    """--calibration FILE as given; otherwise the newest cached record of this CPU (edge-calibrate's, or one a
+    fleet planner stored there), preferring one that timed this model."""
+    from edge import calibration
+
+    if args.calibration:
+        return calibration.load_file(args.calibration)
+    return calibration.best_match(calibration.cached_records(), device, model_name)
+
+
+def calibrate(args: argparse.Namespace) -> None:
+    """edge-calibrate in a child process (edge/ never imports torch); its record lands in the cache."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise InputError("--calibrate", True, "torch installed (the project's vllm extra): edge-calibrate runs kernels")
+    if args.device is not None:
+        raise InputError("--calibrate", args.device, "no --device: a calibration times this host's CPU")
+    command = [sys.executable, "-m", "kernels.calibrate", "--quiet"] + (["--model", args.model] if args.model else [])
+    print("edge-select: timing the kernels on this CPU (edge-calibrate)", file=sys.stderr)
+    _run(command, "edge-calibrate", "--calibrate")
 
 
 def _quality(plan: Plan) -> str:
@@ -87,6 +118,15 @@ def _quality(plan: Plan) -> str:
     return (f"mean KLD {r.kld_mean:.4f} +- {r.kld_mean_se:.4f}, top-1 {r.top1_agreement:.1%} +- "
             f"{r.top1_agreement_se:.1%}, perplexity ratio {r.ppl_ratio:.3f}, confident flips "
             f"{r.confident_flip_rate:.2%} ({quality.note})")  # fmt: skip
+
+
+def _timed(plan: Plan) -> str:
+    ref = plan.calibration
+    if ref is None:
+        return "no calibration of this CPU: ranked from the facts table (edge-select --calibrate times it)"
+    return (f"kernels timed on {ref.cpu_model}, {ref.measured_at[:10]}, {ref.threads} thread"
+            f"{'s' if ref.threads != 1 else ''}" + (f", {ref.model}'s shapes" if ref.model else "")
+            + f" (calibration {ref.key})")  # fmt: skip
 
 
 def _gib(n: int | None) -> str:
@@ -107,6 +147,7 @@ def render(plan: Plan) -> str:
         f"  path      {plan.path}{layout}{group}  (priority {plan.priority})",
         f"  verified  {'yes' if plan.verified else 'no'}: {plan.verified_detail}",
         f"  quality   {_quality(plan)}",
+        f"  timed     {_timed(plan)}",
         f"  memory    resident {_gib(memory.resident_bytes)}, load peak {_gib(memory.peak_bytes)}, "
         f"budget {_gib(memory.budget_bytes)}: {fits}",
     ]  # fmt: skip
@@ -164,19 +205,21 @@ def evaluate(args: argparse.Namespace, plan: Plan) -> None:
             Path(f.name).unlink(missing_ok=True)
 
 
-def _run(command: list[str], what: str) -> str:
+def _run(command: list[str], what: str, option: str = "--evaluate") -> str:
     import subprocess
 
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise InputError("--evaluate", what, f"a successful run ({last})")
+        raise InputError(option, what, f"a successful run ({last})")
     return done.stdout.strip().splitlines()[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.calibrate:
+            calibrate(args)
         plan = plan_from_args(args)
         if args.evaluate:
             evaluate(args, plan)

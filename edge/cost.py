@@ -147,6 +147,7 @@ class RequestCost:
     decode_step_ms: float  # one decode step for one sequence (the batch's step / batch)
     kernels: dict[str, float]  # ms of the request spent in each kernel
     scaled_shapes: list[str]  # shapes not in the record, scaled from another
+    substituted: list[str]  # kernels the record lacks, counted at another's times
 
 
 def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: WeightPath, layout: Layout | None,
@@ -160,6 +161,7 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
         int4_kernels["prefill"] = [PREFILL_KERNELS[prefill_dtype]]
     times: dict[str, KernelTimes] = {}
     spent: dict[str, float] = {}
+    substituted: set[str] = set()
 
     def run(lin: EngineLinear, m: int) -> float:
         if lin.format == "int4" or (path == "bf16" and lin.format == "bf16"):
@@ -169,6 +171,9 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
             name = names[0]
         else:
             name = FORMAT_KERNEL[lin.format]
+            if name != "bf16" and record.timed(name) is None and record.timed("bf16") is not None:
+                substituted.add(f"{name} counted at bf16's times (not timed)")  # a wider weight: no faster
+                name = "bf16"
         if name not in times:
             times[name] = kernel_times(record, name)
         ms = times[name].ms(lin.n, lin.k, m) * lin.count
@@ -181,4 +186,4 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
     for name in spent:  # the request's share of NEW_TOKENS steps, from the one batched step recorded
         spent[name] = before.get(name, 0.0) + (spent[name] - before.get(name, 0.0)) * NEW_TOKENS / batch
     scaled = sorted({f"{n}x{k}" for t in times.values() for n, k in t.scaled})
-    return RequestCost(prefill + NEW_TOKENS * step, prefill, step, spent, scaled)
+    return RequestCost(prefill + NEW_TOKENS * step, prefill, step, spent, scaled, sorted(substituted))

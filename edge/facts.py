@@ -110,6 +110,8 @@ FACTS: dict[str, MeasuredFact] = {
         _fact("avx512.1t.gemm.m512.int4_ms", 103.535, "ms", "here", "avx512", "2026-11-30", "tinygemm, 512 rows"),
         _fact("avx512.1t.dequant_bf16.m512_ms", 62.927, "ms", "here", "avx512", "2026-11-30",
               "direct dequantize to bf16 + bf16 GEMM, 512 rows"),
+        _fact("avx512.1t.int8.m1_ms", 1.90, "ms", "here", "avx512", "2026-11-30",
+              "int8 per-channel head, 49152x576, 1 row (bf16 3.79 ms; docs/MEASUREMENTS.md)"),
         _fact("avx512.engine.direct.decode_tok_s", 74.6, "tok/s", "here", "avx512", "2026-11-30",
               "w4a16 direct (the speed plan) decode in vLLM, default model, under load; bf16 34.8 "
               "(docs/reports/2026-11-30-engine-avx512.md)"),

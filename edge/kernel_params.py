@@ -14,9 +14,10 @@ vLLM method reads them from there, so the engine runs what the plan accounted fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from edge.calibration import CalibrationRecord
 from edge.device import DeviceProfile
 from edge.facts import fact
 
@@ -74,6 +75,7 @@ class KernelParams:
     dequant_threshold: int
     prefill_dtype: PrefillDtype
     repack_chunk_rows: int
+    measured: str | None = None  # how the threshold and dtype were measured, when a calibration record set them
 
 
 def params(*, capability: str | None, amx: bool, native_bf16: bool, block: int) -> KernelParams:
@@ -93,14 +95,38 @@ def device_capability(device: DeviceProfile) -> str | None:
     return {"amx": "AVX512", "avx512": "AVX512", "avx2": "AVX2"}.get(device.isa_class)
 
 
-def for_device(device: DeviceProfile) -> KernelParams:
+def for_device(device: DeviceProfile, record: CalibrationRecord | None = None,
+               shapes: list[tuple[int, int]] | None = None) -> KernelParams:  # fmt: skip
     """The plan's values: the measured block when the device says it, else the block its capability implies
-    (AVX2's when not even that is known: the smaller block is the conservative ledger)."""
+    (AVX2's when not even that is known: the smaller block is the conservative ledger).
+
+    With a calibration record of the device and the model's GEMM shapes, the prefill dtype is the one the record
+    measured faster at a prompt's rows and the threshold the measured crossover with tinygemm (edge.cost); AMX
+    keeps its threshold of 2 whatever the times say (the SIGILL hazard is not a speed question)."""
     capability = device_capability(device)
     block = device.runtime.tinygemm_block.value or derived_tinygemm_block(capability)
-    return params(
+    base = params(
         capability=capability,
         amx=device.has_amx,
         native_bf16=device.has_amx or device.has("avx512_bf16"),
         block=block or int(fact("avx2.tinygemm_block").value),
     )
+    if record is None or not shapes:
+        return base
+    return measured(base, record, shapes, amx=device.has_amx)
+
+
+def measured(base: KernelParams, record: CalibrationRecord, shapes: list[tuple[int, int]], *,
+             amx: bool) -> KernelParams:  # fmt: skip
+    """`base` with the record's measured prefill dtype and crossover (when it measured them)."""
+    from edge.cost import faster_prefill, measured_threshold
+    from edge.kernel_registry import PREFILL_KERNELS
+
+    dtype = faster_prefill(record, shapes) or base.prefill_dtype
+    crossover = measured_threshold(record, shapes, PREFILL_KERNELS[dtype])
+    threshold = base.dequant_threshold if amx or crossover is None else crossover
+    how = (f"prefill in {dtype}, measured faster; dequantize from {threshold} rows, "
+           + ("the AMX hazard's value" if amx else "the measured crossover with tinygemm" if crossover
+              else "the facts table's value (dequantize never beat tinygemm up to the rows timed)")
+           + f" ({record.describe()})")  # fmt: skip
+    return replace(base, prefill_dtype=dtype, dequant_threshold=threshold, measured=how)

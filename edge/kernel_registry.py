@@ -48,8 +48,8 @@ KERNELS: dict[str, KernelSpec] = {
     for spec in (
         KernelSpec("bf16", "bf16 GEMM against bf16 weights (oneDNN)", "aten::linear", "torch", "bf16", False,
                    (Serves("bf16", None, "all"),)),
-        KernelSpec("tinygemm", "PyTorch's int4 kernel on the host's tinygemm layout", "aten::_weight_int4pack_mm_for_cpu",
-                   "torch", "int4-tinygemm", False,
+        KernelSpec("tinygemm", "PyTorch's int4 kernel on the host's tinygemm layout",
+                   "aten::_weight_int4pack_mm_for_cpu", "torch", "int4-tinygemm", False,
                    (Serves(_W4A16, ("kernel-only",), "all"), Serves(_W4A16, ("direct", "dual"), "decode"))),
         KernelSpec("dequant-bf16", "dequantize the int4 weight to bf16, then a bf16 GEMM",
                    "aten::_weight_int4pack_mm_for_cpu + aten::mm", "torch", "int4-tinygemm", False,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from edge import kernel_params, ledger, rules
 from edge.calibration import CalibrationRecord
+from edge.cost import engine_linears
 from edge.device import DeviceProfile
 from edge.engine_config import quantization_config, vllm_config
 from edge.errors import InputError
@@ -21,6 +22,7 @@ from edge.plan import (
     PRIORITIES,
     WEIGHT_PATHS,
     Alternative,
+    CalibrationRef,
     Layout,
     MemoryLedger,
     Plan,
@@ -31,7 +33,7 @@ from edge.plan import (
 )
 from edge.quality import DEFAULT_MAX_KLD, PlanQuality, QualityRecord, find, quality_key
 from edge.quantized_layers import EMBEDDING, QUANTIZED_PATHS, LayerDecision, model_layers, rules_for
-from edge.rank import Option, rank
+from edge.rank import Option, RankInput, rank
 from edge.shapes import ModelShape
 from edge.verified import verification
 
@@ -56,6 +58,7 @@ class Request:
     max_num_seqs: int
     kernel: kernel_params.KernelParams
     max_kld: float = DEFAULT_MAX_KLD
+    calibration: CalibrationRecord | None = None  # the device's kernel times (edge-calibrate), when known
 
 
 @dataclass
@@ -97,12 +100,16 @@ def _estimate(option: Option, gate: Gate, req: Request, max_model_len: int | Non
     )  # fmt: skip
 
 
-def _options(device: DeviceProfile, priority: Priority) -> list[Option]:
+def _options(req: Request, gates: dict[WeightPath, Gate]) -> list[Option]:
     """The ranked options, then every path the ranking has no measurement for, so that each is accounted for."""
+    device = req.device
     export = Option("export-only", None, None, "", [Reason(
         text="vLLM has no phone/NPU backend; a calibrated w8a16 export was the only scheme correct on device "
         "(36.9 dB; int8 activations gave 5.1 dB)", source="reference study")])
-    ranked = rank(device.isa_class, priority, native_bf16=device.has("avx512_bf16") or device.has_amx)
+    inp = RankInput(isa_class=device.isa_class, model=req.model, kernel=req.kernel, record=req.calibration,
+                    groups={path: gate.group_size for path, gate in gates.items()}, batch=req.max_num_seqs,
+                    native_bf16=device.has("avx512_bf16") or device.has_amx)  # fmt: skip
+    ranked = rank(inp, req.priority)
     options = [export, *ranked] if device.is_phone else [*ranked, export]
     covered = {o.path for o in options}
     return options + [Option(p, None, None, "unmeasured") for p in WEIGHT_PATHS if p not in covered]
@@ -201,29 +208,34 @@ def make_plan(
     calibration: CalibrationRecord | None = None,
 ) -> Plan:
     """quality: edge-eval records (edge.quality.load_records); an option whose measured mean KLD exceeds
-    max_kld is not chosen for speed, and the plan's `quality` section reports the chosen option's record."""
+    max_kld is not chosen for speed, and the plan's `quality` section reports the chosen option's record.
+    calibration: the device's own kernel times (edge.calibration; the caller matches it to the device): the
+    ranking, the dequant threshold and the prefill dtype come from it instead of the facts table."""
     _check_inputs(priority, path, layout, max_model_len, max_num_seqs, budget_bytes, model)
     if not max_kld > 0:
         raise InputError("max_kld", max_kld, "a positive mean KL divergence (nats per token)")
     if layout is not None:
         path = "w4a16-tinygemm"
+    gates = all_gates(device, model)
     req = Request(
         device=device, model=model, priority=priority,
         budget=budget_bytes if budget_bytes is not None else device.usable_memory_bytes,
         max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
-        max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, kernel=kernel_params.for_device(device),
-        max_kld=max_kld,
+        max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_kld=max_kld, calibration=calibration,
+        kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
     )  # fmt: skip
-    gates = all_gates(device, model)
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
                            _measured(option, gates[option.path], req, quality or []))
-                 for option in _options(device, priority)]  # fmt: skip
+                 for option in _options(req, gates)]  # fmt: skip
     chosen = _pick(evaluated, priority, path, layout, force, max_kld)
     gate, option = chosen.gate, chosen.option
     layers = model_layers(model, _quant(option, gate, req))
     qconfig = quantization_config(model, option.path, option.layout, gate.group_size, layers, req.kernel)
     kv_bytes = rules.kv_cache_bytes(model, req.max_model_len, req.max_num_seqs)
     verified, verified_detail = verification(option.path, option.layout, device.isa_class)
+    if calibration is not None and option.request_cost is not None and not option.extrapolated:
+        verified, verified_detail = True, (f"kernels timed on this CPU ({calibration.describe()}); "
+                                           + verified_detail)  # fmt: skip
     return Plan(
         path=option.path,
         layout=option.layout,
@@ -241,12 +253,27 @@ def make_plan(
         vllm=vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
                          max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes),
         quality=_plan_quality(chosen),
-        reasons=_reasons(chosen, priority, device, req.kernel.block),
+        calibration=_calibration_ref(calibration),
+        reasons=_reasons(chosen, priority, device, req.kernel),
         alternatives=[_alternative(ev, chosen, req) for ev in evaluated if ev is not chosen],
         warnings=_warnings(chosen, device, layers),
         pinned=path is not None,
         forced=force and not gate.runnable,
     )  # fmt: skip
+
+
+def _w4a16_shapes(model: ModelShape, gates: dict[WeightPath, Gate]) -> list[tuple[int, int]]:
+    """The GEMM shapes whose crossover sets the dequant threshold: the w4a16 speed plan's int4 layers."""
+    group = gates["w4a16-tinygemm"].group_size
+    linears = engine_linears(model_layers(model, rules_for(model, "w4a16-tinygemm", group, "speed")))
+    return sorted({(lin.n, lin.k) for lin in linears if lin.format == "int4"})
+
+
+def _calibration_ref(record: CalibrationRecord | None) -> CalibrationRef | None:
+    if record is None:
+        return None
+    return CalibrationRef(key=record.key, digest=record.digest, cpu_model=record.cpu_model,
+                          measured_at=record.measured_at, model=record.model, threads=record.threads)  # fmt: skip
 
 
 def _quant(option: Option, gate: Gate, req: Request):
@@ -281,7 +308,8 @@ def _plan_quality(chosen: Evaluated) -> PlanQuality:
                        f"reference: {f.note} (+{f.value:g}{f.unit}, {f.source}, facts[{key}])")  # fmt: skip
 
 
-def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile, block: int) -> list[Reason]:
+def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile,
+             kernel: kernel_params.KernelParams) -> list[Reason]:  # fmt: skip
     memory = chosen.memory
     budget = f"{_gib(memory.budget_bytes)} budget" if memory.budget_bytes else "no known budget"
     reasons = [
@@ -299,8 +327,11 @@ def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile, block
             value=q.kld_mean, unit="nats/token", source="measured by edge-eval"))  # fmt: skip
     if chosen.option.path == "w4a16-tinygemm":
         source = device.runtime.tinygemm_block.source
-        reasons.append(Reason(text=f"tinygemm n-block {block} channels ({source})", value=block,
+        reasons.append(Reason(text=f"tinygemm n-block {kernel.block} channels ({source})", value=kernel.block,
                               unit="channels", source=source))
+        if kernel.measured and chosen.option.layout != "kernel-only":
+            reasons.append(Reason(text=kernel.measured, value=kernel.dequant_threshold, unit="rows",
+                                  source="calibration of this CPU"))
     return reasons
 
 

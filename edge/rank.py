@@ -1,28 +1,36 @@
-"""Rank the (path, layout) options for a device by priority, from the measured facts of its ISA class.
+"""Rank the (path, layout) options for a device by priority: the cost model over kernel times.
 
-Speed is judged on one request: a 512-token prompt (prefill) and 128 generated tokens (single-stream decode),
-because an edge box's user waits for both. Where the ISA class has measurements (AMX: reference study; AVX2 and
-AVX-512 with AVX512-BF16: this project's hosts) the cost is computed from them; elsewhere the rule is derived
-(decode is bandwidth-bound, so fewer weight bytes win) and said to be extrapolated.
+Speed is judged on one request, a 512-token prompt (prefill) and 128 generated tokens (edge.cost), because an edge
+box's user waits for both. The kernel times come from, in order:
+    a calibration record of this CPU (edge-calibrate on the box, or one a fleet planner stored): measured
+    the facts table's 1-thread GEMM medians of the ISA class (AVX2, AVX-512 with AVX512-BF16), as a record of
+        one 4096x4096 shape: measured on another box of the class, so extrapolated unless it is that class
+    AMX: the reference study's end-to-end tok/s (no kernel times exist for it)
+    anything else: derived (decode is bandwidth-bound, so fewer weight bytes win), extrapolated
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edge.calibration import CalibrationRecord, KernelResult, KernelTime
+from edge.cost import NEW_TOKENS, PROMPT_TOKENS, RequestCost, Unmeasured, engine_linears, request_cost
 from edge.facts import fact
+from edge.kernel_params import KernelParams
 from edge.plan import Layout, Priority, Reason, WeightPath
+from edge.quantized_layers import model_layers, rules_for
+from edge.shapes import ModelShape
 
-PROMPT_TOKENS = 512
-NEW_TOKENS = 128
-W4A16_LAYOUTS: tuple[Layout, ...] = ("dual", "direct", "kernel-only")
+W4A16_LAYOUTS: tuple[Layout, ...] = ("direct", "dual", "kernel-only")  # equal cost sorts the leanest first
+_PATHS: list[tuple[WeightPath, Layout | None]] = [
+    ("bf16", None), *(("w4a16-tinygemm", layout) for layout in W4A16_LAYOUTS), ("w4a8-gptq", None)]  # fmt: skip
 
 
 @dataclass
 class Option:
     path: WeightPath
     layout: Layout | None
-    request_cost: float | None  # lower is faster; None when unmeasured on this ISA class
+    request_cost: float | None  # lower is faster; None when unmeasured
     cost_unit: str
     reasons: list[Reason] = field(default_factory=list)
     extrapolated: bool = False
@@ -30,6 +38,50 @@ class Option:
     @property
     def label(self) -> str:
         return f"{self.path}/{self.layout}" if self.layout else self.path
+
+
+@dataclass(frozen=True)
+class RankInput:
+    """What the ranking needs: the device's class, the model, the group each path would use (its gate's), the
+    kernel parameters the plan writes, and the device's calibration record when there is one."""
+
+    isa_class: str
+    model: ModelShape
+    groups: dict[WeightPath, int | None]
+    kernel: KernelParams
+    native_bf16: bool = True
+    record: CalibrationRecord | None = None
+    batch: int = 1  # sequences decoding together (max_num_seqs): a second cost, reported; ranking is per user
+
+
+# The facts table's kernel times by ISA class: kernel -> (N, K, M, fact key suffix).
+_FACT_TIMES: dict[str, list[tuple[int, int, int, str]]] = {
+    "bf16": [(4096, 4096, 1, "1t.gemm.m1.bf16_ms"), (4096, 4096, 512, "1t.gemm.m512.bf16_ms")],
+    "tinygemm": [(4096, 4096, 1, "1t.gemm.m1.int4_ms"), (4096, 4096, 512, "1t.gemm.m512.int4_ms")],
+    "dequant-bf16": [(4096, 4096, 512, "1t.dequant_bf16.m512_ms")],
+    "dequant-fp32": [(4096, 4096, 512, "1t.dequant_fp32.m512_ms")],
+    "int8": [(49152, 576, 1, "1t.int8.m1_ms")],
+}
+
+
+def facts_record(prefix: str) -> tuple[CalibrationRecord, list[str]]:
+    """The facts table's GEMM medians for `prefix` ("avx2", "avx512") as a record, and the fact keys used."""
+    from edge.facts import FACTS
+
+    kernels, keys = [], []
+    for name, points in _FACT_TIMES.items():
+        times = []
+        for n, k, m, suffix in points:
+            key = f"{prefix}.{suffix}"
+            if key in FACTS:
+                times.append(KernelTime(n=n, k=k, m=m, ms=FACTS[key].value))
+                keys.append(key)
+        kernels.append(KernelResult(kernel=name, status="ok" if times else "failed", times=times,
+                                    reason=None if times else f"not in the facts table for {prefix}"))  # fmt: skip
+    record = CalibrationRecord(
+        cpu_model=f"facts table ({prefix})", isa_flags=[], isa_class=prefix, cores=2, threads=1, group_size=64,
+        kernels=kernels, measured_at=max(FACTS[k].date for k in keys))  # fmt: skip
+    return record, keys
 
 
 def _cite(key: str, text: str) -> Reason:
@@ -40,8 +92,65 @@ def _cite(key: str, text: str) -> Reason:
     return Reason(text=text, fact=key, value=f.value, unit=f.unit, source=source)
 
 
+def _headline(record: CalibrationRecord, kernel: str, m: int = 1) -> str | None:
+    """'tinygemm 0.44 ms vs bf16 1.68 ms at 4096x4096, M=1' from the record's largest shape both timed."""
+    mine, bf16 = record.timed(kernel), record.timed("bf16")
+    if mine is None or bf16 is None or kernel == "bf16":
+        return None
+    shared = [(t.n, t.k) for t in mine.times if t.m == m and bf16.at(t.n, t.k).get(m)]
+    if not shared:
+        return None
+    n, k = max(shared, key=lambda s: s[0] * s[1])
+    return f"{kernel} {mine.at(n, k)[m]:.3g} ms vs bf16 {bf16.at(n, k)[m]:.3g} ms at {n}x{k}, M={m}"
+
+
+def _record_options(inp: RankInput, record: CalibrationRecord, source: str, fact_keys: list[str],
+                    extrapolated: bool) -> list[Option]:  # fmt: skip
+    unit = (f"ms per request ({PROMPT_TOKENS}-token prefill + {NEW_TOKENS} decode steps, {record.threads} "
+            f"thread{'s' if record.threads != 1 else ''}, the model's own shapes)")
+    options = []
+    for path, layout in _PATHS:
+        group = inp.groups.get(path)
+        layers = model_layers(inp.model, rules_for(inp.model, path, group, "speed"))
+        linears = engine_linears(layers)
+        try:
+            cost, batched = (request_cost(record, linears, path, layout, batch=batch,
+                                          dequant_threshold=inp.kernel.dequant_threshold,
+                                          prefill_dtype=inp.kernel.prefill_dtype)
+                             for batch in (1, inp.batch))  # fmt: skip
+        except Unmeasured as missing:
+            options.append(Option(path, layout, None, unit, [Reason(
+                text=f"not timed on this CPU: {missing}", source=source)], extrapolated))  # fmt: skip
+            continue
+        top = sorted(cost.kernels.items(), key=lambda kv: -kv[1])
+        spent = ", ".join(f"{name} {ms:.1f} ms" for name, ms in top)
+        reasons = [Reason(
+            text=f"{cost.ms:.1f} ms per request: prefill {cost.prefill_ms:.1f} ms + {NEW_TOKENS} decode steps of "
+            f"{cost.decode_step_ms:.3f} ms ({spent})" + "".join(f"; {note}" for note in _notes(cost)),
+            value=round(cost.ms, 3), unit="ms", source=source)]  # fmt: skip
+        if inp.batch > 1:
+            reasons.append(Reason(
+                text=f"with {inp.batch} sequences decoding together (max_num_seqs): {batched.ms:.1f} ms per request, "
+                f"decode steps of {batched.decode_step_ms:.3f} ms per sequence", value=round(batched.ms, 3), unit="ms",
+                source=source))  # fmt: skip
+        if headline := _headline(record, top[0][0] if path != "bf16" else "bf16"):
+            reasons.append(Reason(text=headline, source=source))
+        reasons += [_cite(key, fact(key).note) for key in fact_keys if _serves(key, cost.kernels)]
+        options.append(Option(path, layout, cost.ms, unit, reasons, extrapolated))
+    return options
+
+
+def _notes(cost: RequestCost) -> list[str]:
+    scaled = [f"shapes scaled from others: {', '.join(cost.scaled_shapes)}"] if cost.scaled_shapes else []
+    return scaled + cost.substituted
+
+
+def _serves(key: str, kernels: dict[str, float]) -> bool:
+    return any(key.endswith(suffix) for name in kernels for *_, suffix in _FACT_TIMES.get(name, []))
+
+
 def _amx_options() -> list[Option]:
-    """Seconds per request from the reference study's tok/s (Spark-X2.5-1.7B on a Xeon 8480C)."""
+    """Seconds per request from the reference study's tok/s (Spark-X2.5-1.7B on a Xeon 8480C): no kernel times."""
 
     def cost(prefill_key: str, decode_key: str, prefill_slowdown: float = 1.0) -> float:
         prefill = fact(prefill_key).value / prefill_slowdown
@@ -57,7 +166,7 @@ def _amx_options() -> list[Option]:
         Option("bf16", None, cost("amx.bf16.prefill_tok_s", "amx.bf16.decode_tok_s"), unit,
                [_cite("amx.bf16.decode_tok_s", "bf16 decode on AMX")]),
     ]  # fmt: skip
-    for layout in W4A16_LAYOUTS:
+    for layout in ("dual", "direct", "kernel-only"):
         reasons = [_cite("amx.w4a16.decode_tok_s", "W4A16 tinygemm decode on AMX")]
         if layout != "dual":
             key = "amx.direct.prefill_slowdown" if layout == "direct" else "amx.kernel_only.prefill_slowdown"
@@ -66,61 +175,6 @@ def _amx_options() -> list[Option]:
             Option("w4a16-tinygemm", layout,
                    cost(w4a16_prefill, "amx.w4a16.decode_tok_s", slowdown[layout]), unit, reasons)
         )  # fmt: skip
-    return options
-
-
-def _avx2_options(extrapolated: bool) -> list[Option]:
-    """Milliseconds per request per 4096x4096 layer, from this host's GEMM medians at 1 thread, group 64.
-
-    One thread because vLLM 0.28 serves with one Torch thread unless OMP_NUM_THREADS is set
-    (vllm/utils/torch_utils.py), and the plans leave it so.
-    """
-    unit = "ms per request per 4096x4096 layer (512-token prefill + 128 single-row steps, 1 thread)"
-    bf16_1, bf16_512 = fact("avx2.1t.gemm.m1.bf16_ms").value, fact("avx2.1t.gemm.m512.bf16_ms").value
-    int4_1, int4_512 = fact("avx2.1t.gemm.m1.int4_ms").value, fact("avx2.1t.gemm.m512.int4_ms").value
-    # dual and direct prefill = dequantize once + GEMM in fp32: AVX2 has no native bf16 FMA (kernels/int4_ops.py).
-    dequant_512 = fact("avx2.1t.dequant_fp32.m512_ms").value
-    bf16_reasons = [
-        _cite("avx2.1t.gemm.m1.bf16_ms", "one-row bf16 GEMM (decode step)"),
-        _cite("avx2.1t.gemm.m512.bf16_ms", "512-row bf16 GEMM (prefill): no native bf16 FMA on AVX2"),
-    ]
-    decode_reason = _cite("avx2.1t.gemm.m1.int4_ms", "one-row tinygemm (decode step)")
-    options = [
-        Option("bf16", None, bf16_512 + NEW_TOKENS * bf16_1, unit, bf16_reasons, extrapolated),
-        Option("w4a16-tinygemm", "kernel-only", int4_512 + NEW_TOKENS * int4_1, unit,
-               [decode_reason, _cite("avx2.1t.gemm.m512.int4_ms", "512-row tinygemm (prefill)")], extrapolated),
-    ]  # fmt: skip
-    prefill_reason = _cite("avx2.1t.dequant_fp32.m512_ms", "512-row prefill: dequantize once, then an fp32 GEMM")
-    engine_reason = _cite("avx2.engine.direct.prefill_tok_s",
-                          "in vLLM on the default model, direct prefilled 6.7x and decoded 1.5x faster than bf16")
-    for layout in ("direct", "dual"):  # equal speed; direct keeps one copy, so it sorts first
-        reasons = [decode_reason, prefill_reason] + ([engine_reason] if layout == "direct" else [])
-        options.append(Option("w4a16-tinygemm", layout, dequant_512 + NEW_TOKENS * int4_1, unit, reasons,
-                              extrapolated))
-    return options
-
-
-def _avx512_options(extrapolated: bool) -> list[Option]:
-    """Milliseconds per request per 4096x4096 layer from the AVX-512 host's GEMM medians (Zen 5, AVX512-BF16, 1
-    thread, group 64): wide batches dequantize to bf16 and run the native bf16 GEMM (edge.kernel_params)."""
-    unit = "ms per request per 4096x4096 layer (512-token prefill + 128 single-row steps, 1 thread)"
-    bf16_1, bf16_512 = fact("avx512.1t.gemm.m1.bf16_ms").value, fact("avx512.1t.gemm.m512.bf16_ms").value
-    int4_1, int4_512 = fact("avx512.1t.gemm.m1.int4_ms").value, fact("avx512.1t.gemm.m512.int4_ms").value
-    dequant_512 = fact("avx512.1t.dequant_bf16.m512_ms").value
-    decode_reason = _cite("avx512.1t.gemm.m1.int4_ms", "one-row tinygemm (decode step)")
-    prefill_reason = _cite("avx512.1t.dequant_bf16.m512_ms", "512-row prefill: dequantize once, then a bf16 GEMM")
-    engine_reason = _cite("avx512.engine.direct.decode_tok_s",
-                          "in vLLM on the default model, direct decoded 2.1x and prefilled 1.4x as fast as bf16")
-    options = [
-        Option("bf16", None, bf16_512 + NEW_TOKENS * bf16_1, unit,
-               [_cite("avx512.1t.gemm.m1.bf16_ms", "one-row bf16 GEMM (decode step)")], extrapolated),
-        Option("w4a16-tinygemm", "kernel-only", int4_512 + NEW_TOKENS * int4_1, unit,
-               [decode_reason, _cite("avx512.1t.gemm.m512.int4_ms", "512-row tinygemm (prefill)")], extrapolated),
-    ]  # fmt: skip
-    for layout in ("direct", "dual"):  # equal speed; direct keeps one copy, so it sorts first
-        reasons = [decode_reason, prefill_reason] + ([engine_reason] if layout == "direct" else [])
-        options.append(Option("w4a16-tinygemm", layout, dequant_512 + NEW_TOKENS * int4_1, unit, reasons,
-                              extrapolated))
     return options
 
 
@@ -138,17 +192,24 @@ def _derived_options() -> list[Option]:
     return options
 
 
-def speed_options(isa_class: str, native_bf16: bool = True) -> list[Option]:
-    """Every option this ISA class can be ranked on, fastest first (the gates decide what is runnable).
+def facts_prefix(isa_class: str, native_bf16: bool) -> str | None:
+    """Which facts-table class a device is ranked on without a record: AVX-512 was measured with AVX512-BF16
+    (Zen 5); one without it (Ice Lake) dequantizes to fp32 like AVX2 and is ranked on AVX2's numbers."""
+    if isa_class == "avx512" and native_bf16:
+        return "avx512"
+    return "avx2" if isa_class in ("avx2", "avx512") else None
 
-    AVX-512 was measured on a CPU with AVX512-BF16 (Zen 5); one without it (Ice Lake) dequantizes to fp32 and is
-    ranked on AVX2's fp32 numbers, marked extrapolated."""
-    if isa_class == "amx":
+
+def speed_options(inp: RankInput) -> list[Option]:
+    """Every option the device can be ranked on, fastest first (the gates decide what is runnable)."""
+    if inp.record is not None:
+        options = _record_options(inp, inp.record, f"calibration of this CPU ({inp.record.describe()})", [], False)
+    elif inp.isa_class == "amx":
         options = _amx_options()
-    elif isa_class == "avx512" and native_bf16:
-        options = _avx512_options(extrapolated=False)
-    elif isa_class in ("avx2", "avx512"):
-        options = _avx2_options(extrapolated=isa_class != "avx2")
+    elif prefix := facts_prefix(inp.isa_class, inp.native_bf16):
+        record, keys = facts_record(prefix)
+        source = f"facts table ({prefix}: 4096x4096 GEMM medians scaled to the model's shapes)"
+        options = _record_options(inp, record, source, keys, extrapolated=prefix != inp.isa_class)
     else:
         options = _derived_options()
     return sorted(options, key=lambda o: o.request_cost if o.request_cost is not None else float("inf"))
@@ -159,9 +220,9 @@ def speed_options(isa_class: str, native_bf16: bool = True) -> list[Option]:
 FIDELITY_ORDER: dict[WeightPath, int] = {"bf16": 0, "w4a16-tinygemm": 1, "export-only": 2, "w4a8-gptq": 9}
 
 
-def rank(isa_class: str, priority: Priority, native_bf16: bool = True) -> list[Option]:
+def rank(inp: RankInput, priority: Priority) -> list[Option]:
     """Every option, best first for the priority; fidelity puts W4A8 last and the planner never picks it."""
-    options = speed_options(isa_class, native_bf16)
+    options = speed_options(inp)
     if priority == "fidelity":
         options.sort(key=lambda o: FIDELITY_ORDER[o.path])  # stable: speed order within a path
     return options

@@ -8,7 +8,15 @@ from edge.errors import InputError
 from edge.plan import Plan
 from edge.planner import PlanRefused, make_plan
 from edge.quality import QualityRecord, quality_key
-from edge.rank import rank, speed_options
+from edge.gates import all_gates
+from edge.kernel_params import for_device
+from edge.rank import RankInput, rank, speed_options
+
+
+def _rank_input(device, model) -> RankInput:
+    groups = {path: gate.group_size for path, gate in all_gates(device, model).items()}
+    return RankInput(isa_class=device.isa_class, model=model, groups=groups, kernel=for_device(device),
+                     native_bf16=device.has("avx512_bf16") or device.has_amx)  # fmt: skip
 
 
 def _alternative(plan: Plan, path: str, layout: str | None = None):
@@ -26,7 +34,7 @@ def test_avx2_host_never_gets_w4a8(avx2_host, smollm2):
 
 def test_avx2_speed_picks_the_cheapest_measured_option_that_fits(avx2_host, smollm2):
     plan = make_plan(avx2_host, smollm2, priority="speed")
-    fastest = speed_options("avx2")[0]
+    fastest = speed_options(_rank_input(avx2_host, smollm2))[0]
     assert (plan.path, plan.layout) == (fastest.path, fastest.layout)
     assert plan.memory.fits
     assert any(r.fact and r.fact.startswith("avx2.") for r in plan.reasons)
@@ -60,7 +68,8 @@ def test_w4a8_needs_vllm_full_native_library(ice_lake, smollm2):
 
 def test_memory_budget_picks_the_most_faithful_option_that_fits(sapphire_rapids, llama_1b):
     """For a budget equal to each option's own peak, the plan is the first option in fidelity order that fits."""
-    order = [(o.path, o.layout) for o in rank("amx", "fidelity") if o.path != "w4a8-gptq"]
+    order = [(o.path, o.layout) for o in rank(_rank_input(sapphire_rapids, llama_1b), "fidelity")
+             if o.path != "w4a8-gptq"]  # fmt: skip
     peaks = {
         (path, layout): make_plan(sapphire_rapids, llama_1b, priority="fidelity", path=path,
                                   layout=layout).memory.peak_bytes
