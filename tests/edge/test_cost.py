@@ -1,0 +1,174 @@
+"""The cost model (edge.cost), the kernel registry and calibration records, against hand-computed cases.
+
+`data/calibration_epyc_avx2.json` holds the AVX2 host's measured GEMM medians (benchmarks/dequant_paths.py's
+table, 2026-11-29: 2-core AMD EPYC, AVX2 only, torch 2.13.0, 1 thread, the mean of two runs) as a record.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from edge.calibration import (
+    CalibrationRecord,
+    KernelResult,
+    KernelTime,
+    best_match,
+    load_records,
+    parse,
+    record_path,
+)
+from edge.cost import (
+    NEW_TOKENS,
+    EngineLinear,
+    Unmeasured,
+    engine_linears,
+    faster_prefill,
+    measured_threshold,
+    request_cost,
+)
+from edge.errors import InputError
+from edge.kernel_registry import KERNELS, kernels_for
+from edge.planner import make_plan
+from edge.quantized_layers import model_layers, rules_for
+
+DATA = Path(__file__).parent / "data"
+
+
+def _record(kernels: dict[str, dict[tuple[int, int, int], float]], **fields) -> CalibrationRecord:
+    results = [KernelResult(kernel=name, status="ok", times=[KernelTime(n=n, k=k, m=m, ms=ms)
+                                                             for (n, k, m), ms in times.items()])
+               for name, times in kernels.items()]  # fmt: skip
+    base = dict(cpu_model="Test CPU", isa_flags=["avx2", "fma"], isa_class="avx2", cores=2, threads=1,
+                group_size=64, measured_at="2026-11-30T00:00:00+00:00", kernels=results)  # fmt: skip
+    return CalibrationRecord(**{**base, **fields})
+
+
+@pytest.fixture
+def avx2_record() -> CalibrationRecord:
+    return CalibrationRecord.model_validate_json((DATA / "calibration_epyc_avx2.json").read_text())
+
+
+def test_every_registered_kernel_serves_or_is_a_comparison_and_names_its_op():
+    for spec in KERNELS.values():
+        assert spec.op and spec.library in ("torch", "vllm")
+    assert kernels_for("w4a16-tinygemm", "direct", "decode") == ["tinygemm"]
+    assert set(kernels_for("w4a16-tinygemm", "dual", "prefill")) == {"dequant-bf16", "dequant-fp32"}
+    assert kernels_for("w4a16-tinygemm", "kernel-only", "prefill") == ["tinygemm"]
+    assert kernels_for("w4a8-gptq", None, "decode") == ["vllm-w4a8"]
+    assert KERNELS["vllm-w4a8"].quantizes_activations and not KERNELS["tinygemm"].quantizes_activations
+
+
+def test_vllm_fuses_qkv_and_gate_up_and_the_embedding_is_no_gemm(smollm2):
+    linears = engine_linears(model_layers(smollm2, rules_for(smollm2, "w4a16-tinygemm", 32, "speed")))
+    by_name = {lin.name: lin for lin in linears}
+    assert set(by_name) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    assert (by_name["qkv_proj"].n, by_name["qkv_proj"].k) == (576 + 192 + 192, 576)
+    assert (by_name["gate_up_proj"].n, by_name["gate_up_proj"].count) == (2 * 1536, 30)
+    assert by_name["lm_head"].format == "int8" and by_name["lm_head"].logits
+
+
+def test_bf16_request_cost_by_hand():
+    """One 100x200 layer x2 and a head: prefill 512 rows through the layers, one row through the head; then 128
+    steps of one row each."""
+    record = _record({"bf16": {(100, 200, 1): 0.5, (100, 200, 512): 40.0, (1000, 200, 1): 3.0}})
+    linears = [EngineLinear("o_proj", 100, 200, 2, "bf16"), EngineLinear("lm_head", 1000, 200, 1, "bf16")]
+    cost = request_cost(record, linears, "bf16", None, dequant_threshold=128, prefill_dtype="bfloat16")
+    assert cost.prefill_ms == pytest.approx(2 * 40.0 + 3.0)
+    assert cost.decode_step_ms == pytest.approx(2 * 0.5 + 3.0)
+    assert cost.ms == pytest.approx(83.0 + NEW_TOKENS * 4.0)
+    assert cost.kernels == {"bf16": pytest.approx(cost.ms)}
+
+
+def test_direct_layout_switches_kernels_at_the_threshold_and_batches_share_a_step():
+    record = _record({
+        "tinygemm": {(100, 200, 1): 0.2, (100, 200, 4): 0.6, (100, 200, 512): 90.0},
+        "dequant-bf16": {(100, 200, 512): 30.0},
+        "int8": {(1000, 200, 1): 1.0, (1000, 200, 4): 2.0},
+    })  # fmt: skip
+    linears = [EngineLinear("o_proj", 100, 200, 3, "int4"), EngineLinear("lm_head", 1000, 200, 1, "int8")]
+    direct = request_cost(record, linears, "w4a16-tinygemm", "direct", dequant_threshold=128,
+                          prefill_dtype="bfloat16")  # fmt: skip
+    assert direct.prefill_ms == pytest.approx(3 * 30.0 + 1.0)
+    assert direct.decode_step_ms == pytest.approx(3 * 0.2 + 1.0)
+    kernel_only = request_cost(record, linears, "w4a16-tinygemm", "kernel-only", dequant_threshold=128,
+                               prefill_dtype="bfloat16")  # fmt: skip
+    assert kernel_only.prefill_ms == pytest.approx(3 * 90.0 + 1.0)
+    batched = request_cost(record, linears, "w4a16-tinygemm", "direct", dequant_threshold=128,
+                           prefill_dtype="bfloat16", batch=4)  # fmt: skip
+    assert batched.decode_step_ms == pytest.approx((3 * 0.6 + 2.0) / 4)
+    assert sum(batched.kernels.values()) == pytest.approx(batched.ms)
+
+
+def test_times_between_measured_rows_are_interpolated_and_other_shapes_scaled_by_weight_count():
+    record = _record({"bf16": {(100, 200, 1): 1.0, (100, 200, 17): 9.0}})
+    at_9 = request_cost(record, [EngineLinear("lm_head", 100, 200, 1, "bf16")], "bf16", None, batch=9,
+                        dequant_threshold=128, prefill_dtype="bfloat16")  # fmt: skip
+    assert at_9.decode_step_ms == pytest.approx(5.0 / 9)
+    scaled = request_cost(record, [EngineLinear("lm_head", 200, 200, 1, "bf16")], "bf16", None,
+                          dequant_threshold=128, prefill_dtype="bfloat16")  # fmt: skip
+    assert scaled.decode_step_ms == pytest.approx(2.0) and scaled.scaled_shapes == ["200x200"]
+
+
+def test_an_option_whose_kernel_was_not_timed_is_unmeasured():
+    record = _record({"bf16": {(100, 200, 1): 1.0}})
+    record.kernels.append(KernelResult(kernel="vllm-w4a8", status="absent", reason="_C_AVX2 has no such op"))
+    with pytest.raises(Unmeasured, match="absent: _C_AVX2 has no such op"):
+        request_cost(record, [EngineLinear("o_proj", 100, 200, 1, "int4")], "w4a8-gptq", None,
+                     dequant_threshold=128, prefill_dtype="bfloat16")  # fmt: skip
+
+
+def test_threshold_is_the_crossover_from_which_dequantize_keeps_winning():
+    record = _record({
+        "tinygemm": {(100, 200, 1): 1.0, (100, 200, 16): 10.0, (100, 200, 128): 80.0, (100, 200, 512): 300.0},
+        "dequant-fp32": {(100, 200, 1): 5.0, (100, 200, 16): 9.0, (100, 200, 128): 90.0, (100, 200, 512): 100.0},
+    })  # fmt: skip
+    # wins at 16, loses at 128, wins at 512: the threshold is where it keeps winning
+    assert measured_threshold(record, [(100, 200)], "dequant-fp32") == 512
+    assert measured_threshold(record, [(100, 200)], "dequant-bf16") is None  # not timed
+
+
+def test_the_avx2_record_measures_fp32_prefill_faster_and_its_own_crossover(avx2_record, smollm2):
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    assert faster_prefill(avx2_record, shapes) == "float32"  # no native bf16 dot product on AVX2
+    assert measured_threshold(avx2_record, shapes, "dequant-fp32") == 128
+
+
+def test_a_record_validates_its_flags_and_parse_names_the_field():
+    with pytest.raises(ValidationError):
+        _record({}, isa_flags=["avx9000"])
+    with pytest.raises(InputError, match="calibration.cores"):
+        parse({**json.loads(_record({}).model_dump_json()), "cores": 0})
+
+
+def test_records_match_a_device_by_cpu_model_and_flags(avx2_record, avx2_host, zen5, tmp_path):
+    assert best_match([avx2_record], avx2_host) is avx2_record
+    assert best_match([avx2_record], zen5) is None  # "AMD EPYC" too, but AVX-512 flags
+    path = record_path(avx2_record, tmp_path)
+    path.write_text(avx2_record.model_dump_json())
+    (tmp_path / "junk.json").write_text("{not json")
+    assert load_records(tmp_path) == [avx2_record]
+
+
+def test_a_plan_from_a_record_cites_it_and_takes_its_threshold(avx2_record, avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2, calibration=avx2_record)
+    assert plan.calibration is not None and plan.calibration.key == avx2_record.key
+    assert not any("extrapolated" in w for w in plan.warnings)
+    assert plan.verified and "kernels timed on this CPU" in plan.verified_detail
+    assert (plan.path, plan.layout) == ("w4a16-tinygemm", "direct")
+    qc = plan.quantization_config
+    assert (qc["prefill_dtype"], qc["dequant_threshold"]) == ("float32", 128)
+    assert any(r.source and "calibration of this CPU" in r.source and "ms per request" in r.text
+               for r in plan.reasons)  # fmt: skip
+    bf16 = next(a for a in plan.alternatives if a.path == "bf16")
+    assert "ranked below" in bf16.why_not and "ms per request" in bf16.why_not
+
+
+def test_without_a_record_the_plan_says_it_used_the_facts_table(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2)
+    assert plan.calibration is None
+    assert any(r.source and r.source.startswith("facts table") for r in plan.reasons)
+
