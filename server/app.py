@@ -8,13 +8,15 @@ app decides the plan and the engine.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
-from fastapi import FastAPI, Query, Request
+from fastapi import Body, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
+from edge.calibration import best_match, parse
 from edge.device import DeviceProfile
 from edge.errors import InputError
 from edge.model_reader import default_model
@@ -23,12 +25,15 @@ from edge.planner import make_plan
 from edge.probe import probe
 from edge.quality import cached_records
 from server import planning
+from server.calibrations import CalibrationStore, StoreUnavailable
 from server.middleware import BearerToken, BodyLimit
 from server.proxy import engine_unavailable, forward
 from server.schemas import (
     BatchItem,
     BatchRequest,
     BatchResponse,
+    CalibrationStored,
+    CalibrationSummary,
     ErrorItem,
     Health,
     PlanRequest,
@@ -43,6 +48,8 @@ How should model M run on CPU device D: the planner over HTTP, and the engine it
 
 `/v1/*` (not listed here) is the engine's OpenAI-compatible API (vLLM), forwarded unchanged; every forwarded
 response carries `X-Edge-Weight-Path: <path>[/<layout>]`. Errors in a request are 422 with the field named.
+`/calibrations` keeps the kernel times boxes measured (`edge-serve --report-to`); `/plan` for a device of a CPU
+with a stored record ranks from it, and the plan's `calibration` names it.
 """
 
 
@@ -57,6 +64,12 @@ def _input_error_response(loc: list[str | int], error: InputError) -> JSONRespon
     return JSONResponse({"detail": [item.model_dump()]}, status_code=422)
 
 
+def _record_loc(field: str) -> list[str | int]:
+    """'calibration.kernels.0.status' (edge.calibration.parse's field) -> ['body', 'kernels', 0, 'status']."""
+    parts = field.split(".")[1:]
+    return ["body", *(int(part) if part.isdigit() else part for part in parts)]
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -65,10 +78,12 @@ def create_app(
     model_dir: str | None = None,
 ) -> FastAPI:
     settings = settings or Settings()
+    store = CalibrationStore(settings.calibration_db)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         timeout = httpx.Timeout(connect=5.0, read=settings.proxy_timeout_s, write=60.0, pool=10.0)
+        await run_in_threadpool(store.open)
         async with httpx.AsyncClient(timeout=timeout) as client:
             app.state.http = client
             if supervisor is not None:
@@ -78,9 +93,11 @@ def create_app(
             finally:
                 if supervisor is not None:
                     await supervisor.stop()
+                store.close()
 
     app = FastAPI(title="edge-select", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
+    app.state.calibrations = store
 
     @app.exception_handler(planning.LocatedInputError)
     async def located_input_error(request: Request, exc: planning.LocatedInputError) -> JSONResponse:
@@ -90,9 +107,13 @@ def create_app(
     async def input_error(request: Request, exc: InputError) -> JSONResponse:
         return _input_error_response(["body", exc.field], exc)
 
+    @app.exception_handler(StoreUnavailable)
+    async def store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
     @app.post("/plan", response_model=Plan, tags=["plan"], summary="Plan a model on a described device")
     def post_plan(request: PlanRequest) -> Plan:
-        return planning.plan_request(request)
+        return planning.plan_request(request, store)
 
     @app.post("/plan/batch", response_model=BatchResponse, tags=["plan"], summary="Plan one model on many devices")
     def post_plan_batch(request: BatchRequest) -> BatchResponse | JSONResponse:
@@ -101,18 +122,24 @@ def create_app(
             return _input_error_response(["body", "devices"], error)
         model = planning.read_model(request)
         budget = planning.budget_bytes(request)
-        quality = cached_records()
-        results = []
+        results: list[BatchItem | None] = [None] * len(request.devices)
+        profiles: dict[int, DeviceProfile] = {}
         for index, device in enumerate(request.devices):
             try:
-                profile = planning.read_device(device)
-                results.append(BatchItem(index=index, plan=planning.plan_one(profile, model, request, budget, quality)))
+                profiles[index] = planning.read_device(device)
             except InputError as exc:
-                loc: list[str | int] = ["body", "devices", index]
-                error = ErrorItem(loc=loc, msg=str(exc), type="input_error", field=exc.field)
-                results.append(BatchItem(index=index, error=error))
-        planned = sum(item.plan is not None for item in results)
-        return BatchResponse(results=results, planned=planned, failed=len(results) - planned)
+                results[index] = _batch_error(index, exc)
+        quality = cached_records()
+        calibrations = planning.calibration_records(store, profiles.values())
+        for index, profile in profiles.items():
+            try:
+                made = planning.plan_one(profile, model, request, budget, quality, calibrations)
+                results[index] = BatchItem(index=index, plan=made)
+            except InputError as exc:
+                results[index] = _batch_error(index, exc)
+        done = [item for item in results if item is not None]
+        planned = sum(item.plan is not None for item in done)
+        return BatchResponse(results=done, planned=planned, failed=len(done) - planned)
 
     @app.get("/plan", response_model=Plan, tags=["plan"], summary="The plan in force, or a plan for this host")
     def get_plan(
@@ -120,7 +147,48 @@ def create_app(
     ) -> Plan:
         if plan is not None:
             return plan
-        return make_plan(probe(), default_model(), priority=priority, quality=cached_records())
+        device, model = probe(), default_model()
+        calibration = best_match(planning.calibration_records(store, [device]), device, model.name)
+        return make_plan(device, model, priority=priority, quality=cached_records(), calibration=calibration)
+
+    @app.post(
+        "/calibrations",
+        response_model=CalibrationStored,
+        status_code=201,
+        tags=["calibrations"],
+        summary="Store a calibration record (what edge-calibrate measured on a box)",
+        responses={200: {"model": CalibrationStored, "description": "The record was already stored."}},
+    )
+    def post_calibration(
+        body: Annotated[
+            dict[str, Any],
+            Body(
+                description="A calibration record as `edge-calibrate --json` prints it (edge.calibration."
+                "CalibrationRecord). /plan for a device of its CPU then ranks from its kernel times."
+            ),
+        ],
+        response: Response,
+    ) -> CalibrationStored:
+        try:
+            record = parse(body)
+        except InputError as exc:
+            raise planning.LocatedInputError(_record_loc(exc.field), exc) from exc
+        created = store.add(record)
+        response.status_code = 201 if created else 200
+        return CalibrationStored(key=record.key, digest=record.digest, created=created)
+
+    @app.get(
+        "/calibrations",
+        response_model=list[CalibrationSummary],
+        tags=["calibrations"],
+        summary="The stored calibration records, newest measurement first",
+    )
+    def get_calibrations(
+        cpu_model: Annotated[
+            str | None, Query(max_length=256, description="Only this CPU model's, e.g. 'AMD EPYC'.")
+        ] = None,
+    ) -> list[CalibrationSummary]:
+        return store.summaries(cpu_model)
 
     @app.get("/probe", response_model=DeviceProfile, tags=["plan"], summary="This host's device profile")
     def get_probe() -> DeviceProfile:
@@ -179,6 +247,11 @@ def create_app(
         app.add_middleware(BearerToken, token=settings.api_token, open_paths=OPEN_PATHS)
         app.openapi = lambda: _with_bearer(app)
     return app
+
+
+def _batch_error(index: int, exc: InputError) -> BatchItem:
+    loc: list[str | int] = ["body", "devices", index]
+    return BatchItem(index=index, error=ErrorItem(loc=loc, msg=str(exc), type="input_error", field=exc.field))
 
 
 def _with_bearer(app: FastAPI) -> dict:

@@ -1,17 +1,24 @@
 """edge-serve: plan for this box, convert the model when the plan needs it, then serve it behind the API.
 
   edge-serve [--model DIR] [--priority fidelity|speed] [--host 127.0.0.1] [--port 8080]
-             [--memory-budget SIZE] [--max-model-len N] [--force]
+             [--memory-budget SIZE] [--max-model-len N] [--force] [--calibration-db URL]
+             [--calibrate] [--report-to URL [--report-token TOKEN]]
 
 Without --model it serves the embedded default model (the directory `edge-model default` prints). A converted
 checkpoint goes to $EDGE_SELECT_CACHE_DIR/converted/<model>-<hash of quantization_config> and is reused by
 edge-convert when up to date. Prints the chosen path, layout, the top reasons and the URL, then serves until
 interrupted. Other settings come from EDGE_* environment variables (server/settings.py), e.g. EDGE_API_TOKEN.
+
+The plan ranks from this host's calibration record (what `edge-calibrate` cached) when there is one; --calibrate
+measures a fresh one first. --report-to URL posts that record to a fleet planner's /calibrations (calibrating
+first when this host has none), so that its /plan for boxes of this CPU ranks from it; a failed report is a
+warning, and the box serves anyway.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -22,8 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import uvicorn
 
+from edge.calibration import CalibrationRecord, best_match, parse
+from edge.calibration import cached_records as cached_calibrations
 from edge.describe import load_device_file, parse_size
 from edge.errors import InputError
 from edge.model_reader import read_model
@@ -33,10 +43,12 @@ from edge.planner import make_plan
 from edge.probe import probe
 from edge.quality import cached_records
 from server.app import create_app, weight_path
+from server.calibrations import database_url
 from server.settings import Settings
 from server.supervisor import EngineRefused, EngineSupervisor
 
 TOP_REASONS = 3
+REPORT_TIMEOUT_S = 30.0
 
 
 def tool(script: str, module: str) -> list[str]:
@@ -85,9 +97,10 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
     # A described device (the DaemonSet passes its node's NFD labels) plans for that; otherwise probe this host.
     device = load_device_file(args.device) if args.device else probe()
+    model = read_model(source)
     plan = make_plan(
         device,
-        read_model(source),
+        model,
         priority=args.priority,
         budget_bytes=budget,
         max_model_len=args.max_model_len,
@@ -96,6 +109,7 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
         layout=args.layout,
         force=args.force,
         quality=cached_records(),
+        calibration=best_match(cached_calibrations(), device, model.name),
     )
     if plan.vllm is None:
         raise InputError("--path", plan.path, "a path vLLM can serve (export-only builds a graph, not a server)")
@@ -117,6 +131,76 @@ def check_block_here(plan: Plan, device_file: str) -> None:
             f"a description of this host for a {plan.path} plan: it plans tinygemm blocks of {planned} channels, "
             f"this host's torch packs {here.value} ({here.detail}); drop --device to plan for this host",
         )  # fmt: skip
+
+
+class CalibrationFailed(RuntimeError):
+    """No calibration record for this host: edge-calibrate failed or wrote none."""
+
+
+def calibrator() -> list[str]:
+    """edge-calibrate, as a child process: this process never imports torch."""
+    return [*tool("edge-calibrate", "kernels.calibrate"), "--json"]
+
+
+def calibrate_here(command: Sequence[str] | None = None) -> CalibrationRecord:
+    """Time the kernels on this host now; edge-calibrate caches the record and prints it (--json)."""
+    argv = list(command or calibrator())
+    print(f"calibrating this host: {' '.join(argv)}", flush=True)
+    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)  # its progress goes to stderr
+    if done.returncode != 0:
+        raise CalibrationFailed(f"{' '.join(argv)} exited {done.returncode}")
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    for text in (done.stdout, *lines[-1:]):
+        try:
+            return parse(json.loads(text))
+        except ValueError:
+            continue
+    record = best_match(cached_calibrations(), probe())
+    if record is None:
+        raise CalibrationFailed(f"{' '.join(argv)} printed no calibration record and cached none for this host")
+    return record
+
+
+def host_calibration(*, fresh: bool = False, command: Sequence[str] | None = None) -> CalibrationRecord:
+    """This host's calibration record: the newest edge-calibrate cached for this CPU, or a fresh one when there
+    is none (or `fresh`)."""
+    if not fresh:
+        record = best_match(cached_calibrations(), probe())
+        if record is not None:
+            return record
+    return calibrate_here(command)
+
+
+def report_calibration(record: CalibrationRecord, url: str, token: str | None) -> tuple[bool, str]:
+    """POST the record to URL/calibrations; whether it is stored there, and the line that says so."""
+    target = f"{url.rstrip('/')}/calibrations"
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    what = f"calibration {record.digest} ({record.cpu_model}, {record.measured_at[:10]})"
+    try:
+        response = httpx.post(target, content=record.model_dump_json(), headers=headers, timeout=REPORT_TIMEOUT_S)
+    except httpx.HTTPError as error:
+        return False, f"{what} not reported to {target}: {error.__class__.__name__}: {error}"
+    if response.status_code in (200, 201):
+        stored = "stored" if response.status_code == 201 else "already stored"
+        return True, f"{what} reported to {target}: {stored} ({response.status_code})"
+    return False, f"{what} not reported to {target}: {response.status_code} {response.text[:200]}"
+
+
+def report_and_calibrate(args: argparse.Namespace, settings: Settings) -> None:
+    """--calibrate and --report-to, before anything is planned or served; failures are warnings."""
+    if not (args.calibrate or args.report_to):
+        return
+    try:
+        record = host_calibration(fresh=args.calibrate)
+    except CalibrationFailed as error:
+        print(f"edge-serve: warning: no calibration record for this host ({error}); nothing reported",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return
+    if args.report_to:
+        ok, line = report_calibration(record, args.report_to, args.report_token or settings.report_token)
+        print(line if ok else f"edge-serve: warning: {line}", file=sys.stdout if ok else sys.stderr, flush=True)
 
 
 def summary(prepared: Prepared, url: str) -> str:
@@ -147,14 +231,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="plan and convert, print, do not serve")
     p.add_argument("--plan-only", action="store_true",
                    help="serve only the planner (/plan, /probe, /status) for fleet tooling: no model, no engine")
+    p.add_argument("--calibration-db", metavar="URL", help="keep /calibrations in this PostgreSQL database, shared "
+                   "by replicas (default: SQLite in the cache directory, or EDGE_CALIBRATION_DB)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time the kernels on this host first (edge-calibrate), even when a record is cached")
+    p.add_argument("--report-to", metavar="URL", help="post this host's calibration record to URL/calibrations "
+                   "(a fleet planner: edge-serve --plan-only), calibrating first when there is none")
+    p.add_argument("--report-token", metavar="TOKEN",
+                   help="bearer token of the server reported to (default: EDGE_REPORT_TOKEN)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = Settings(**overrides)
+    given = (("host", args.host), ("port", args.port), ("calibration_db", args.calibration_db))
+    settings = Settings(**{k: v for k, v in given if v is not None})
     url = f"http://{settings.host}:{settings.port}"
+    try:
+        database_url(settings.calibration_db)
+    except InputError as error:
+        print(f"edge-serve: {error}", file=sys.stderr)
+        return 2
+    report_and_calibrate(args, settings)
     if args.plan_only:
         print(f"planner   {url}/plan  (POST a device and a model; {url}/docs describes every field)", flush=True)
         serve_app(settings, create_app(settings))

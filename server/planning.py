@@ -1,10 +1,15 @@
 """From an HTTP request body to a Plan: read the device and the model, parse the budget, call the planner.
 
 Every edge.errors.InputError raised here or below keeps its field; `located()` says where in the body it is.
+Quality and calibration records are read once per request, not once per device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from edge import calibration
+from edge.calibration import CalibrationRecord, best_match
 from edge.cpuinfo import parse_cpuinfo
 from edge.describe import parse_device_json, parse_size
 from edge.device import DeviceProfile
@@ -15,6 +20,7 @@ from edge.plan import Plan
 from edge.planner import make_plan
 from edge.quality import QualityRecord, cached_records
 from edge.shapes import ModelShape
+from server.calibrations import CalibrationStore
 from server.schemas import ConfigModel, CpuinfoDevice, NfdDevice, PlanRequest, ProfileDevice, _PlanOptions
 
 
@@ -69,15 +75,24 @@ def budget_bytes(options: _PlanOptions) -> int | None:
     return _located(["body", "memory_budget"], parse_size, budget, "memory_budget")
 
 
+def calibration_records(store: CalibrationStore, devices: Iterable[DeviceProfile]) -> list[CalibrationRecord]:
+    """The records that can match these devices: the store's for their CPU models, and this host's own
+    (edge-calibrate's, in the cache directory)."""
+    cpu_models = [device.cpu_model.value for device in devices if device.cpu_model.value]
+    return [*store.records(cpu_models), *calibration.cached_records()]
+
+
 def plan_one(
     device: DeviceProfile,
     model: ModelShape,
     options: _PlanOptions,
     budget: int | None,
     quality: list[QualityRecord],
+    calibrations: list[CalibrationRecord],
     **pins,
 ) -> Plan:
-    """One plan; `quality` is read once per request (edge.quality.cached_records), not once per device."""
+    """One plan, ranked from the device's calibration record when one of `calibrations` matches it (the facts
+    table's otherwise). `quality` and `calibrations` are read once per request, not once per device."""
     return make_plan(
         device,
         model,
@@ -86,15 +101,17 @@ def plan_one(
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
         quality=quality,
+        calibration=best_match(calibrations, device, model.name),
         **pins,
     )
 
 
-def plan_request(request: PlanRequest) -> Plan:
+def plan_request(request: PlanRequest, store: CalibrationStore) -> Plan:
     """POST /plan: the request's device, model and options through the planner."""
     device_loc: list[str | int] = ["body", "device", _device_key(request.device)]
     device = _located(device_loc, read_device, request.device)
     model = read_model(request)
     budget = budget_bytes(request)
     pins = {"path": request.path, "layout": request.layout, "force": request.force}
-    return _located(["body"], plan_one, device, model, request, budget, cached_records(), **pins)
+    calibrations = calibration_records(store, [device])
+    return _located(["body"], plan_one, device, model, request, budget, cached_records(), calibrations, **pins)

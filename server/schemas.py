@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -138,3 +139,21 @@ class StatusResponse(BaseModel):
 class Health(BaseModel):
     status: str
     state: str | None = None
+
+
+class CalibrationSummary(BaseModel):
+    """One stored calibration record (edge.calibration.CalibrationRecord), without its kernel times."""
+
+    digest: str = Field(description="Identifies this exact record; a record posted twice is stored once.")
+    key: str = Field(description="CPU, torch, vLLM and native library: records with the same key are comparable.")
+    cpu_model: str = Field(description="The CPU's model string, as /proc/cpuinfo names it.")
+    isa_flags: list[str] = Field(description="The ISA flags the CPU has, of those the planner knows.")
+    model: str | None = Field(description="Whose linear shapes were timed, when one model's were.")
+    measured_at: str = Field(description="When the box measured it (ISO 8601).")
+    received_at: datetime = Field(description="When this service stored it.")
+
+
+class CalibrationStored(BaseModel):
+    key: str = Field(description="The record's key (CPU, torch, vLLM, native library).")
+    digest: str = Field(description="The record's digest, under which it is stored.")
+    created: bool = Field(description="True: stored now (201); false: it was already stored (200).")

@@ -1,6 +1,6 @@
 """Configuration of the API process, read from the environment (prefix EDGE_) by pydantic-settings.
 
-Every field can be set as EDGE_<NAME>, e.g. EDGE_API_TOKEN, EDGE_MAX_BODY_BYTES, EDGE_ENGINE_PORT.
+Every field can be set as EDGE_<NAME>, e.g. EDGE_API_TOKEN, EDGE_MAX_BODY_BYTES, EDGE_ENGINE_PORT, EDGE_CALIBRATION_DB.
 """
 
 from __future__ import annotations
@@ -19,6 +19,14 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(default=1 << 20, ge=1, description="Larger request bodies are refused with 413.")
     max_batch_devices: int = Field(default=256, ge=1, description="Most devices one POST /plan/batch may name.")
+    calibration_db: str | None = Field(
+        default=None,
+        description="Where POST /calibrations keeps records: a PostgreSQL URL shared by replicas "
+        "(postgresql://user:password@host:5432/db); default: SQLite in the cache directory.",
+    )
+    report_token: str | None = Field(
+        default=None, description="Bearer token for `edge-serve --report-to URL` (the other server's API token)."
+    )
 
     # The engine child process.
     engine_host: str = Field(default="127.0.0.1", description="The engine always listens on loopback.")
