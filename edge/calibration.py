@@ -144,8 +144,9 @@ def parse(data: object, field: str = "calibration") -> CalibrationRecord:
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or field
+        message = first["msg"][0].lower() + first["msg"][1:]
         raise InputError(f"{field}.{where}" if where != field else field, first.get("input"),
-                         first["msg"]) from None  # fmt: skip
+                         f"a valid record field ({message})") from None  # fmt: skip
 
 
 def load_file(path: Path) -> CalibrationRecord:
