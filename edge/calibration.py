@@ -145,7 +145,8 @@ def parse(data: object, field: str = "calibration") -> CalibrationRecord:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or field
         message = first["msg"][0].lower() + first["msg"][1:]
-        raise InputError(f"{field}.{where}" if where != field else field, first.get("input"),
+        value = None if first["type"] == "missing" else first.get("input")
+        raise InputError(f"{field}.{where}" if where != field else field, value,
                          f"a valid record field ({message})") from None  # fmt: skip
 
 
