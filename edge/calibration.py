@@ -82,8 +82,10 @@ class CalibrationRecord(BaseModel):
 
     @property
     def key(self) -> str:
-        """Same CPU, same torch, same vLLM and native library: same key (and a newer record replaces it)."""
-        return record_key(self.cpu_model, self.isa_flags, self.torch_version, self.vllm_version, self.native_library)
+        """Same CPU, same torch (and CPU capability), same vLLM and native library: same key (a newer record
+    replaces it)."""
+        return record_key(self.cpu_model, self.isa_flags, self.torch_version, self.vllm_version, self.native_library,
+                          self.torch_capability)
 
     @property
     def digest(self) -> str:
@@ -105,8 +107,10 @@ class CalibrationRecord(BaseModel):
 
 
 def record_key(cpu_model: str, isa_flags: Iterable[str], torch_version: str | None, vllm_version: str | None,
-               native_library: str | None) -> str:  # fmt: skip
-    blob = json.dumps([cpu_model.strip(), sorted(set(isa_flags)), torch_version, vllm_version, native_library])
+               native_library: str | None, torch_capability: str | None = None) -> str:  # fmt: skip
+    """torch_capability too: the same CPU told ATEN_CPU_CAPABILITY=avx2 runs other kernels (and block)."""
+    blob = [cpu_model.strip(), sorted(set(isa_flags)), torch_version, vllm_version, native_library]
+    blob = json.dumps(blob + ([torch_capability] if torch_capability else []))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -120,7 +124,8 @@ def matches(record: CalibrationRecord, device: DeviceProfile) -> bool:
     runtime = device.runtime
     for stated, recorded in ((runtime.torch_version.value, record.torch_version),
                              (runtime.vllm_version.value, record.vllm_version),
-                             (runtime.vllm_native_library.value, record.native_library)):  # fmt: skip
+                             (runtime.vllm_native_library.value, record.native_library),
+                             (runtime.torch_cpu_capability.value, record.torch_capability)):  # fmt: skip
         if stated is not None and recorded is not None and stated != recorded:
             return False
     return True

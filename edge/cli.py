@@ -105,7 +105,7 @@ def calibrate(args: argparse.Namespace) -> None:
         raise InputError("--calibrate", True, "torch installed (the project's vllm extra): edge-calibrate runs kernels")
     if args.device is not None:
         raise InputError("--calibrate", args.device, "no --device: a calibration times this host's CPU")
-    command = [sys.executable, "-m", "kernels.calibrate", "--quiet"] + (["--model", args.model] if args.model else [])
+    command = [sys.executable, "-m", "kernels.calibrate", "--json"] + (["--model", args.model] if args.model else [])
     print("edge-select: timing the kernels on this CPU (edge-calibrate)", file=sys.stderr)
     _run(command, "edge-calibrate", "--calibrate")
 

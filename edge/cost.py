@@ -14,6 +14,7 @@ weight count (said so in the result). Pure: no torch, no I/O.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision
 
 PROMPT_TOKENS = 512
 NEW_TOKENS = 128
-CALIBRATION_ROWS = (1, 4, 16, 128, 512)  # M values edge-calibrate times: decode, batched decode, prefill sizes
+CALIBRATION_ROWS = (1, 4, 16, 64, 128, 512)  # M edge-calibrate times: decode, batched decode, prefill sizes
 _WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
 
 
@@ -114,18 +115,28 @@ def kernel_times(record: CalibrationRecord, name: str) -> KernelTimes:
 
 
 def measured_threshold(record: CalibrationRecord, shapes: list[tuple[int, int]], prefill: str) -> int | None:
-    """The smallest calibrated M from which `prefill` (dequantize + GEMM) beats tinygemm on the model's shapes
-    summed, and keeps beating it at every larger measured M; None when it never does."""
+    """The rows from which `prefill` (dequantize + GEMM) beats tinygemm on the model's shapes summed and keeps
+    beating it up to the largest measured M: the crossing of the two interpolated curves, rounded up; None when
+    it never does."""
     try:
         decode, wide = kernel_times(record, "tinygemm"), kernel_times(record, prefill)
     except Unmeasured:
         return None
-    rows = sorted({t.m for t in wide.result.times} & {t.m for t in decode.result.times})
-    crossover = None
-    for m in rows:
-        wins = sum(wide.ms(n, k, m) for n, k in shapes) < sum(decode.ms(n, k, m) for n, k in shapes)
-        crossover = (crossover or m) if wins else None
-    return crossover
+    rows = sorted({t.m for t in wide.result.times} | {t.m for t in decode.result.times})
+
+    def gap(m: int) -> float:  # > 0: tinygemm is slower, the dequantize path wins
+        return sum(decode.ms(n, k, m) for n, k in shapes) - sum(wide.ms(n, k, m) for n, k in shapes)
+
+    gaps = [gap(m) for m in rows]
+    if not gaps or gaps[-1] <= 0:
+        return None
+    i = len(gaps) - 1
+    while i > 0 and gaps[i - 1] > 0:
+        i -= 1
+    if i == 0:
+        return rows[0]
+    lo, hi = rows[i - 1], rows[i]  # it loses at lo and wins from hi on: both curves are linear in between
+    return math.ceil(lo + (hi - lo) * -gaps[i - 1] / (gaps[i] - gaps[i - 1]))
 
 
 def faster_prefill(record: CalibrationRecord, shapes: list[tuple[int, int]], rows: int = PROMPT_TOKENS) -> str | None:
@@ -187,3 +198,28 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
         spent[name] = before.get(name, 0.0) + (spent[name] - before.get(name, 0.0)) * NEW_TOKENS / batch
     scaled = sorted({f"{n}x{k}" for t in times.values() for n, k in t.scaled})
     return RequestCost(prefill + NEW_TOKENS * step, prefill, step, spent, scaled, sorted(substituted))
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    why: str
+
+
+def thread_choice(record: CalibrationRecord, kernel: str, cores: int) -> ThreadChoice | None:
+    """How many threads the engine's GEMMs should get, from the record's 1-thread vs all-core decode step.
+
+    All cores only when the GEMMs speed up by more than the engine loses: vLLM's own front end and scheduler need a
+    core, so taking it back must pay for its share, cores / (cores - 1) (2x on a 2-core box). Measured on the Zen 5
+    host: OMP_NUM_THREADS=2 on 2 cores cut the default model's decode from 102.6 to 61-68 tok/s (docs/FACTS.md)."""
+    steps: dict[int, float] = {t.threads: t.ms for t in record.thread_scaling if t.kernel == kernel}
+    if 1 not in steps or len(steps) < 2 or cores < 2:
+        return None
+    most = max(steps)
+    speedup = steps[1] / steps[most]
+    needed = cores / (cores - 1)
+    threads = most if speedup >= needed else 1
+    return ThreadChoice(threads, (
+        f"{kernel} decode step {steps[1]:.3f} ms on 1 thread vs {steps[most]:.3f} ms on {most} ({speedup:.2f}x): "
+        + (f"{threads} threads" if threads > 1 else "1 thread")
+        + f", since more threads must beat {needed:.2f}x to pay for the core vLLM's front end needs"))
