@@ -173,3 +173,47 @@ def test_without_a_record_the_plan_says_it_used_the_facts_table(avx2_host, smoll
     assert plan.calibration is None
     assert any(r.source and r.source.startswith("facts table") for r in plan.reasons)
 
+
+
+@pytest.fixture
+def zen5_record() -> CalibrationRecord:
+    """edge-calibrate on the Zen 5 host (AVX-512, AVX512-BF16, no AMX), default model, 1 thread, 2026-11-30."""
+    return CalibrationRecord.model_validate_json((DATA / "calibration_epyc_zen5.json").read_text())
+
+
+def test_avx2_and_avx512_records_measure_different_thresholds_and_dtypes_and_the_plan_takes_each(
+        avx2_record, zen5_record, avx2_host, zen5, smollm2):  # fmt: skip
+    w4a16 = {"path": "w4a16-tinygemm", "layout": "direct"}
+    avx2 = make_plan(avx2_host, smollm2, calibration=avx2_record, **w4a16).quantization_config
+    avx512 = make_plan(zen5, smollm2, calibration=zen5_record, **w4a16).quantization_config
+    assert (avx2["prefill_dtype"], avx512["prefill_dtype"]) == ("float32", "bfloat16")
+    assert avx2["dequant_threshold"] != avx512["dequant_threshold"]
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    assert avx2["dequant_threshold"] == measured_threshold(avx2_record, shapes, "dequant-fp32")
+    assert avx512["dequant_threshold"] == measured_threshold(zen5_record, shapes, "dequant-bf16")
+
+
+def test_the_zen5_record_has_vllms_w4a8_kernel_running_faster_than_tinygemm_at_decode(zen5_record):
+    w4a8, tinygemm = zen5_record.timed("vllm-w4a8"), zen5_record.timed("tinygemm")
+    assert w4a8 is not None and tinygemm is not None
+    assert w4a8.at(4096, 4096)[1] < tinygemm.at(4096, 4096)[1]
+
+
+def test_the_avx2_record_has_no_w4a8_kernel_and_no_plan_ranks_it(avx2_record, avx2_host, smollm2):
+    assert avx2_record.kernel("vllm-w4a8").status == "absent"
+    plan = make_plan(avx2_host, smollm2, calibration=avx2_record)
+    assert plan.path != "w4a8-gptq"
+
+
+def test_a_records_thread_scaling_keeps_one_thread_unless_all_cores_pay_for_the_front_ends_core(zen5_record):
+    from edge.calibration import ThreadTime
+    from edge.cost import thread_choice
+
+    assert thread_choice(zen5_record, "tinygemm", 2).threads == 1  # 2 threads were slower on the shared box
+    fast = zen5_record.model_copy(update={"thread_scaling": [ThreadTime(threads=1, kernel="tinygemm", ms=4.0),
+                                                             ThreadTime(threads=4, kernel="tinygemm", ms=1.5)]})
+    assert thread_choice(fast, "tinygemm", 4).threads == 4  # 2.67x beats the 4/3 a front-end core costs
+    assert thread_choice(fast, "tinygemm", 2) is not None
+    slow = fast.model_copy(update={"thread_scaling": [ThreadTime(threads=1, kernel="tinygemm", ms=4.0),
+                                                      ThreadTime(threads=2, kernel="tinygemm", ms=2.5)]})
+    assert thread_choice(slow, "tinygemm", 2).threads == 1  # 1.6x < 2x on a 2-core box
