@@ -413,3 +413,25 @@ def test_calibration_db_is_the_store_the_served_app_uses(cache, served, tmp_path
     url = f"sqlite:///{tmp_path / 'chosen.sqlite'}"
     assert cli.main(["--plan-only", "--calibration-db", url]) == 0
     assert served["app"].state.calibrations.describe() == url
+
+
+def test_a_posted_record_changes_the_answer_for_its_cpu_and_only_for_its_cpu(client):
+    """A Zen 5 whose record has tinygemm and its dequantize path 5x slower than bf16: that CPU gets bf16, where the
+    facts table gives it w4a16; the AVX2 EPYC (same model string, other flags) keeps the table's answer."""
+    before = cpuinfo_plan(client, ZEN5_CPUINFO)
+    avx2_before = cpuinfo_plan(client, AVX2_EPYC_CPUINFO)
+    assert before["path"] == "w4a16-tinygemm"
+    slow_int4 = ZEN5.model_copy(update={"kernels": [
+        KernelResult(kernel="bf16", status="ok", times=kernel_times(0.2)),
+        KernelResult(kernel="tinygemm", status="ok", times=kernel_times(1.0)),
+        KernelResult(kernel="dequant-bf16", status="ok", times=kernel_times(1.0)),
+        KernelResult(kernel="dequant-fp32", status="ok", times=kernel_times(2.0)),
+        KernelResult(kernel="int8", status="ok", times=kernel_times(1.0)),
+        KernelResult(kernel="vllm-w4a8", status="absent", reason="test record: not timed"),
+    ]})  # fmt: skip
+    assert client.post("/calibrations", json=body(slow_int4)).status_code == 201
+    after = cpuinfo_plan(client, ZEN5_CPUINFO)
+    assert after["path"] == "bf16" and after["calibration"]["digest"] == slow_int4.digest
+    avx2_after = cpuinfo_plan(client, AVX2_EPYC_CPUINFO)
+    assert (avx2_after["path"], avx2_after["layout"], avx2_after["calibration"]) == (
+        avx2_before["path"], avx2_before["layout"], None)
