@@ -55,7 +55,7 @@ def test_described_amx_device_gets_w4a8_for_speed():
     ("args", "named"),
     [(["--memory-budget", "lots"], "--memory-budget"), (["--device", "/nonexistent"], "--device"),
      (["--model", "/nonexistent"], "model"), (["--max-model-len", "999999"], "max_model_len"),
-     (["--path", "w4a8-gptq"], "path")],
+     (["--path", "w4a8-gptq", "--device", str(DATA / "cpuinfo_host_epyc_avx2.txt")], "path")],
 )  # fmt: skip
 def test_bad_input_exits_2_naming_the_field_without_a_traceback(args, named):
     result = edge_select(*args)
