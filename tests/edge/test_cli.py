@@ -25,7 +25,7 @@ def no_quality_records(tmp_path, monkeypatch):
 def edge_select(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("edge-select", path=str(Path(sys.executable).parent))
     assert exe, "the edge-select console script is installed with the project"
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
 
 
 def test_json_plan_on_this_host_shows_avx2_and_no_w4a8():
@@ -100,3 +100,16 @@ def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path):
     assert measured.quality.status == "measured" and measured.quality.record.kld_mean == 0.25
     floored = Plan.model_validate_json(edge_select("--json").stdout)  # 0.25 > the default floor of 0.08
     assert floored.path != plan.path or floored.layout != plan.layout
+
+
+@pytest.mark.heavy
+def test_calibrate_then_plan_cites_this_hosts_own_kernel_times():
+    """edge-select --calibrate times the kernels here (a minute of CPU), then ranks from them."""
+    result = edge_select("--calibrate", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = Plan.model_validate_json(result.stdout)
+    assert plan.calibration is not None and plan.calibration.model == plan.model.name
+    assert not any("extrapolated" in w for w in plan.warnings)
+    assert any(r.source and r.source.startswith("calibration of this CPU") for r in plan.reasons)
+    again = Plan.model_validate_json(edge_select("--json").stdout)  # the record stays in the cache
+    assert again.calibration == plan.calibration
