@@ -9,7 +9,7 @@ from typing import Any
 from edge.device import DeviceProfile
 from edge.kernel_params import KernelParams
 from edge.plan import Layout, VllmConfig, WeightPath
-from edge.quantized_layers import LayerDecision, kept_bf16
+from edge.quantized_layers import LayerDecision, kept_bf16, w4a8_method
 from edge.shapes import ModelShape
 
 # vLLM reserves one core for its front end on x86 by default (docs/FACTS.md: on a 2-core box it then runs one
@@ -24,9 +24,15 @@ def quantization_config(
     group_size: int | None,
     layers: list[LayerDecision],
     kernel: KernelParams,
+    *,
+    amx: bool = True,
 ) -> dict[str, Any] | None:
     """What the converter writes into config.json and the engine reads back: the plan's decisions, never
-    recomputed downstream (the layers from edge.quantized_layers, the kernel values from edge.kernel_params)."""
+    recomputed downstream (the layers from edge.quantized_layers, the kernel values from edge.kernel_params).
+
+    amx: whether the device has AMX tiles, which decides who serves w4a8-gptq (edge.quantized_layers.w4a8_method):
+    vLLM's own GPTQ method there, the plugin's cpu_w4a8 elsewhere; the layers must come from rules_for with the
+    same flag."""
     if path == "w4a16-tinygemm":
         assert group_size is not None and layout is not None
         return {
@@ -49,6 +55,20 @@ def quantization_config(
             # weights not on a source grid: the scale-and-minimum search (kernels/asym_search.py), measured to
             # cut the squared error 26 % at group 64 on the default model's weights (docs/reports/)
             "rounding": "search",
+            "int8": [layer.name for layer in layers if layer.format == "int8"],
+            "ignore": kept_bf16(layers),
+        }
+    if path == "w4a8-gptq" and w4a8_method(amx) == "cpu_w4a8":
+        assert group_size is not None
+        return {
+            "quant_method": "cpu_w4a8",
+            "bits": 4,
+            "group_size": group_size,
+            "sym": True,  # int4_scaled_mm_cpu with the zero point pinned at 8, as vLLM runs GPTQ (uint4b8)
+            "desc_act": False,
+            "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/gptq.py)
+            # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/int4_ops.py)
+            "dequant_threshold": kernel.dequant_threshold,
             "int8": [layer.name for layer in layers if layer.format == "int8"],
             "ignore": kept_bf16(layers),
         }
@@ -91,10 +111,9 @@ def vllm_config(
         # reserves 92% of the node's memory.
         "--kv-cache-memory-bytes", str(kv_cache_bytes),
     ]  # fmt: skip
-    if path == "w4a16-tinygemm":
-        args += ["--quantization", "cpu_int4"]
-    elif path == "w4a8-gptq":
-        args += ["--quantization", "gptq"]
+    if path in ("w4a16-tinygemm", "w4a8-gptq"):
+        assert qconfig is not None
+        args += ["--quantization", qconfig["quant_method"]]  # cpu_int4, gptq or cpu_w4a8: the checkpoint's method
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": "auto",
         # Plans that build different graphs get different compile caches (docs/FACTS.md, compile-cache key).
@@ -103,6 +122,6 @@ def vllm_config(
     cores = device.compute_cores
     if cores is not None and cores <= SMALL_BOX_CORES:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    if path == "w4a8-gptq":
-        env["VLLM_CPU_INT4_W4A8"] = "1"
+    if path == "w4a8-gptq" and qconfig is not None and qconfig["quant_method"] == "gptq":
+        env["VLLM_CPU_INT4_W4A8"] = "1"  # vLLM's own GPTQ method takes W4A8 only with it (and AMX tiles)
     return VllmConfig(args=args, env=env)

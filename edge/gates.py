@@ -1,6 +1,7 @@
 """Gates: can a weight path run on this device for this model at all? Each refusal carries its reason.
 
-Pure functions of the DeviceProfile and ModelShape; no ranking here (edge.rank) and no memory (edge.ledger).
+Pure functions of the DeviceProfile and ModelShape (and, for kernels it timed, the device's calibration record);
+no ranking here (edge.rank) and no memory (edge.ledger).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge import rules
+from edge.calibration import CalibrationRecord
 from edge.device import DeviceProfile
 from edge.plan import WeightPath
 from edge.shapes import ModelShape
@@ -61,27 +63,36 @@ def gate_w4a16(device: DeviceProfile, model: ModelShape) -> Gate:
     return gate
 
 
-def gate_w4a8(device: DeviceProfile, model: ModelShape) -> Gate:
-    """W4A8 = vLLM's int4_scaled_mm_cpu: AMX tiles, bf16 activations, vLLM's full `_C` library (docs/FACTS.md)."""
+# vLLM's W4A8 kernel (docs/FACTS.md): int4_scaled_mm_cpu lives in `_C`, the library vLLM loads where AVX-512 comes
+# with AVX512-BF16, and is built for AVX512-BF16 + AVX512-VNNI; `_C_AVX512` and `_C_AVX2` have no such op.
+W4A8_OP = "int4_scaled_mm_cpu"
+W4A8_KERNEL = "vllm-w4a8"  # its edge.kernel_registry entry, as calibration records name it
+DERIVED_NOTE = "derived from ISA flags; no calibration record confirms the op runs"
+
+
+def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: CalibrationRecord | None = None) -> Gate:
+    """W4A8 = vLLM's int4_scaled_mm_cpu with int8 activations: runnable where the native library vLLM loads
+    registers the op. `calibration` (this device's record, edge.calibration.best_match) settles it when it timed
+    the op (ok) or found it missing or crashing; without one the ISA flags and the known library decide, and the
+    gate says so. AMX hosts run it through vLLM's own GPTQ method, others through the plugin's cpu_w4a8."""
     gate = Gate("w4a8-gptq")
     if refusal := _phone_refusal(device):
         gate.refusals.append(refusal)
-    if not device.has_amx:
-        gate.refusals.append(
-            "W4A8 runs only through vLLM's AMX kernel int4_scaled_mm_cpu; this CPU has no AMX tiles"
-            + (" (and vLLM's AVX2 build has no 4-bit GEMM at all)" if device.isa_class == "avx2" else "")
-        )
-    native = device.runtime.vllm_native_library.value
-    if native is not None and native != "_C":
-        gate.refusals.append(f"vLLM loads {native} on this CPU; only _C has int4_scaled_mm_cpu")
-    elif native is None and not (device.has("avx512f") and device.has("avx512_bf16")):
-        gate.refusals.append("vLLM's _C library needs AVX-512 with AVX512-BF16; this CPU lacks them")
+    result = calibration.kernel(W4A8_KERNEL) if calibration is not None else None
+    if result is not None and result.status != "ok":
+        why = f": {result.reason}" if result.reason else ""
+        gate.refusals.append(f"the calibration record found {W4A8_OP} {result.status} on this CPU{why} "
+                             f"({calibration.describe()})")  # fmt: skip
+    elif result is None:
+        gate.refusals += _w4a8_isa_refusals(device)
     group = rules.pick_gptq_group_size(model)
     if group is None:
         bad = [f"{lin.name} {lin.n}x{lin.k}" for lin in model.linears if not rules.gptq_compatible(lin, 32)]
         gate.refusals.append(f"vLLM's CPU GPTQ needs N and K multiples of 32 and a group dividing K: {bad}")
     gate.group_size = group
-    if gate.runnable:
+    if gate.runnable and result is None:
+        gate.notes.append(DERIVED_NOTE)
+    if gate.runnable and device.has_amx:
         gate.notes.append(
             "the reference study measured W4A8 on AMX; this project's GPTQ export has only been loaded "
             "through vLLM's weight loader on an AVX2 host, never run on AMX (unverified end to end)"
@@ -89,9 +100,33 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape) -> Gate:
     return gate
 
 
-def all_gates(device: DeviceProfile, model: ModelShape) -> dict[WeightPath, Gate]:
+def _w4a8_isa_refusals(device: DeviceProfile) -> list[str]:
+    """Why the device's vLLM library has no int4_scaled_mm_cpu, judged from its flags and its known library."""
+    native = device.runtime.vllm_native_library.value
+    if native is not None and native != "_C":
+        return [f"vLLM loads {native} on this CPU; only _C has {W4A8_OP} (W4A8 needs AVX-512 with AVX512-BF16 "
+                "and AVX512-VNNI, or AMX)"]  # fmt: skip
+    if device.has_amx:
+        return []
+    if device.arch.value == "aarch64" or device.isa_class == "arm":
+        return [f"vLLM 0.28 runs {W4A8_OP} on x86 (AVX512-BF16 and AVX512-VNNI, or AMX tiles) and RISC-V; no ARM "
+                "build of it is known here"]  # fmt: skip
+    if not device.has("avx512f"):
+        return [f"vLLM's AVX2 build (_C_AVX2) has no 4-bit GEMM at all, so no {W4A8_OP}; W4A8 needs AVX-512 with "
+                "AVX512-BF16 and AVX512-VNNI, or AMX tiles"]  # fmt: skip
+    if not device.has("avx512_bf16"):
+        return [f"AVX-512 without AVX512-BF16: vLLM loads _C_AVX512, which has no {W4A8_OP} (W4A8 needs "
+                "AVX512-BF16 and AVX512-VNNI, or AMX tiles)"]  # fmt: skip
+    if not device.has("avx512_vnni"):
+        return [f"{W4A8_OP} is built for AVX512-VNNI, which this CPU lacks (and it has no AMX tiles)"]
+    return []
+
+
+def all_gates(
+    device: DeviceProfile, model: ModelShape, calibration: CalibrationRecord | None = None
+) -> dict[WeightPath, Gate]:
     return {
-        "w4a8-gptq": gate_w4a8(device, model),
+        "w4a8-gptq": gate_w4a8(device, model, calibration),
         "w4a16-tinygemm": gate_w4a16(device, model),
         "bf16": gate_bf16(device),
         "export-only": gate_export_only(device),

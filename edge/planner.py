@@ -216,7 +216,7 @@ def make_plan(
         raise InputError("max_kld", max_kld, "a positive mean KL divergence (nats per token)")
     if layout is not None:
         path = "w4a16-tinygemm"
-    gates = all_gates(device, model)
+    gates = all_gates(device, model, calibration)
     req = Request(
         device=device, model=model, priority=priority,
         budget=budget_bytes if budget_bytes is not None else device.usable_memory_bytes,
@@ -230,7 +230,8 @@ def make_plan(
     chosen = _pick(evaluated, priority, path, layout, force, max_kld)
     gate, option = chosen.gate, chosen.option
     layers = model_layers(model, _quant(option, gate, req))
-    qconfig = quantization_config(model, option.path, option.layout, gate.group_size, layers, req.kernel)
+    qconfig = quantization_config(model, option.path, option.layout, gate.group_size, layers, req.kernel,
+                                  amx=device.has_amx)
     kv_bytes = rules.kv_cache_bytes(model, req.max_model_len, req.max_num_seqs)
     verified, verified_detail = verification(option.path, option.layout, device.isa_class)
     if calibration is not None and option.request_cost is not None and not option.extrapolated:
@@ -277,12 +278,13 @@ def _calibration_ref(record: CalibrationRecord | None) -> CalibrationRef | None:
 
 
 def _quant(option: Option, gate: Gate, req: Request):
-    return rules_for(req.model, option.path, gate.group_size, req.priority)
+    return rules_for(req.model, option.path, gate.group_size, req.priority, amx=req.device.has_amx)
 
 
 def _qconfig(option: Option, gate: Gate, req: Request) -> dict | None:
     layers = model_layers(req.model, _quant(option, gate, req))
-    return quantization_config(req.model, option.path, option.layout, gate.group_size, layers, req.kernel)
+    return quantization_config(req.model, option.path, option.layout, gate.group_size, layers, req.kernel,
+                               amx=req.device.has_amx)
 
 
 def _measured(option: Option, gate: Gate, req: Request, records: list[QualityRecord]) -> QualityRecord | None:

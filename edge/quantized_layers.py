@@ -13,7 +13,10 @@ The embedding and the head:
     w4a16-tinygemm  plans give both HEAD_FORMAT[priority]: the 8-bit set (EIGHT_BIT_SET) for speed, bf16 (listed
                     in `ignore`) for fidelity; a tied head follows its embedding. A config with neither quantizes
                     the embedding to int4 when `quantize_embedding` says so; an untied head is then a linear
-    w4a8-gptq       the embedding stays bf16; the head is quantized (`lm_head: true`; a tied one is untied)
+    w4a8-gptq       `quant_method: gptq` (vLLM's own method, AMX hosts): the embedding stays bf16; the head is
+                    quantized (`lm_head: true`; a tied one is untied)
+                    `quant_method: cpu_w4a8` (the plugin's method, hosts without AMX): as w4a16 plans, both take
+                    HEAD_FORMAT[priority] (int8 or bf16, never 4 bits) and a tied head follows its embedding
 Pure: no torch, no I/O.
 """
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -56,6 +59,15 @@ SHARDS: dict[str, tuple[str, ...]] = {
 }
 FUSED: dict[str, str] = {shard: fused for fused, shards in SHARDS.items() for shard in shards}
 QUANTIZED_PATHS = ("w4a16-tinygemm", "w4a8-gptq")
+# The vLLM quantization method a w4a8-gptq checkpoint selects: vLLM's own GPTQ method turns its W4A8 kernel on only
+# where AMX tiles are (vllm/model_executor/kernels/linear/mixed_precision/cpu.py); elsewhere the plugin's cpu_w4a8
+# (kernels/cpu_w4a8.py) calls the same op. Only the plugin's methods run the 8-bit set.
+W4A8_METHODS = {True: "gptq", False: "cpu_w4a8"}  # by: the device has AMX tiles
+EIGHT_BIT_METHODS = ("cpu_int4", "cpu_w4a8")
+
+
+def w4a8_method(amx: bool) -> str:
+    return W4A8_METHODS[amx]
 
 
 class LayerDecision(BaseModel):
@@ -102,8 +114,10 @@ class QuantRules:
     ignore: tuple[str, ...] = ()
     quantize_embedding: bool = False  # w4a16: the tied embedding and the head it serves
     quantize_head: bool = True  # w4a8-gptq: `lm_head`
-    int8: tuple[str, ...] = ()  # w4a16: the 8-bit set, as kinds, prefixes or globs (`quantization_config.int8`)
+    int8: tuple[str, ...] = ()  # the 8-bit set, as kinds, prefixes or globs (`quantization_config.int8`)
     tied: bool = False
+    # the checkpoint's quant_method; None: the path's own (cpu_int4 for w4a16, vLLM's gptq for w4a8)
+    quant_method: str | None = None
     # A K the group does not divide: an error when a checkpoint's config does not fit its model (converter, vLLM
     # method); bf16 with the reason when the planner weighs a path it may refuse anyway.
     strict: bool = True
@@ -111,15 +125,22 @@ class QuantRules:
     @classmethod
     def from_config(cls, path: str, qconfig: Mapping[str, Any] | None, *, tied: bool) -> QuantRules:
         qconfig = qconfig or {}
-        return cls(
+        method = qconfig.get("quant_method")
+        rules = cls(
             path=path,
             group_size=qconfig.get("group_size"),
             ignore=tuple(qconfig.get("ignore") or ()),
             quantize_embedding=bool(qconfig.get("quantize_embedding", False)),
             quantize_head=bool(qconfig.get("lm_head", path == "w4a8-gptq")),
-            int8=tuple(qconfig.get("int8") or ()) if path == "w4a16-tinygemm" else (),
             tied=tied,
+            quant_method=method,
         )
+        return replace(rules, int8=tuple(qconfig.get("int8") or ())) if rules.eight_bit else rules
+
+    @property
+    def eight_bit(self) -> bool:
+        """Whether the checkpoint's method runs the 8-bit set (the plugin's methods; vLLM's own gptq does not)."""
+        return self.path == "w4a16-tinygemm" or (self.path == "w4a8-gptq" and self.quant_method == "cpu_w4a8")
 
     @property
     def n_multiple(self) -> int:
@@ -135,24 +156,28 @@ class QuantRules:
         if self.path not in QUANTIZED_PATHS:
             return Decision("bf16", f"path {self.path} keeps every weight bf16")
         name = kind(prefix)
-        if name == EMBEDDING or (name == HEAD and self.tied and self.path == "w4a16-tinygemm"):
+        if name == EMBEDDING or (name == HEAD and self.tied and self.eight_bit):
             return self._embedding(prefix, n, k)
-        if name == HEAD and not self.quantize_head and self.path == "w4a8-gptq":
+        if name == HEAD and not self.quantize_head and self.path == "w4a8-gptq" and not self.eight_bit:
             return Decision("bf16", "quantization_config.lm_head is not true")
         if self.ignored(prefix):
             return Decision("bf16", "listed in quantization_config.ignore")
         if matches(prefix, self.int8):
             return INT8
+        if name == HEAD and self.quant_method == "cpu_w4a8":
+            return Decision("bf16", "cpu_w4a8 runs the head in int8 (quantization_config.int8) or bf16")
         return self._shape(prefix, n, k)
 
     def _embedding(self, prefix: str, n: int, k: int) -> Decision:
-        if self.path == "w4a8-gptq":
+        if self.path == "w4a8-gptq" and not self.eight_bit:
             return Decision("bf16", "a lookup: vLLM's GPTQ keeps the embedding bf16 (the head is untied from it)")
         embedding = prefix.removesuffix(HEAD) + f"model.{EMBEDDING}" if kind(prefix) == HEAD else prefix
         if self.ignored(embedding) or (self.tied and self.ignored(HEAD)):
             return Decision("bf16", "the embedding or the head tied to it is listed in quantization_config.ignore")
         if matches(embedding, self.int8) or (self.tied and matches(HEAD, self.int8)):
             return INT8
+        if self.path == "w4a8-gptq":
+            return Decision("bf16", "cpu_w4a8 stores the embedding in int8 (quantization_config.int8) or bf16")
         if not self.quantize_embedding:
             why = "" if self.tied else "an untied embedding is a lookup: "
             return Decision("bf16", f"{why}quantization_config.quantize_embedding is not true")
@@ -202,13 +227,23 @@ class QuantRules:
 
 
 def rules_for(
-    model: ModelShape, path: str, group_size: int | None, priority: str = "speed", ignore: Sequence[str] = ()
+    model: ModelShape,
+    path: str,
+    group_size: int | None,
+    priority: str = "speed",
+    ignore: Sequence[str] = (),
+    *,
+    amx: bool = True,
 ) -> QuantRules:
-    """The rules a plan writes for this model: w4a16 gives the embedding and the head HEAD_FORMAT[priority]
-    (the 8-bit set for speed; bf16, listed in `ignore`, for fidelity); fidelity also keeps SENSITIVE_SET at 8 bits
-    unless the source's own grid holds them already."""
-    head_format = HEAD_FORMAT[priority] if path == "w4a16-tinygemm" else None
-    sensitive = SENSITIVE_SET if path == "w4a16-tinygemm" and priority == "fidelity" and not model.source_grid else ()
+    """The rules a plan writes for this model: w4a16, and w4a8 on a device without AMX (`amx=False`: the plugin's
+    cpu_w4a8), give the embedding and the head HEAD_FORMAT[priority] (the 8-bit set for speed; bf16, listed in
+    `ignore`, for fidelity); fidelity also keeps SENSITIVE_SET at 8 bits unless the source's own grid holds them
+    already (a GPTQ checkpoint never takes codes from the source). w4a8 on AMX is vLLM's own GPTQ method."""
+    method = {"w4a16-tinygemm": "cpu_int4", "w4a8-gptq": w4a8_method(amx)}.get(path)
+    eight_bit = method in EIGHT_BIT_METHODS
+    head_format = HEAD_FORMAT[priority] if eight_bit else None
+    own_grid = bool(model.source_grid) and path == "w4a16-tinygemm"
+    sensitive = SENSITIVE_SET if eight_bit and priority == "fidelity" and not own_grid else ()
     return QuantRules(
         path=path,
         group_size=group_size,
@@ -218,6 +253,7 @@ def rules_for(
         int8=(EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive,
         tied=model.tie_word_embeddings,
         strict=False,
+        quant_method=method,
     )
 
 

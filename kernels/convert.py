@@ -5,7 +5,10 @@ that a plan's weight path loads.
     w4a16-tinygemm  the `cpu_int4` format: per quantized linear `<prefix>.qweight` uint8 [N, K/2] (low
                     nibble = even k), `.scales` and `.zeros` bf16 [N, K/g], w = (q - 8) * scale + zero;
                     config.json gains the plan's quantization_config, exactly as given
-    w4a8-gptq       the GPTQ format vLLM's CPU W4A8 kernel loads (kernels.gptq); a tied head is untied
+    w4a8-gptq       the GPTQ format vLLM's CPU W4A8 kernel loads (kernels.gptq) for the 4-bit linears.
+                    `quant_method: gptq` (vLLM's own method): a tied head is untied and quantized;
+                    `quant_method: cpu_w4a8` (kernels/cpu_w4a8.py): the 8-bit set as for w4a16, a tied head
+                    stays tied to its embedding
 
 Without --plan, the plan is made for this host (edge.planner.make_plan on edge.probe.probe()).
 
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.errors import InputError
-from edge.quantized_layers import EMBEDDING, QuantRules
+from edge.quantized_layers import EMBEDDING, W4A8_METHODS, QuantRules
 from kernels.checkpoint import (
     INDEX_FILE,
     ShardedWriter,
@@ -179,14 +182,14 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
             decisions.quantize[name] = prefix
         else:
             decisions.kept[name] = decision.why
-    if path == "w4a8-gptq" and source.tied and embedding is not None:
+    if path == "w4a8-gptq" and not quant.eight_bit and source.tied and embedding is not None:
         n, k = shapes[embedding.removesuffix(".weight")]
         head = quant.weight("lm_head", n, k)
         if head.quantized:
             decisions.head_from_embedding = embedding
         else:
             decisions.kept["lm_head (tied)"] = head.why
-    elif path == "w4a16-tinygemm" and source.tied and embedding and not _written_quantized(decisions, embedding):
+    elif quant.eight_bit and source.tied and embedding and not _written_quantized(decisions, embedding):
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
     if path == "w4a16-tinygemm" and qconfig.get("codes_from_source"):
         _read_codes_from_source(source, qconfig, decisions)
@@ -249,8 +252,9 @@ def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
             from kernels import gptq
         except ImportError:
             raise InputError("path", path, "a built path (kernels/gptq.py is not available yet)") from None
-        if qconfig.get("quant_method") != "gptq":
-            raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), "'gptq'")
+        methods = sorted(W4A8_METHODS.values())  # gptq (vLLM's own, AMX hosts), cpu_w4a8 (the plugin's)
+        if qconfig.get("quant_method") not in methods:
+            raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), f"one of {methods}")
         if qconfig["group_size"] not in gptq.GROUP_SIZES:
             group = qconfig["group_size"]
             raise InputError("quantization_config.group_size", group, f"one of {gptq.GROUP_SIZES}")

@@ -12,9 +12,10 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register the `cpu_int4` quantization method and its ops; fix the CPU compile cache."""
+    """Register the `cpu_int4` and `cpu_w4a8` quantization methods and their ops; fix the CPU compile cache."""
     from kernels import compile_cache
 
     compile_cache.install()
     # Importing registers: @register_quantization_config("cpu_int4") and the torch.ops.vllm.cpu_int4_* ops.
     import kernels.cpu_int4  # noqa: F401
+    import kernels.cpu_w4a8  # noqa: F401  (@register_quantization_config("cpu_w4a8"), torch.ops.vllm.cpu_w4a8_linear)

@@ -261,3 +261,71 @@ def test_an_avx512_host_without_bf16_is_ranked_on_avx2s_fp32_numbers_and_says_so
     plan = make_plan(ice_lake, smollm2)
     assert any("extrapolated" in w for w in plan.warnings)
     assert plan.quantization_config["prefill_dtype"] == "float32"
+
+
+# --- W4A8 gates: from the op vLLM's library registers, not the brand (issue 11) ------------------------------
+
+
+def _w4a8_record(device, status: str, reason: str | None = None):
+    """A calibration record of `device` in which vLLM's W4A8 kernel has the given status."""
+    from edge.calibration import CalibrationRecord, KernelResult, KernelTime
+
+    times = [KernelTime(n=576, k=1536, m=1, ms=0.012)] if status == "ok" else []
+    return CalibrationRecord(
+        cpu_model=device.cpu_model.value, isa_flags=device.isa.value, isa_class=device.isa_class, cores=2, threads=1,
+        native_library="_C", group_size=64, measured_at="2026-11-30T00:00:00+00:00",
+        kernels=[KernelResult(kernel="vllm-w4a8", status=status, reason=reason, times=times)],
+    )  # fmt: skip
+
+
+def test_w4a8_runs_on_avx512_bf16_vnni_without_amx_derived_from_its_flags(zen5, smollm2):
+    gate = all_gates(zen5, smollm2)["w4a8-gptq"]
+    assert gate.runnable and gate.group_size == 64
+    assert "derived from ISA flags; no calibration record confirms the op runs" in gate.notes
+
+
+def test_w4a8_on_a_host_without_amx_is_served_by_the_plugins_method(zen5, smollm2):
+    plan = make_plan(zen5, smollm2, path="w4a8-gptq")
+    assert plan.quantization_config["quant_method"] == "cpu_w4a8"
+    assert plan.quantization_config["int8"] == ["embed_tokens", "lm_head"]
+    assert plan.vllm.args[plan.vllm.args.index("--quantization") + 1] == "cpu_w4a8"
+    assert "VLLM_CPU_INT4_W4A8" not in plan.vllm.env  # vLLM's own GPTQ switch; cpu_w4a8 does not read it
+    assert not plan.forced
+
+
+def test_w4a8_fidelity_on_a_host_without_amx_still_never_quantizes_activations(zen5, smollm2):
+    plan = make_plan(zen5, smollm2, priority="fidelity")
+    assert plan.path != "w4a8-gptq"
+    w4a8 = _alternative(plan, "w4a8-gptq")
+    assert w4a8.status == "runnable" and "activations" in w4a8.why_not
+
+
+def test_w4a8_is_refused_on_avx2_naming_the_library_without_the_op(avx2_host, smollm2):
+    refusals = " ".join(all_gates(avx2_host, smollm2)["w4a8-gptq"].refusals)
+    assert "_C_AVX2" in refusals and "int4_scaled_mm_cpu" in refusals
+
+
+def test_w4a8_is_refused_on_avx512_without_bf16_naming_the_library_without_the_op(ice_lake, smollm2):
+    assert ice_lake.has("avx512f") and not ice_lake.has("avx512_bf16")
+    refusals = " ".join(all_gates(ice_lake, smollm2)["w4a8-gptq"].refusals)
+    assert "AVX512-BF16" in refusals and "_C_AVX512" in refusals
+
+
+def test_a_calibration_record_that_ran_the_op_confirms_w4a8(zen5, smollm2):
+    gate = all_gates(zen5, smollm2, _w4a8_record(zen5, "ok"))["w4a8-gptq"]
+    assert gate.runnable and not any("derived from ISA flags" in note for note in gate.notes)
+
+
+@pytest.mark.parametrize("status", ["absent", "crashed", "failed"])
+def test_a_calibration_record_that_could_not_run_the_op_refuses_w4a8_with_its_reason(zen5, smollm2, status):
+    reason = "_C registers no int4_scaled_mm_cpu" if status == "absent" else "killed by SIGILL"
+    gate = all_gates(zen5, smollm2, _w4a8_record(zen5, status, reason))["w4a8-gptq"]
+    assert not gate.runnable
+    assert status in gate.refusals[0] and reason in gate.refusals[0]
+
+
+def test_amx_keeps_vllms_own_w4a8_path(sapphire_rapids, smollm2):
+    plan = make_plan(sapphire_rapids, smollm2, path="w4a8-gptq")
+    assert plan.quantization_config["quant_method"] == "gptq"
+    assert plan.vllm.args[plan.vllm.args.index("--quantization") + 1] == "gptq"
+    assert plan.vllm.env["VLLM_CPU_INT4_W4A8"] == "1"
