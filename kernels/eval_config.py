@@ -14,7 +14,7 @@ from edge.errors import InputError
 # config.json fields that fix the tensor shapes; a candidate must match its source on each it has.
 SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size")  # fmt: skip
-QUANT_METHODS = ("cpu_int4", "gptq")
+QUANT_METHODS = ("cpu_int4", "gptq", "cpu_w4a8")
 
 
 def read_config(directory: Path, field_name: str) -> dict[str, Any]:

@@ -74,6 +74,10 @@ def load_candidate(directory: Path, source_dir: Path) -> Candidate:
         from kernels.eval_gptq import install_gptq
 
         kernel = install_gptq(model, quantized, qconfig)
+    elif method == "cpu_w4a8":
+        from kernels.eval_cpu_w4a8 import install_cpu_w4a8
+
+        kernel = install_cpu_w4a8(model, quantized, qconfig, tied)
     else:
         kernel = {"kernel": "bf16 (torch F.linear)"}
     _check_complete(model, tensors, quantized, tied)

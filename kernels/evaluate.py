@@ -42,7 +42,7 @@ from kernels.eval_config import check_same_shapes, quant_method, read_config
 
 HARNESS_VERSION = "1"
 # The weight path (edge/plan.py) whose checkpoints carry each quant_method, for the quality record's key.
-PATHS = {"bf16": "bf16", "cpu_int4": "w4a16-tinygemm", "gptq": "w4a8-gptq"}
+PATHS = {"bf16": "bf16", "cpu_int4": "w4a16-tinygemm", "gptq": "w4a8-gptq", "cpu_w4a8": "w4a8-gptq"}
 DEFAULT_TOKENS = 16384
 DEFAULT_CHUNK = 512
 
