@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from edge.errors import InputError
+from edge.gates import all_gates
+from edge.kernel_params import for_device
 from edge.plan import Plan
 from edge.planner import PlanRefused, make_plan
 from edge.quality import QualityRecord, quality_key
-from edge.gates import all_gates
-from edge.kernel_params import for_device
 from edge.rank import RankInput, rank, speed_options
 
 
