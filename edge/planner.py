@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from edge import kernel_params, ledger, rules
 from edge.calibration import CalibrationRecord
-from edge.cost import engine_linears
+from edge.cost import engine_linears, thread_choice
 from edge.device import DeviceProfile
 from edge.engine_config import quantization_config, vllm_config
 from edge.errors import InputError
@@ -214,6 +214,7 @@ def make_plan(
     _check_inputs(priority, path, layout, max_model_len, max_num_seqs, budget_bytes, model)
     if not max_kld > 0:
         raise InputError("max_kld", max_kld, "a positive mean KL divergence (nats per token)")
+    pin = " ".join(f"--{k} {v}" for k, v in (("path", path), ("layout", layout)) if v) or None
     if layout is not None:
         path = "w4a16-tinygemm"
     gates = all_gates(device, model, calibration)
@@ -237,7 +238,7 @@ def make_plan(
     if calibration is not None and option.request_cost is not None and not option.extrapolated:
         verified, verified_detail = True, (f"kernels timed on this CPU ({calibration.describe()}); "
                                            + verified_detail)  # fmt: skip
-    return Plan(
+    plan = Plan(
         path=option.path,
         layout=option.layout,
         group_size=gate.group_size,
@@ -255,12 +256,28 @@ def make_plan(
                          max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes),
         quality=_plan_quality(chosen),
         calibration=_calibration_ref(calibration),
-        reasons=_reasons(chosen, priority, device, req.kernel),
+        reasons=_reasons(chosen, priority, device, req.kernel, pin),
         alternatives=[_alternative(ev, chosen, req) for ev in evaluated if ev is not chosen],
         warnings=_warnings(chosen, device, layers),
         pinned=path is not None,
         forced=force and not gate.runnable,
     )  # fmt: skip
+    _set_threads(plan, req)
+    return plan
+
+
+def _set_threads(plan: Plan, req: Request) -> None:
+    """The thread count the record measured best for the path's decode kernel goes into the engine's env."""
+    cores = req.device.compute_cores
+    if plan.vllm is None or req.calibration is None or not cores:
+        return
+    kernel = "bf16" if plan.path == "bf16" else "vllm-w4a8" if plan.path == "w4a8-gptq" else "tinygemm"
+    choice = thread_choice(req.calibration, kernel, cores)
+    if choice is None:
+        return
+    if choice.threads > 1:
+        plan.vllm.env["OMP_NUM_THREADS"] = str(choice.threads)
+    plan.reasons.append(Reason(text=choice.why, value=choice.threads, unit="threads", source="calibration of this CPU"))
 
 
 def _w4a16_shapes(model: ModelShape, gates: dict[WeightPath, Gate]) -> list[tuple[int, int]]:
@@ -311,12 +328,13 @@ def _plan_quality(chosen: Evaluated) -> PlanQuality:
 
 
 def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile,
-             kernel: kernel_params.KernelParams) -> list[Reason]:  # fmt: skip
+             kernel: kernel_params.KernelParams, pin: str | None = None) -> list[Reason]:  # fmt: skip
     memory = chosen.memory
     budget = f"{_gib(memory.budget_bytes)} budget" if memory.budget_bytes else "no known budget"
     reasons = [
-        Reason(text=f"priority {priority} on an {device.isa_class} CPU chose {chosen.option.label}",
-               source="derived"),
+        Reason(text=f"pinned by {pin}: {chosen.option.label} on an {device.isa_class} CPU (priority {priority} "
+               "did not choose it)" if pin else f"priority {priority} on an {device.isa_class} CPU chose "
+               f"{chosen.option.label}", source="derived"),
         Reason(text=f"resident {_gib(memory.resident_bytes)}, load-time peak {_gib(memory.peak_bytes)}, "
                f"{budget}", value=memory.peak_bytes, unit="bytes", source="derived"),
         *chosen.option.reasons,
@@ -338,7 +356,7 @@ def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile,
 
 
 def _warnings(chosen: Evaluated, device: DeviceProfile, layers: list[LayerDecision]) -> list[str]:
-    warnings = list(chosen.gate.notes)
+    warnings = list(chosen.gate.notes) + device.notes  # device.notes: what a description said that was not read
     if chosen.option.extrapolated:
         warnings.append(f"no speed measurements on the {device.isa_class} ISA class: ranking extrapolated")
     if not chosen.memory.fits:
