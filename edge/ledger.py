@@ -252,16 +252,25 @@ def _row_major_copies(
 
 
 def _gptq_weights(model: ModelShape, layers: dict[str, LayerDecision], group: int | None) -> list[MemoryItem]:
-    """GPTQ: the head is quantized too (docs/FACTS.md: a bf16 head costs more per step than the 4-bit saving),
-    so a tied embedding is untied and the embedding stays bf16 beside it."""
-    emb = _embedding(model)
-    if model.tie_word_embeddings:
+    """GPTQ int4 linears; the embedding and the head as edge.quantized_layers decides. vLLM's own gptq path
+    quantizes the head to 4 bits (docs/FACTS.md: a bf16 head costs more per step than the 4-bit saving), so a tied
+    embedding is untied and stays bf16 beside it; the plugin's cpu_w4a8 keeps the 8-bit set (embedding and head
+    int8, still tied) or, for fidelity, both bf16 and tied."""
+    emb, head = _embedding(model), _head(model)
+    tied = model.tie_word_embeddings
+    head_format = layers[LM_HEAD].format
+    if layers[EMBEDDING].format == "int8":
+        embedding = _int8(emb, " (tied: the head multiplies the same rows)" if tied else "")
+    elif tied and head_format != "bf16":
         embedding = _resident("untie-cost", "embedding kept bf16 (cost of untying the head)", bf16_bytes(emb),
                               f"the head is quantized apart: {_bf16_detail(emb)}", layer=EMBEDDING)  # fmt: skip
     else:
-        embedding = _resident("bf16-weights", "embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb), layer=EMBEDDING)
+        shared = " (tied: the head reads this same tensor)" if tied else ""
+        embedding = _resident("bf16-weights", "embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb) + shared,
+                              layer=EMBEDDING)  # fmt: skip
     items = [embedding]
-    for lin in [*_layer_linears(model), _head(model)]:
+    head_shares_embedding = tied and head_format == layers[EMBEDDING].format
+    for lin in [*_layer_linears(model), *([] if head_shares_embedding else [head])]:
         decision = layers[lin.name]
         if decision.format == "int4":
             assert group is not None
@@ -272,6 +281,8 @@ def _gptq_weights(model: ModelShape, layers: dict[str, LayerDecision], group: in
             )
             items.append(_resident("int4-weights", f"{lin.name} GPTQ int4", gptq_bytes(lin, group), detail,
                                    layer=lin.name))  # fmt: skip
+        elif decision.format == "int8":
+            items.append(_int8(lin))
         else:
             items.append(_kept_bf16(lin, decision.why))
     return items

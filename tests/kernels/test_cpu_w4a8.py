@@ -339,8 +339,6 @@ def test_the_speed_plan_keeps_the_default_models_head_and_embedding_int8_and_tie
     assert "VLLM_CPU_INT4_W4A8" not in plan.vllm.env
 
 
-@pytest.mark.xfail(strict=True, reason="edge/ledger.py _gptq_weights books vLLM's gptq layout (bf16 embedding untied "
-                   "from a 4-bit head) for every w4a8 plan; cpu_w4a8 keeps both int8 and tied")  # fmt: skip
 def test_the_ledger_books_the_w4a8_plans_8bit_set_as_int8():
     _, plan = planned("smollm2-135m-instruct", "speed")
     ledger = {(item.kind, item.layer) for item in plan.memory.items}
