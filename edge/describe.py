@@ -1,6 +1,6 @@
-"""Read a device someone wrote down, and tell the three device formats apart.
+"""Read a device someone wrote down, and tell the four device formats apart.
 
-A hand-written description (every key but `arch` optional):
+A hand-written description or an inventory's record (every key optional):
 
     {"name": "gw-17", "arch": "x86_64", "isa": ["avx2", "fma"], "cores": 4, "memory": "8GiB",
      "os": "linux", "device_class": "cpu", "torch_version": "2.13.0+cpu", "tinygemm_block": 32}
@@ -10,7 +10,15 @@ A hand-written description (every key but `arch` optional):
 ISA_FEATURES); NFD's spelling (AVX512BF16, FMA3) is accepted too. A full DeviceProfile JSON (what `/probe` and
 `edge-select --json` print, recognised by its `described_by` key) is taken as it is.
 
-`load_device(text)` accepts any of: that JSON, NFD node labels as JSON (edge.nfd), or /proc/cpuinfo text.
+Inventories carry more than the planner reads, under their own names. Read as well:
+`flags`/`cpu_flags` (every CPU flag, a list or a space-separated string: the ISA features among them are kept),
+`memory_total_bytes` (= `memory_bytes`), `mem_total` (= `memory`), `hostname` (= `name`), `architecture`
+(= `arch`), `model_name` (= `cpu_model`), `soc` (the CPU model when none is given; a phone SoC makes the device a
+phone), `npu` (noted: vLLM has no NPU backend). Any other key is ignored and named in the device's `notes`, which
+a plan repeats as a warning; a wrong value of a key that is read stays an error naming it.
+
+`load_device(text)` accepts any of: that JSON, NFD node labels as JSON (edge.nfd), `lscpu -J` output
+(edge.lscpu), or /proc/cpuinfo text.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from edge.cpuinfo import parse_cpuinfo
+from edge.cpuinfo import PHONE_SOC_WORDS, parse_cpuinfo
 from edge.device import ISA_FEATURES, DeviceProfile, Fact
 from edge.errors import InputError
+from edge.lscpu import looks_like_lscpu, parse_lscpu
 from edge.nfd import NFD_ISA, looks_like_nfd, parse_nfd_labels
 from edge.sizes import parse_size
 
@@ -36,9 +45,18 @@ DESCRIPTION_KEYS = (
     "device_class", "vendor", "cpu_model", "numa_nodes", "torch_version", "torch_cpu_capability",
     "vllm_version", "vllm_native_library", "tinygemm_block",
 )  # fmt: skip
+# An inventory's name for a key -> the description's own key (or the lenient `flags`).
+ALIASES = {
+    "cpu_flags": "flags", "memory_total_bytes": "memory_bytes", "mem_total": "memory", "hostname": "name",
+    "architecture": "arch", "model_name": "cpu_model",
+}  # fmt: skip
+READ_KEYS = (*DESCRIPTION_KEYS, "flags", "soc", "npu")
+# Keys that say the same thing in two ways: giving both is an error naming them.
+SAME_FACT = (("isa", "flags"), ("memory", "memory_bytes"))
+MAX_NAMED_KEYS = 12  # an inventory may carry dozens: the note names this many
 ACCEPTED_FORMATS = (
-    "a device description: a JSON object (a device description, a DeviceProfile, or node-feature-discovery "
-    "labels) or the text of /proc/cpuinfo"
+    "a device description: a JSON object (a device description, a DeviceProfile, node-feature-discovery "
+    "labels, or `lscpu -J` output) or the text of /proc/cpuinfo"
 )
 
 
@@ -73,9 +91,48 @@ def _isa(value: Any) -> list[str]:
     return [f for f in ISA_FEATURES if f in present]
 
 
+def _flags(value: Any) -> list[str]:
+    """The ISA features among an inventory's CPU flags (all of them, in any case or NFD spelling)."""
+    if isinstance(value, str):
+        value = value.split()
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise InputError("flags", value, "the CPU's flags: a list of strings or a space-separated string")
+    by_lower = {f: f for f in ISA_FEATURES} | {k.lower(): v for k, v in NFD_ISA.items()}
+    present = {by_lower[item.lower()] for item in value if item.lower() in by_lower}
+    return [f for f in ISA_FEATURES if f in present]
+
+
+def _read_keys(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """(the read keys under their own names, own name -> the name the description used, notes)."""
+    read: dict[str, Any] = {}
+    written: dict[str, str] = {}
+    ignored: list[str] = []
+    for key, value in obj.items():
+        own = ALIASES.get(key, key)
+        if own not in READ_KEYS:
+            ignored.append(str(key))
+            continue
+        if own in written:
+            raise InputError(key, value, f"either `{written[own]}` or `{key}`, not both")
+        read[own], written[own] = value, key
+    for first, second in SAME_FACT:
+        if first in read and second in read:
+            both = f"either `{written[first]}` or `{written[second]}`, not both"
+            raise InputError(written[first], read[first], both)
+    notes = []
+    if ignored:
+        named = ", ".join(ignored[:MAX_NAMED_KEYS]) + (f" and {len(ignored) - MAX_NAMED_KEYS} more"
+                                                       if len(ignored) > MAX_NAMED_KEYS else "")  # fmt: skip
+        notes.append(f"device description: {len(ignored)} key{'s' if len(ignored) > 1 else ''} the planner does "
+                     f"not read, ignored: {named}")  # fmt: skip
+    npu = read.get("npu")
+    if npu not in (None, False, "", "none"):
+        notes.append(f"device description: npu {npu!r} noted but not used (vLLM has no NPU backend; the plan is "
+                     "for the CPU, or an export for a phone)")  # fmt: skip
+    return read, written, notes
+
+
 def _memory(obj: dict[str, Any]) -> int | None:
-    if "memory" in obj and "memory_bytes" in obj:
-        raise InputError("memory", obj["memory"], "either `memory` or `memory_bytes`, not both")
     if "memory_bytes" in obj:
         if isinstance(obj["memory_bytes"], bool) or not isinstance(obj["memory_bytes"], int):
             raise InputError("memory_bytes", obj["memory_bytes"], "a non-negative integer of bytes")
@@ -109,21 +166,32 @@ def parse_device_json(obj: dict[str, Any]) -> DeviceProfile:
         raise InputError("device", obj, "a JSON object")
     if "described_by" in obj:
         return _full_profile(obj)
-    for key in obj:
-        if key not in DESCRIPTION_KEYS:
-            raise InputError(key, obj[key], f"a known key: one of {', '.join(DESCRIPTION_KEYS)}")
+    read, written, notes = _read_keys(obj)
+    try:
+        return _described_profile(read, written, notes)
+    except InputError as error:  # name the key as the description wrote it (`mem_total`, not `memory`)
+        if error.field in written and written[error.field] != error.field:
+            raise InputError(written[error.field], error.value, error.expected) from None
+        raise
+
+
+def _described_profile(obj: dict[str, Any], written: dict[str, str], notes: list[str]) -> DeviceProfile:
     arch = obj.get("arch")
     if arch is not None and (not isinstance(arch, str) or arch.lower() not in ARCHES):
         raise InputError("arch", arch, "x86_64 or aarch64 (amd64 and arm64 are accepted)")
     os_name = _string(obj, "os")
+    soc = _string(obj, "soc")
     device_class = obj.get("device_class")
     if device_class is not None and device_class not in DEVICE_CLASSES:
         raise InputError("device_class", device_class, "cpu or phone")
+    class_key = "device_class"
+    if device_class is None and soc is not None and any(word in soc.lower() for word in PHONE_SOC_WORDS):
+        device_class, class_key = "phone", "soc"
     if device_class is None and os_name is not None:
-        device_class = "phone" if os_name.lower() == "android" else "cpu"
+        device_class, class_key = ("phone" if os_name.lower() == "android" else "cpu"), "os"
     memory = _memory(obj)
     available = parse_size(obj["memory_available"], "memory_available") if "memory_available" in obj else None
-    isa = _isa(obj["isa"]) if "isa" in obj else None
+    isa = _isa(obj["isa"]) if "isa" in obj else _flags(obj["flags"]) if "flags" in obj else None
     cores, logical, numa = _count(obj, "cores"), _count(obj, "logical_cpus"), _count(obj, "numa_nodes")
     block = _tinygemm_block(obj.get("tinygemm_block"))
     strings = {
@@ -140,6 +208,7 @@ def parse_device_json(obj: dict[str, Any]) -> DeviceProfile:
     }
 
     def fact(value: Any, key: str) -> Fact:
+        key = written.get(key, key)
         return _described(value, key) if value is not None else Fact(detail=f"no `{key}` in the description")
 
     runtime = {
@@ -153,17 +222,18 @@ def parse_device_json(obj: dict[str, Any]) -> DeviceProfile:
         described_by="json",
         name=strings["name"],
         os=fact(os_name.lower() if os_name else None, "os"),
-        device_class=fact(device_class, "device_class"),
+        device_class=fact(device_class, class_key),
         arch=fact(ARCHES[arch.lower()] if arch else None, "arch"),
         vendor=fact(strings["vendor"], "vendor"),
-        cpu_model=fact(strings["cpu_model"], "cpu_model"),
-        isa=fact(isa, "isa"),
+        cpu_model=fact(strings["cpu_model"], "cpu_model") if strings["cpu_model"] or not soc else fact(soc, "soc"),
+        isa=fact(isa, "flags" if "flags" in obj else "isa"),
         logical_cpus=fact(logical, "logical_cpus"),
         physical_cores=fact(cores, "cores"),
         numa_nodes=fact(numa, "numa_nodes"),
         memory_total_bytes=fact(memory, "memory" if "memory" in obj else "memory_bytes"),
         memory_available_bytes=fact(available, "memory_available"),
         runtime=runtime,
+        notes=notes,
     )
 
 
@@ -173,7 +243,7 @@ def _looks_like_cpuinfo(text: str) -> bool:
 
 
 def load_device(data: str | bytes) -> DeviceProfile:
-    """Any accepted device format, told apart by content: JSON (NFD labels, description) or cpuinfo text."""
+    """Any accepted device format, told apart by content: JSON (lscpu, NFD labels, description) or cpuinfo."""
     if isinstance(data, bytes):
         try:
             data = data.decode("utf-8")
@@ -187,6 +257,8 @@ def load_device(data: str | bytes) -> DeviceProfile:
             obj = json.loads(text)
         except json.JSONDecodeError as error:
             raise InputError("device", text, f"valid JSON ({error.msg} at line {error.lineno})") from None
+        if looks_like_lscpu(obj):
+            return parse_lscpu(obj)
         return parse_nfd_labels(obj) if looks_like_nfd(obj) else parse_device_json(obj)
     if _looks_like_cpuinfo(text):
         return parse_cpuinfo(text)

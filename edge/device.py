@@ -23,6 +23,7 @@ Source = Literal[
     "vllm",  # read from an installed vLLM
     "description",  # a device description given by the user (JSON)
     "nfd",  # Kubernetes node-feature-discovery labels
+    "lscpu",  # util-linux `lscpu -J` output
     "derived",  # computed from other facts by a stated rule
     "unknown",  # nobody could tell
 ]
@@ -66,7 +67,7 @@ class RuntimeFacts(BaseModel):
 class DeviceProfile(BaseModel):
     """Everything the planner knows about one device."""
 
-    described_by: Literal["probe", "json", "cpuinfo", "nfd"]
+    described_by: Literal["probe", "json", "cpuinfo", "nfd", "lscpu"]
     name: str | None = Field(default=None, description="Hostname or the description's own name.")
     os: Fact[str] = Fact()  # "linux", "android", ...
     device_class: Fact[DeviceClass] = Fact()  # "phone" means export-only (no vLLM backend for NPUs)
@@ -84,6 +85,10 @@ class DeviceProfile(BaseModel):
     memory_available_bytes: Fact[int] = Fact()
     memory_limit_bytes: Fact[int] = Fact()  # cgroup limit when lower than total, else None
     runtime: RuntimeFacts = RuntimeFacts()
+    notes: list[str] = Field(
+        default=[], description="What the description said that the planner did not read (unknown keys); "
+        "a plan repeats them as warnings."
+    )
 
     def has(self, feature: str) -> bool:
         assert feature in ISA_FEATURES, f"unknown ISA feature {feature!r}"

@@ -14,6 +14,7 @@ from edge.cpuinfo import parse_cpuinfo
 from edge.describe import parse_device_json, parse_size
 from edge.device import DeviceProfile
 from edge.errors import InputError
+from edge.lscpu import parse_lscpu
 from edge.model_reader import default_model, read_model_config
 from edge.nfd import parse_nfd_labels
 from edge.plan import Plan
@@ -21,7 +22,17 @@ from edge.planner import make_plan
 from edge.quality import QualityRecord, cached_records
 from edge.shapes import ModelShape
 from server.calibrations import CalibrationStore
-from server.schemas import ConfigModel, CpuinfoDevice, NfdDevice, PlanRequest, ProfileDevice, _PlanOptions
+from server.schemas import (
+    ConfigModel,
+    CpuinfoDevice,
+    LscpuDevice,
+    NfdDevice,
+    PlanRequest,
+    ProfileDevice,
+    _PlanOptions,
+)
+
+AnyDevice = ProfileDevice | CpuinfoDevice | NfdDevice | LscpuDevice
 
 
 class LocatedInputError(Exception):
@@ -40,17 +51,21 @@ def _located(loc: list[str | int], fn, *args, **kwargs):
         raise LocatedInputError(loc, exc) from exc
 
 
-def read_device(device: ProfileDevice | CpuinfoDevice | NfdDevice) -> DeviceProfile:
+def read_device(device: AnyDevice) -> DeviceProfile:
     if isinstance(device, ProfileDevice):
         return parse_device_json(device.profile)
     if isinstance(device, CpuinfoDevice):
         return parse_cpuinfo(device.cpuinfo, meminfo=device.meminfo, name=device.name)
+    if isinstance(device, LscpuDevice):
+        return parse_lscpu({"lscpu": device.lscpu}, name=device.name, meminfo=device.meminfo)
     return parse_nfd_labels(device.nfd_labels, name=device.name)
 
 
-def _device_key(device: ProfileDevice | CpuinfoDevice | NfdDevice) -> str:
+def _device_key(device: AnyDevice) -> str:
     if isinstance(device, ProfileDevice):
         return "profile"
+    if isinstance(device, LscpuDevice):
+        return "lscpu"
     return "cpuinfo" if isinstance(device, CpuinfoDevice) else "nfd_labels"
 
 

@@ -50,9 +50,23 @@ class NfdDevice(_Strict):
     name: str | None = Field(default=None, max_length=256, description="What to call the device in the plan.")
 
 
+class LscpuDevice(_Strict):
+    """A device as util-linux's `lscpu -J` output (flat or with nested `children`), optionally with /proc/meminfo."""
+
+    lscpu: list[dict[str, Any]] = Field(
+        max_length=MAX_LABELS,
+        description='The `lscpu` list of `lscpu -J`: [{"field": "Architecture:", "data": "x86_64"}, ...].',
+    )
+    meminfo: str | None = Field(default=None, max_length=MAX_TEXT_CHARS, description="The text of /proc/meminfo.")
+    name: str | None = Field(default=None, max_length=256, description="What to call the device in the plan.")
+
+
 Device = Annotated[
-    ProfileDevice | CpuinfoDevice | NfdDevice,
-    Field(description="Exactly one of: {profile}, {cpuinfo, meminfo?, name?}, {nfd_labels, name?}."),
+    ProfileDevice | CpuinfoDevice | NfdDevice | LscpuDevice,
+    Field(
+        description="Exactly one of: {profile}, {cpuinfo, meminfo?, name?}, {nfd_labels, name?}, "
+        "{lscpu, meminfo?, name?}."
+    ),
 ]
 
 

@@ -92,7 +92,6 @@ def test_a_minimal_description_leaves_everything_else_unknown():
 @pytest.mark.parametrize(
     ("changes", "field", "shown"),
     [
-        ({"gpu": "a100"}, "gpu", "'a100'"),
         ({"isa": ["avx2", "avx9000"]}, "isa", "'avx9000'"),
         ({"isa": "avx2"}, "isa", "'avx2'"),
         ({"memory": "-8GiB"}, "memory", "'-8GiB'"),
