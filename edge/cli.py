@@ -133,6 +133,25 @@ def _gib(n: int | None) -> str:
     return "unknown" if n is None else format_bytes(n)
 
 
+def _refused(plan: Plan) -> list[str]:
+    """One line per path the device cannot run, naming its layouts: "w4a16-tinygemm (direct, dual): why"."""
+    by_path: dict[str, dict[str, list[str]]] = {}  # path -> why_not -> layouts, in the plan's order
+    for alt in plan.alternatives:
+        if alt.status == "incompatible":
+            layouts = by_path.setdefault(alt.path, {}).setdefault(alt.why_not, [])
+            if alt.layout:
+                layouts.append(alt.layout)
+    lines = []
+    for path, refusals in by_path.items():
+        if len(refusals) == 1:  # the usual case: every layout refused for the same reason
+            [(why, layouts)] = refusals.items()
+            named = f" ({', '.join(layouts)})" if layouts else ""
+            lines.append(f"{path}{named}: {why}")
+        else:
+            lines.append(f"{path}: " + "; ".join(f"{', '.join(layouts)}: {why}" for why, layouts in refusals.items()))
+    return lines
+
+
 def render(plan: Plan) -> str:
     """The short human summary: chosen path, memory line, top reasons, runner-up, warnings."""
     device, memory = plan.device, plan.memory
@@ -162,9 +181,7 @@ def render(plan: Plan) -> str:
         label = runner_up.path + (f"/{runner_up.layout}" if runner_up.layout else "")
         hint = f" (hint: {runner_up.hint})" if runner_up.hint else ""
         lines.append(f"  runner-up {label}: {runner_up.status}, {runner_up.why_not}{hint}")
-    incompatible = [a for a in plan.alternatives if a.status == "incompatible"]
-    for alt in incompatible:
-        lines.append(f"  not here  {alt.path}: {alt.why_not}")
+    lines += [f"  not here  {refused}" for refused in _refused(plan)]
     lines += [f"  warning   {w}" for w in plan.warnings]
     if not memory.fits:
         hints = [f"{a.path}{'/' + a.layout if a.layout else ''} with {a.hint}" for a in plan.alternatives if a.hint]

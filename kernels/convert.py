@@ -490,8 +490,26 @@ def describe(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _print_progress(done: int, total: int, name: str) -> None:
-    print(f"[{done}/{total}] {name}", file=sys.stderr)
+class StderrProgress:
+    """Conversion progress for people: a bar on a terminal; elsewhere (a log, a pipe, a journal) nothing per
+    tensor, since the summary `describe()` prints at the end is the one line a log wants (a 7B model has
+    thousands of tensors)."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.bar = None
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        if not self.stream.isatty():
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="edge-convert", unit="tensor", file=self.stream, dynamic_ncols=True)
+        self.bar.set_postfix_str(name, refresh=False)
+        self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.bar.close()
 
 
 def load_plan(plan_file: Path):
@@ -530,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = load_plan(args.plan) if args.plan else _plan_for_this_host(args.src)
         dst = convert(args.src, args.dst, plan.quantization_config, path=plan.path,
-                      progress=_print_progress, force=args.force)  # fmt: skip
+                      progress=StderrProgress(), force=args.force)  # fmt: skip
     except InputError as error:
         print(f"edge-convert: {error}", file=sys.stderr)
         return 2
