@@ -112,6 +112,14 @@ FACTS: dict[str, MeasuredFact] = {
               "direct dequantize to bf16 + bf16 GEMM, 512 rows"),
         _fact("avx512.1t.int8.m1_ms", 1.90, "ms", "here", "avx512", "2026-11-30",
               "int8 per-channel head, 49152x576, 1 row (bf16 3.79 ms; docs/MEASUREMENTS.md)"),
+        # edge-calibrate on the same host, 1 thread, default model (tests/edge/data/calibration_epyc_zen5.json)
+        _fact("avx512.1t.gemm.m1.w4a8_ms", 0.355, "ms", "here", "avx512", "2026-11-30",
+              "vLLM's int4_scaled_mm_cpu (W4A8) through the plugin's cpu_w4a8, 4096x4096 g32, 1 row (tinygemm 0.449)"),
+        _fact("avx512.1t.gemm.m512.w4a8_ms", 48.651, "ms", "here", "avx512", "2026-11-30",
+              "int4_scaled_mm_cpu, 4096x4096 g32, 512 rows (bf16 36.5, tinygemm 99.6)"),
+        _fact("avx512.engine.w4a8.decode_tok_s", 131.3, "tok/s", "here", "avx512", "2026-11-30",
+              "cpu_w4a8 decode in vLLM, default model, warm pass; cpu_int4 direct 104.1, bf16 75.5 "
+              "(docs/reports/2026-11-30-w4a8-avx512.md)"),
         _fact("avx512.engine.direct.decode_tok_s", 74.6, "tok/s", "here", "avx512", "2026-11-30",
               "w4a16 direct (the speed plan) decode in vLLM, default model, under load; bf16 34.8 "
               "(docs/reports/2026-11-30-engine-avx512.md)"),

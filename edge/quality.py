@@ -74,10 +74,21 @@ def find(records: list[QualityRecord], model: str, key: Mapping[str, Any]) -> Qu
 
 
 def cached_records() -> list[QualityRecord]:
-    """edge-eval's records in the cache directory ($EDGE_SELECT_CACHE_DIR/quality/); none is fine."""
+    """edge-eval's records in the cache directory ($EDGE_SELECT_CACHE_DIR/quality/), then the ones shipped for the
+    embedded default model; none is fine."""
     from edge.paths import cache_dir
 
-    return load_records(cache_dir() / "quality")
+    return load_records(cache_dir() / "quality") + shipped_records()
+
+
+def shipped_records() -> list[QualityRecord]:
+    """The default model's plans as this project measured them (edge/data/quality_default_model.json): a fresh box
+    knows what its speed plan's weights cost, e.g. that W4A8 re-rounds the model's Q4_1 codes to a mean KLD of 0.40.
+    Quality follows the weights' values, not the CPU, so they hold on every host; a box's own record wins on ties."""
+    from importlib import resources
+
+    data = json.loads(resources.files("edge").joinpath("data/quality_default_model.json").read_text())
+    return [QualityRecord.model_validate(record) for record in data["records"]]
 
 
 def load_records(directory: Path) -> list[QualityRecord]:

@@ -96,7 +96,7 @@ def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path):
     quality.mkdir(parents=True)
     (quality / "one.json").write_text(json.dumps({"record": record.model_dump()}))
     (quality / "not-a-record.json").write_text("{}")
-    measured = Plan.model_validate_json(edge_select("--json", "--max-kld", "0.5").stdout)
+    measured = Plan.model_validate_json(edge_select("--json", "--max-kld", "0.5", "--path", plan.path).stdout)
     assert measured.quality.status == "measured" and measured.quality.record.kld_mean == 0.25
     floored = Plan.model_validate_json(edge_select("--json").stdout)  # 0.25 > the default floor of 0.08
     assert floored.path != plan.path or floored.layout != plan.layout
