@@ -85,6 +85,12 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
                              f"({calibration.describe()})")  # fmt: skip
     elif result is None:
         gate.refusals += _w4a8_isa_refusals(device)
+    capability = device.runtime.torch_cpu_capability.value
+    if capability is not None and capability != "AVX512" and not device.has_amx:
+        # ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA held to AVX2 on an AVX-512 CPU: the op's oneDNN int8 brgemm then
+        # fails from 16 rows ("I8 Brgemm is only supported ... amx", edge-calibrate on the Zen 5 host, 2026-11-30)
+        gate.refusals.append(f"torch runs its {capability} kernels here (ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA "
+                             f"set), under which {W4A8_OP} fails from 16 rows")  # fmt: skip
     group = rules.pick_gptq_group_size(model)
     if group is None:
         bad = [f"{lin.name} {lin.n}x{lin.k}" for lin in model.linears if not rules.gptq_compatible(lin, 32)]
