@@ -95,10 +95,20 @@ class VllmConfig(BaseModel):
     args: list[str]
     env: dict[str, str]
 
-    def command(self, model_dir: str, launcher: Sequence[str] = ("python", "-m", VLLM_SERVER_MODULE)) -> list[str]:
+    def command(
+        self,
+        model_dir: str,
+        launcher: Sequence[str] = ("python", "-m", VLLM_SERVER_MODULE),
+        served_model_name: str | None = None,
+    ) -> list[str]:
         """The one place the engine's command line is built; `launcher` runs the server module (the supervisor
-        passes its own interpreter; the tests' stand-in engine takes the same arguments)."""
-        return [*launcher, "--model", model_dir, *self.args]
+        passes its own interpreter; the tests' stand-in engine takes the same arguments).
+
+        `served_model_name` is the model's name in the OpenAI API (vLLM's default is the path, a cache directory
+        here); the path stays a second name, so clients that send it keep working."""
+        names = [] if served_model_name is None else [served_model_name, model_dir]
+        names = list(dict.fromkeys(names))  # a name given as the path itself is not listed twice
+        return [*launcher, "--model", model_dir, *self.args, *(["--served-model-name", *names] if names else [])]
 
 
 class CalibrationRef(BaseModel):

@@ -13,8 +13,10 @@ from typing import Annotated, Any
 import httpx
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from edge.calibration import best_match, parse
 from edge.device import DeviceProfile
@@ -26,6 +28,8 @@ from edge.probe import probe
 from edge.quality import cached_records
 from server import planning
 from server.calibrations import CalibrationStore, StoreUnavailable
+from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from server.metrics import ServiceMetrics
 from server.middleware import BearerToken, BodyLimit
 from server.proxy import engine_unavailable, forward
 from server.schemas import (
@@ -49,8 +53,10 @@ How should model M run on CPU device D: the planner over HTTP, and the engine it
 `/v1/*` (not listed here) is the engine's OpenAI-compatible API (vLLM), forwarded unchanged; every forwarded
 response carries `X-Edge-Weight-Path: <path>[/<layout>]`. Errors in a request are 422 with the field named.
 `/calibrations` keeps the kernel times boxes measured (`edge-serve --report-to`); `/plan` for a device of a CPU
-with a stored record ranks from it, and the plan's `calibration` names it.
+with a stored record ranks from it, and the plan's `calibration` names it. `/metrics` is for Prometheus: this
+server's series (`edge_*`), then the engine's own (vLLM's `vllm:*`).
 """
+PLANNING = "/plan"  # the paths whose errors count as planning errors in /metrics
 
 
 def weight_path(plan: Plan | None) -> str | None:
@@ -79,6 +85,7 @@ def create_app(
 ) -> FastAPI:
     settings = settings or Settings()
     store = CalibrationStore(settings.calibration_db)
+    metrics = ServiceMetrics(supervisor, weight_path(plan))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -98,28 +105,55 @@ def create_app(
     app = FastAPI(title="edge-select", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.calibrations = store
+    app.state.metrics = metrics
+
+    def planning_error(request: Request, kind: str) -> None:
+        if request.url.path.startswith(PLANNING):
+            metrics.planning_error(kind)
 
     @app.exception_handler(planning.LocatedInputError)
     async def located_input_error(request: Request, exc: planning.LocatedInputError) -> JSONResponse:
+        planning_error(request, "input")
         return _input_error_response(exc.loc, exc.error)
 
     @app.exception_handler(InputError)
     async def input_error(request: Request, exc: InputError) -> JSONResponse:
+        planning_error(request, "input")
         return _input_error_response(["body", exc.field], exc)
 
     @app.exception_handler(StoreUnavailable)
     async def store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        planning_error(request, "store")
         return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        planning_error(request, "request")
+        return await request_validation_exception_handler(request, exc)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> PlainTextResponse:
+        planning_error(request, "internal")  # counted, then Starlette logs and re-raises it
+        return PlainTextResponse("Internal Server Error", status_code=500)
 
     @app.post("/plan", response_model=Plan, tags=["plan"], summary="Plan a model on a described device")
     def post_plan(request: PlanRequest) -> Plan:
-        return planning.plan_request(request, store)
+        with metrics.planning("POST /plan"):
+            return planning.plan_request(request, store)
 
     @app.post("/plan/batch", response_model=BatchResponse, tags=["plan"], summary="Plan one model on many devices")
     def post_plan_batch(request: BatchRequest) -> BatchResponse | JSONResponse:
         if len(request.devices) > settings.max_batch_devices:
             error = InputError("devices", len(request.devices), f"at most {settings.max_batch_devices} devices")
+            metrics.planning_error("input")
             return _input_error_response(["body", "devices"], error)
+        with metrics.planning("POST /plan/batch") as made:
+            answer = plan_batch(request)
+            made[0] = answer.planned
+        metrics.planning_error("input", answer.failed)
+        return answer
+
+    def plan_batch(request: BatchRequest) -> BatchResponse:
         model = planning.read_model(request)
         budget = planning.budget_bytes(request)
         results: list[BatchItem | None] = [None] * len(request.devices)
@@ -147,9 +181,10 @@ def create_app(
     ) -> Plan:
         if plan is not None:
             return plan
-        device, model = probe(), default_model()
-        calibration = best_match(planning.calibration_records(store, [device]), device, model.name)
-        return make_plan(device, model, priority=priority, quality=cached_records(), calibration=calibration)
+        with metrics.planning("GET /plan"):
+            device, model = probe(), default_model()
+            calibration = best_match(planning.calibration_records(store, [device]), device, model.name)
+            return make_plan(device, model, priority=priority, quality=cached_records(), calibration=calibration)
 
     @app.post(
         "/calibrations",
@@ -222,6 +257,17 @@ def create_app(
             return Health(status="ready", state=supervisor.state)
         return JSONResponse(Health(status="not ready", state=supervisor.state).model_dump(), status_code=503)
 
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        tags=["health"],
+        summary="Prometheus metrics: this server's series (edge_*), then the engine's own (vLLM's)",
+        responses={200: {"description": "Prometheus text format 0.0.4."}},
+    )
+    async def get_metrics(request: Request) -> Response:
+        body = await metrics.exposition(getattr(request.app.state, "http", None))
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
+
     @app.api_route(
         "/v1/{path:path}",
         methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"],
@@ -233,13 +279,14 @@ def create_app(
         if not supervisor.is_ready:
             state = supervisor.state
             return engine_unavailable(f"engine is not ready (state: {state})", state, weight_path(plan))
+        supervisor.note_traffic()
         return await forward(
             request,
             path,
             client=request.app.state.http,
             engine_url=supervisor.engine_url,
             weight_path=weight_path(plan) or "",
-            state=supervisor.state,
+            state=lambda: supervisor.state,
         )
 
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

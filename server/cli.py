@@ -1,13 +1,15 @@
 """edge-serve: plan for this box, convert the model when the plan needs it, then serve it behind the API.
 
   edge-serve [--model DIR] [--priority fidelity|speed] [--host 127.0.0.1] [--port 8080]
-             [--memory-budget SIZE] [--max-model-len N] [--force] [--calibration-db URL]
+             [--memory-budget SIZE] [--max-model-len N] [--force] [--calibration-db URL] [--served-model-name NAME]
              [--calibrate] [--report-to URL [--report-token TOKEN]]
 
 Without --model it serves the embedded default model (the directory `edge-model default` prints). A converted
 checkpoint goes to $EDGE_SELECT_CACHE_DIR/converted/<model>-<hash of quantization_config> and is reused by
 edge-convert when up to date. Prints the chosen path, layout, the top reasons and the URL, then serves until
-interrupted. Other settings come from EDGE_* environment variables (server/settings.py), e.g. EDGE_API_TOKEN.
+interrupted. Clients name the model by its directory's name (SmolLM2-135M-Instruct-bf16 for the default model),
+or --served-model-name; its full path is accepted too. Other settings come from EDGE_* environment variables
+(server/settings.py), e.g. EDGE_API_TOKEN.
 
 The plan ranks from this host's calibration record (what `edge-calibrate` cached) when there is one; --calibrate
 measures a fresh one first. --report-to URL posts that record to a fleet planner's /calibrations (calibrating
@@ -45,7 +47,7 @@ from edge.quality import cached_records
 from server.app import create_app, weight_path
 from server.calibrations import database_url
 from server.settings import Settings
-from server.supervisor import EngineRefused, EngineSupervisor
+from server.supervisor import EngineRefused, EngineSupervisor, short_model_name
 
 TOP_REASONS = 3
 REPORT_TIMEOUT_S = 30.0
@@ -203,10 +205,11 @@ def report_and_calibrate(args: argparse.Namespace, settings: Settings) -> None:
         print(line if ok else f"edge-serve: warning: {line}", file=sys.stdout if ok else sys.stderr, flush=True)
 
 
-def summary(prepared: Prepared, url: str) -> str:
+def summary(prepared: Prepared, url: str, served_model_name: str | None = None) -> str:
     plan = prepared.plan
+    name = served_model_name or short_model_name(plan, str(prepared.serve_dir))
     lines = [f"path      {weight_path(plan)}" + ("" if plan.verified else "  (not measured on this ISA class)")]
-    lines += [f"model     {prepared.serve_dir}"]
+    lines += [f"model     {name}  ({prepared.serve_dir})"]
     lines += [f"memory    peak {plan.memory.peak_bytes / 2**30:.2f} GiB, budget "
               + (f"{plan.memory.budget_bytes / 2**30:.2f} GiB" if plan.memory.budget_bytes else "none")]  # fmt: skip
     lines += [f"why       {reason.text}" for reason in plan.reasons[:TOP_REASONS]]
@@ -239,12 +242,15 @@ def parser() -> argparse.ArgumentParser:
                    "(a fleet planner: edge-serve --plan-only), calibrating first when there is none")
     p.add_argument("--report-token", metavar="TOKEN",
                    help="bearer token of the server reported to (default: EDGE_REPORT_TOKEN)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the OpenAI API (default: its "
+                   "directory's name, or EDGE_SERVED_MODEL_NAME); the full path is accepted too")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    given = (("host", args.host), ("port", args.port), ("calibration_db", args.calibration_db))
+    given = (("host", args.host), ("port", args.port), ("calibration_db", args.calibration_db),
+             ("served_model_name", args.served_model_name))  # fmt: skip
     settings = Settings(**{k: v for k, v in given if v is not None})
     url = f"http://{settings.host}:{settings.port}"
     try:
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as error:
         print(f"edge-serve: {error}", file=sys.stderr)
         return 2
-    print(summary(prepared, url), flush=True)
+    print(summary(prepared, url, settings.served_model_name), flush=True)
     if args.dry_run:
         return 0
     try:

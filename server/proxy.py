@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from starlette.background import BackgroundTask
@@ -14,16 +14,34 @@ log = logging.getLogger("edge.proxy")
 
 WEIGHT_PATH_HEADER = "X-Edge-Weight-Path"
 
-# Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection, not the message; host and content-length
-# are set anew by httpx; the caller's authorization is this server's token, not the engine's.
-_REQUEST_DROP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "host", "content-length", "authorization",
-}  # fmt: skip
-_RESPONSE_DROP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+# Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection, not the message: these, and any that a
+# `Connection` header names. Host and content-length are set anew by httpx; the caller's authorization is this
+# server's token, not the engine's.
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
     "transfer-encoding", "upgrade",
-}  # fmt: skip
+})  # fmt: skip
+_REQUEST_DROP = _HOP_BY_HOP | {"host", "content-length", "authorization"}
+# Date and Server: this server is the origin its clients talk to (a gateway, RFC 9110 3.7), and uvicorn writes
+# its own of both on every response; the engine's would make two of each (seen: two `date`, two `server`).
+_RESPONSE_DROP = _HOP_BY_HOP | {"date", "server"}
+
+
+def _connection_options(headers: list[tuple[str, str]]) -> set[str]:
+    """The header names a `Connection` header lists: hop-by-hop too (RFC 9110 7.6.1)."""
+    return {
+        option.strip().lower()
+        for name, value in headers
+        if name.lower() == "connection"
+        for option in value.split(",")
+        if option.strip()
+    }
+
+
+def end_to_end(headers: list[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    """The headers a proxy passes on: all but the hop-by-hop ones and `drop`; repeated headers kept in order."""
+    dropped = drop | _connection_options(headers)
+    return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
 def engine_unavailable(message: str, state: str | None, weight_path: str | None) -> JSONResponse:
@@ -45,22 +63,31 @@ async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
 
 
 async def forward(
-    request: Request, path: str, *, client: httpx.AsyncClient, engine_url: str, weight_path: str, state: str
+    request: Request,
+    path: str,
+    *,
+    client: httpx.AsyncClient,
+    engine_url: str,
+    weight_path: str,
+    state: Callable[[], str],
 ) -> Response:
+    """The request sent on to the engine and its answer streamed back; 503 when the engine does not answer
+    (`state` says the engine's state then: a request sent to a hung engine fails once it is restarted)."""
     url = httpx.URL(f"{engine_url}/v1/{path}")
     if request.url.query:
         url = url.copy_with(query=request.url.query.encode("latin-1"))
-    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _REQUEST_DROP]
+    raw = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+    headers = end_to_end(raw, _REQUEST_DROP)
     outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
     try:
         upstream = await client.send(outgoing, stream=True)
     except httpx.HTTPError as exc:
-        return engine_unavailable(f"engine did not answer: {type(exc).__name__}", state, weight_path)
-    response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP}
-    response_headers[WEIGHT_PATH_HEADER] = weight_path
-    return StreamingResponse(
-        _relay(upstream),
-        status_code=upstream.status_code,
-        headers=response_headers,
-        background=BackgroundTask(upstream.aclose),
+        return engine_unavailable(f"engine did not answer: {type(exc).__name__}", state(), weight_path)
+    passed = end_to_end(upstream.headers.multi_items(), _RESPONSE_DROP | {WEIGHT_PATH_HEADER.lower()})
+    response = StreamingResponse(
+        _relay(upstream), status_code=upstream.status_code, background=BackgroundTask(upstream.aclose)
     )
+    # Set as a list: a dict would merge repeated headers (set-cookie) into one
+    response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in passed]
+    response.raw_headers.append((WEIGHT_PATH_HEADER.lower().encode("latin-1"), weight_path.encode("latin-1")))
+    return response

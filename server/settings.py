@@ -46,5 +46,35 @@ class Settings(BaseSettings):
         description="An engine ready this long before dying restarts at the initial delay.",
     )
     stop_grace_s: float = Field(default=20.0, gt=0, description="SIGTERM to SIGKILL grace when stopping.")
+    run_dir: str | None = Field(
+        default=None,
+        description="Where the engine's pid file is kept, for the next edge-serve of this cache directory to find "
+        "an engine a killed wrapper left; default: <cache directory>/run.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        max_length=256,
+        description="The model's name in the OpenAI API; default: the model's directory (or GGUF) name. "
+        "The checkpoint's full path is accepted too.",
+    )
+
+    # Liveness of a ready engine: a stopped or wedged engine must stop receiving traffic and be restarted.
+    liveness_interval_s: float = Field(default=5.0, gt=0, description="How often a ready engine's /health is probed.")
+    liveness_timeout_s: float = Field(default=5.0, gt=0, description="A /health probe slower than this failed.")
+    liveness_failures: int = Field(
+        default=3, ge=1, description="Failed probes in a row that make the engine unresponsive (then restarted)."
+    )
+    liveness_idle_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="No request forwarded for this long: the engine is idle, and a one-token generation probes it "
+        "(/health answers from vLLM's API process even when its engine core is wedged).",
+    )
+    liveness_generation_interval_s: float = Field(
+        default=60.0, ge=0, description="At most one generation probe per this many seconds; 0 turns it off."
+    )
+    liveness_generation_timeout_s: float = Field(
+        default=30.0, gt=0, description="A one-token generation slower than this failed."
+    )
     log_tail_lines: int = Field(default=40, ge=1, description="Engine log lines kept to explain a crash.")
     proxy_timeout_s: float = Field(default=600.0, gt=0, description="Read timeout for a forwarded request.")

@@ -1,11 +1,15 @@
 """EngineSupervisor: runs the engine (`vllm serve ...`) as a child process group and keeps it serving.
 
-The API process never imports vLLM: the engine is a child in its own session (so its workers, which vLLM
-spawns, share one process group that can be signalled at once), watched through its `/health` and its exit.
-A crash in the engine costs a restart with exponential backoff, never the API.
+The API process never imports vLLM: the engine runs under a small watchdog, the supervisor's direct child, in
+a session of its own (so vLLM's workers share one process group that is signalled at once), watched through its
+`/health` and its exit. The watchdog ends the whole group when the wrapper dies, whatever kills it (parent-death
+signal); a pid file in the run directory lets the next wrapper of the same cache directory stop an engine a
+previous one left (recognised by pid and process start time, never by name). A crash in the engine costs a
+restart with exponential backoff, never the API; so does an engine that stops answering its liveness probes.
 
 States: starting (first spawn, not yet healthy) -> ready -> crashed (it died, or was not ready in time; why is
 in last_error; waiting out the backoff) -> restarting (spawned again, not yet healthy) -> ready ... ;
+ready -> unresponsive (liveness probes failed in a row; being stopped) -> crashed -> restarting ... ;
 stopped once stop() ran.
 """
 
@@ -13,26 +17,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import random
 import signal
 import sys
+import textwrap
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Literal
 
 import httpx
 from pydantic import BaseModel, Field
 
-from edge.paths import resolve
+from edge.paths import cache_dir, resolve
 from edge.plan import VLLM_SERVER_MODULE, Plan
 from server.settings import Settings
 
 log = logging.getLogger("edge.engine")
 
-EngineState = Literal["starting", "ready", "crashed", "restarting", "stopped"]
+EngineState = Literal["starting", "ready", "unresponsive", "crashed", "restarting", "stopped"]
+ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unresponsive", "crashed", "restarting", "stopped")
+# Why the engine stopped serving, as counted in status().restart_reasons and the metrics.
+StopKind = Literal["exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start"]
 
 
 def vllm_launcher() -> list[str]:
@@ -51,11 +61,24 @@ class EngineRefused(ValueError):
 
 class EngineStatus(BaseModel):
     state: EngineState
-    pid: int | None = Field(description="Process id of the engine's leader (its process group id), if running.")
+    pid: int | None = Field(
+        description="Process id of the engine's process group leader (its watchdog; the group id), if running."
+    )
+    engine_pid: int | None = Field(description="Process id of the engine itself (vLLM's API server), if running.")
+    served_model_name: str | None = Field(
+        description="The model's name in the OpenAI API (/v1); the checkpoint's path is accepted too."
+    )
     uptime_s: float | None = Field(description="Seconds since the running engine process was started.")
     ready_since_s: float | None = Field(description="Seconds the engine has been ready, if it is.")
+    last_ready_at: float | None = Field(description="Unix time the engine last became ready, if it ever did.")
     restarts: int = Field(description="Times the engine was started again after dying or not becoming ready.")
+    restart_reasons: dict[str, int] = Field(
+        description="Restarts by why the engine stopped serving: exited, exited-before-ready, not-ready-in-time, "
+        "unresponsive, could-not-start."
+    )
     last_error: str | None = Field(description="Why the engine last died: exit code or signal and its last lines.")
+    probe_failures: int = Field(description="Liveness probes failed in a row, now (0 while it answers).")
+    last_probe_error: str | None = Field(description="The last liveness probe that failed, and how.")
     next_restart_in_s: float | None = Field(description="Backoff delay before the next start, while restarting.")
     engine_url: str = Field(description="Where the engine listens (loopback only).")
 
@@ -92,14 +115,46 @@ def check_plan_runnable(plan: Plan, *, force: bool) -> None:
         )
 
 
+def short_model_name(plan: Plan, model_dir: str) -> str:
+    """The model's name for clients: the plan's model name (its source directory or GGUF file name, which a
+    converted checkpoint's cache path only extends), else the served directory's own name."""
+    return plan.model.name or Path(model_dir).name or model_dir
+
+
 def engine_argv(
-    plan: Plan, model_dir: str, *, host: str, port: int, executable: Sequence[str] | None = None
+    plan: Plan,
+    model_dir: str,
+    *,
+    host: str,
+    port: int,
+    executable: Sequence[str] | None = None,
+    served_model_name: str | None = None,
 ) -> list[str]:
     """The plan's engine command (edge.plan.VllmConfig.command) on loopback, run by `executable` instead of
     vLLM's server module when given (the tests' stand-in engine takes its place through this same code)."""
     assert plan.vllm is not None
     launcher = vllm_launcher() if executable is None else list(executable)
-    return [*plan.vllm.command(model_dir, launcher), "--host", host, "--port", str(port)]
+    return [*plan.vllm.command(model_dir, launcher, served_model_name), "--host", host, "--port", str(port)]
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat from field 3 (state) on, or None when there is no such process. The name (field 2) may
+    hold spaces and parentheses: the fields start after its last ')'."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:  # it exited while we looked
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """When a live (not zombie) process started: field 22 of /proc/PID/stat, clock ticks since boot; None when
+    there is no such process. A pid is reused; a (pid, start time) pair names one process (within a boot)."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
 
 
 def group_members(pgid: int) -> list[int]:
@@ -112,15 +167,19 @@ def group_members(pgid: int) -> list[int]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:  # it exited while we looked
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # state, ppid, pgrp, ...
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+        fields = _stat_fields(entry.name)  # state, ppid, pgrp, ...
+        if fields is not None and len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             members.append(int(entry.name))
     return members
+
+
+def engine_child(leader: int) -> int | None:
+    """The engine process under its watchdog: the leader's child in the leader's group."""
+    for pid in group_members(leader):
+        fields = _stat_fields(pid)
+        if fields is not None and int(fields[1]) == leader:
+            return pid
+    return None
 
 
 def _group_alive(pgid: int) -> bool:
@@ -151,6 +210,186 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+# -- the watchdog: the engine's direct child -------------------------------------------------------------
+
+
+def _watchdog() -> None:
+    """Run the engine and end its whole process group when the wrapper dies or asks (`python -c` this function's
+    source with WRAPPER_PID GRACE_S ENGINE_ARGV...; standard library only: it stays resident beside the engine).
+
+    The kernel signals a child when its parent dies (PR_SET_PDEATHSIG), but only that child, and vLLM's engine
+    core and workers are children of its API server. So the watchdog takes the parent-death signal (SIGTERM),
+    adopts whatever the engine orphans (child subreaper), and on SIGTERM, from the supervisor or from the kernel,
+    ends the group: SIGTERM and SIGCONT (a stopped engine cannot act on SIGTERM), SIGKILL after the grace
+    period (the supervisor signals only the watchdog, so each process gets one SIGTERM). When the engine exits by
+    itself, what it left serves nobody and is killed at once. The watchdog then exits as the engine did (same
+    code, same signal), so the supervisor reads the engine's exit.
+    """
+    import contextlib
+    import ctypes
+    import os
+    import resource
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pr_set_pdeathsig, pr_set_child_subreaper = 1, 36  # <linux/prctl.h>
+    wrapper, grace_s, argv = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+    libc = ctypes.CDLL(None, use_errno=True)
+    requested: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: requested.append(signum))
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != wrapper:  # the wrapper died before the signal was armed
+        sys.exit(f"edge-watchdog: the wrapper (pid {wrapper}) is gone; not starting the engine")
+    libc.prctl(pr_set_child_subreaper, 1)
+
+    def others() -> list[int]:  # the rest of the group, and any child that left it
+        me, found = os.getpid(), []
+        for name in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().decode("ascii", "replace").rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(name) != me and fields[0] not in "ZX" and me in (int(fields[1]), int(fields[2])):
+                found.append(int(name))
+        return found
+
+    def signal_others(*sigs: int) -> None:
+        for pid in others():
+            for sig in sigs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+    try:  # the engine is armed too: a watchdog killed outright takes the engine with it
+        engine = subprocess.Popen(argv, preexec_fn=lambda: libc.prctl(pr_set_pdeathsig, signal.SIGTERM))
+    except OSError as exc:
+        sys.stderr.write(f"edge-watchdog: could not start {argv[0]!r}: {exc}\n")
+        sys.exit(127)
+    status, deadline = None, None  # the engine's wait status; when to SIGKILL what is left
+    while True:
+        try:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break  # nothing of the engine is left
+        if pid:
+            status = wait_status if pid == engine.pid else status
+            continue
+        now = time.monotonic()
+        if deadline is None and requested:  # one SIGTERM each: a second one cuts some shutdowns short
+            signal_others(signal.SIGTERM, signal.SIGCONT)
+            deadline = now + grace_s
+        elif deadline is None and status is not None:  # it died by itself: what it left serves nobody
+            signal_others(signal.SIGKILL)
+            deadline = now
+        elif deadline is not None and now >= deadline:
+            signal_others(signal.SIGKILL)
+        time.sleep(0.1)
+    if status is not None and os.WIFSIGNALED(status):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    sys.exit(1 if status is None else os.waitstatus_to_exitcode(status))
+
+
+WATCHDOG_SOURCE = textwrap.dedent(inspect.getsource(_watchdog)) + "\n_watchdog()\n"
+
+
+def watchdog_argv(argv: Sequence[str], *, grace_s: float) -> list[str]:
+    """The engine command under the watchdog, for a wrapper of this process id."""
+    return [sys.executable, "-c", WATCHDOG_SOURCE, str(os.getpid()), f"{grace_s:g}", *argv]
+
+
+# -- the run directory: engines a killed wrapper left ----------------------------------------------------
+
+
+class EngineRecord(BaseModel):
+    """A running engine as its pid file records it: processes named by pid and start time, never by name."""
+
+    wrapper_pid: int
+    wrapper_start: int
+    leader_pid: int  # the watchdog: the engine's process group id
+    leader_start: int
+    members: dict[int, int]  # pid -> start time of the group's processes when the engine became ready
+    argv: list[str]
+
+
+def default_run_dir() -> Path:
+    return cache_dir() / "run"
+
+
+def record_path(run_dir: Path, leader_pid: int) -> Path:
+    return run_dir / f"engine-{os.getpid()}-{leader_pid}.json"
+
+
+def write_record(path: Path, record: EngineRecord) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(record.model_dump_json())
+    partial.replace(path)
+
+
+def left_processes(record: EngineRecord) -> list[int]:
+    """What of a recorded engine still runs: its whole group while its leader does (same pid, same start time),
+    else the recorded members that still are who they were."""
+    if process_start_time(record.leader_pid) == record.leader_start:
+        return group_members(record.leader_pid)
+    return [pid for pid, start in record.members.items() if process_start_time(pid) == start]
+
+
+async def _end_processes(pids: Sequence[int], grace_s: float, leader: int) -> None:
+    """SIGTERM (to the watchdog alone while it runs: it passes it on) and SIGCONT (a stopped process acts on
+    SIGTERM only once continued), SIGKILL to what is left after the grace period; returns once all are gone."""
+    for sig, targets in ((signal.SIGTERM, [leader] if leader in pids else pids), (signal.SIGCONT, pids)):
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    starts = {pid: process_start_time(pid) for pid in pids}
+    deadline = time.monotonic() + grace_s
+
+    def left() -> list[int]:
+        return [pid for pid, start in starts.items() if start is not None and process_start_time(pid) == start]
+
+    while left() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for pid in left():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    while left():
+        await asyncio.sleep(0.05)
+
+
+async def sweep_left_engines(run_dir: Path, grace_s: float) -> list[str]:
+    """Stop the engines that wrappers no longer running left in this run directory; one line per engine stopped.
+
+    A record whose wrapper still runs (same pid, same start time) is that wrapper's: left alone. Any other is
+    removed, after what of its engine still runs is stopped.
+    """
+    stopped = []
+    for path in sorted(run_dir.glob("engine-*.json")):
+        try:
+            record = EngineRecord.model_validate_json(path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable engine record %s removed: %s", path, exc)
+            path.unlink(missing_ok=True)
+            continue
+        if process_start_time(record.wrapper_pid) == record.wrapper_start:
+            continue
+        pids = left_processes(record)
+        if pids:
+            log.warning("stopping the engine a previous wrapper (pid %d) left: pids %s", record.wrapper_pid, pids)
+            await _end_processes(pids, grace_s, record.leader_pid)
+            stopped.append(f"engine of wrapper {record.wrapper_pid} (pids {', '.join(map(str, pids))})")
+        path.unlink(missing_ok=True)
+    return stopped
+
+
+# -- the supervisor --------------------------------------------------------------------------------------
+
+
 class EngineSupervisor:
     """Start, watch, restart and stop one engine command. Driven by the app's lifespan (asyncio)."""
 
@@ -163,6 +402,7 @@ class EngineSupervisor:
         settings: Settings | None = None,
         health_path: str = "/health",
         log_prefix: str = "[vllm]",
+        served_model_name: str | None = None,
     ) -> None:
         self.settings = settings or Settings()
         self.argv = list(argv)
@@ -171,14 +411,26 @@ class EngineSupervisor:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.health_path = health_path
         self.log_prefix = log_prefix
+        self.served_model_name = served_model_name
+        self.run_dir = Path(self.settings.run_dir) if self.settings.run_dir else default_run_dir()
         self.state: EngineState = "stopped"
         self.restarts = 0
+        self.restart_reasons: Counter[str] = Counter()
         self.last_error: str | None = None
+        self.probe_failures = 0  # in a row, now
+        self.probes_failed: Counter[str] = Counter()  # ever, by probe ("health", "generation")
+        self.last_probe_error: str | None = None
+        self.swept: list[str] = []  # engines of dead wrappers stopped at start
         self.delays: list[float] = []  # every backoff delay taken, in order
         self.log_tail: deque[str] = deque(maxlen=self.settings.log_tail_lines)
         self._proc: asyncio.subprocess.Process | None = None
+        self._engine_pid: int | None = None
+        self._record: Path | None = None
         self._started_at: float | None = None
         self._ready_at: float | None = None
+        self._last_ready_wall: float | None = None
+        self._last_traffic_at = 0.0
+        self._last_generation_at = 0.0
         self._next_restart_at: float | None = None
         self._stopping = False
         self._wake = asyncio.Event()
@@ -198,9 +450,12 @@ class EngineSupervisor:
     ) -> EngineSupervisor:
         check_plan_runnable(plan, force=force)
         settings = settings or Settings()
-        argv = engine_argv(plan, model_dir, host=settings.engine_host, port=port, executable=executable)
+        served = settings.served_model_name or short_model_name(plan, model_dir)
+        argv = engine_argv(
+            plan, model_dir, host=settings.engine_host, port=port, executable=executable, served_model_name=served
+        )
         env = {name: resolve(value) if name == "VLLM_CACHE_ROOT" else value for name, value in plan.vllm.env.items()}
-        return cls(argv, port=port, env=env, settings=settings)
+        return cls(argv, port=port, env=env, settings=settings, served_model_name=served)
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -209,8 +464,22 @@ class EngineSupervisor:
         return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
 
     @property
+    def engine_pid(self) -> int | None:
+        """The engine under the watchdog (found once it has started)."""
+        leader = self.pid
+        if leader is None:
+            return None
+        if self._engine_pid is None or process_start_time(self._engine_pid) is None:
+            self._engine_pid = engine_child(leader)
+        return self._engine_pid
+
+    @property
     def is_ready(self) -> bool:
         return self.state == "ready"
+
+    def note_traffic(self) -> None:
+        """A request is being forwarded: the engine is not idle (no generation probe needed)."""
+        self._last_traffic_at = time.monotonic()
 
     def status(self) -> EngineStatus:
         now = time.monotonic()
@@ -219,10 +488,16 @@ class EngineSupervisor:
         return EngineStatus(
             state=self.state,
             pid=self.pid,
+            engine_pid=self.engine_pid,
+            served_model_name=self.served_model_name,
             uptime_s=round(now - self._started_at, 3) if running else None,
             ready_since_s=round(now - self._ready_at, 3) if self.is_ready and self._ready_at else None,
+            last_ready_at=self._last_ready_wall,
             restarts=self.restarts,
+            restart_reasons=dict(self.restart_reasons),
             last_error=self.last_error,
+            probe_failures=self.probe_failures,
+            last_probe_error=self.last_probe_error,
             next_restart_in_s=round(max(0.0, wait), 3) if wait is not None else None,
             engine_url=self.engine_url,
         )
@@ -243,7 +518,8 @@ class EngineSupervisor:
         return True
 
     async def stop(self) -> None:
-        """SIGTERM to the engine's process group, SIGKILL after the grace period; state becomes stopped."""
+        """SIGTERM to the engine's process group (through its watchdog), SIGKILL after the grace period; state
+        becomes stopped."""
         self._stopping = True
         self._wake.set()
         if self._proc is not None:
@@ -257,13 +533,17 @@ class EngineSupervisor:
     # -- the loop ----------------------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            self.swept = await sweep_left_engines(self.run_dir, self.settings.stop_grace_s)
+        except OSError as exc:  # an unreadable run directory costs the sweep, not the engine
+            log.warning("engines left by earlier wrappers not looked for in %s: %s", self.run_dir, exc)
         failures = 0
         while not self._stopping:
             proc = await self._spawn()
             if proc is None:  # the command itself could not be started
-                why = self.last_error
+                kind, why = "could-not-start", self.last_error
             else:
-                why = await self._watch(proc)
+                kind, why = await self._watch(proc)
             if self._stopping:
                 break
             if self._ready_at is not None and time.monotonic() - self._ready_at >= self.settings.backoff_reset_s:
@@ -288,15 +568,17 @@ class EngineSupervisor:
             if self._stopping:
                 break
             self.restarts += 1
+            self.restart_reasons[kind] += 1
             self.state = "restarting"
         self.state = "stopped"
 
     async def _spawn(self) -> asyncio.subprocess.Process | None:
         log.info("starting engine: %s", " ".join(self.argv))
         self.log_tail.clear()
+        self._engine_pid = None
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.argv,
+                *watchdog_argv(self.argv, grace_s=self.settings.stop_grace_s),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -309,38 +591,77 @@ class EngineSupervisor:
             return None
         self._proc = proc
         self._started_at = time.monotonic()
+        self._write_record(proc.pid)
         return proc
 
-    async def _watch(self, proc: asyncio.subprocess.Process) -> str:
-        """Pump the logs, wait for health, then for death. Returns why the engine stopped serving."""
+    def _write_record(self, leader: int) -> None:
+        """The pid file: the next wrapper of this cache directory stops this engine if this wrapper dies first."""
+        starts = {pid: process_start_time(pid) for pid in [leader, *group_members(leader)]}
+        if starts[leader] is None:  # gone already: nothing to record
+            return
+        record = EngineRecord(
+            wrapper_pid=os.getpid(),
+            wrapper_start=process_start_time(os.getpid()) or 0,
+            leader_pid=leader,
+            leader_start=starts[leader],
+            members={pid: start for pid, start in starts.items() if start is not None},
+            argv=self.argv,
+        )
+        self._record = record_path(self.run_dir, leader)
+        try:
+            write_record(self._record, record)
+        except OSError as exc:  # a read-only cache costs the sweep, not the engine
+            log.warning("engine pid file %s not written: %s", self._record, exc)
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> tuple[StopKind, str]:
+        """Pump the logs, wait for health, then watch liveness until death. Returns why the engine stopped serving
+        (a kind and the words)."""
         assert proc.stdout is not None and proc.stderr is not None
         pumps = [asyncio.create_task(self._pump(stream)) for stream in (proc.stdout, proc.stderr)]
         exited = asyncio.create_task(leader_exit(proc))
+        kind: StopKind
         try:
             healthy = await self._wait_healthy(proc, exited)
             if self._stopping:
                 await self._terminate(proc)  # stop() may have run while this process was being spawned
-                why = "stopped on request"
+                kind, why = "exited", "stopped on request"
             elif healthy:
-                self.state = "ready"
-                self._ready_at = time.monotonic()
-                self._ready.set()
-                log.info("engine ready at %s (pid %d)", self.engine_url, proc.pid)
-                await exited
-                why = describe_exit(proc.returncode)
+                self._became_ready(proc)
+                unresponsive = await self._stay_live(exited)
+                if unresponsive is None:
+                    kind, why = "exited", describe_exit(await exited)
+                else:
+                    self.state = "unresponsive"
+                    self._ready.clear()
+                    self.last_error = unresponsive
+                    log.warning("engine unresponsive (%s): stopping it", unresponsive)
+                    await self._terminate(proc)
+                    kind, why = "unresponsive", unresponsive
             elif exited.done():
-                why = f"{describe_exit(proc.returncode)} before it became ready"
+                kind, why = "exited-before-ready", f"{describe_exit(proc.returncode)} before it became ready"
             else:
-                why = f"not ready within {self.settings.ready_timeout_s:g} s"
+                kind, why = "not-ready-in-time", f"not ready within {self.settings.ready_timeout_s:g} s"
                 await self._terminate(proc)
         finally:
             # The leader is gone, its workers may not be: nothing of a dead engine may keep memory or a port.
             _signal_group(proc.pid, signal.SIGKILL)
+            if self._record is not None:
+                self._record.unlink(missing_ok=True)
+                self._record = None
             await asyncio.wait(pumps, timeout=5.0)
             for pump in pumps:
                 pump.cancel()
         tail = " | ".join(list(self.log_tail)[-5:])
-        return f"{why}; last log lines: {tail}" if tail else why
+        return kind, f"{why}; last log lines: {tail}" if tail else why
+
+    def _became_ready(self, proc: asyncio.subprocess.Process) -> None:
+        self.state = "ready"
+        self._ready_at = self._last_traffic_at = time.monotonic()
+        self._last_ready_wall = time.time()
+        self.probe_failures = 0
+        self._ready.set()
+        self._write_record(proc.pid)  # now with vLLM's engine core and workers
+        log.info("engine ready at %s (pid %d, engine pid %s)", self.engine_url, proc.pid, self.engine_pid)
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process, exited: asyncio.Task) -> bool:
         deadline = time.monotonic() + self.settings.ready_timeout_s
@@ -355,6 +676,69 @@ class EngineSupervisor:
                     return False
         return False
 
+    # -- liveness ----------------------------------------------------------------------------------------
+
+    async def _stay_live(self, exited: asyncio.Task) -> str | None:
+        """Probe the ready engine until it exits (None) or fails `liveness_failures` probes in a row (why)."""
+        settings = self.settings
+        async with httpx.AsyncClient() as client:
+            while True:
+                await asyncio.wait({exited}, timeout=settings.liveness_interval_s)
+                if exited.done() or self._stopping:
+                    await exited
+                    return None
+                failed = await self._probe(client)
+                if failed is None:
+                    self.probe_failures = 0
+                    continue
+                probe, error = failed
+                self.probe_failures += 1
+                self.probes_failed[probe] += 1
+                self.last_probe_error = error
+                log.warning("engine liveness probe failed (%d of %d): %s", self.probe_failures,
+                            settings.liveness_failures, error)  # fmt: skip
+                if self.probe_failures >= settings.liveness_failures:
+                    return f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: {error}"
+
+    async def _probe(self, client: httpx.AsyncClient) -> tuple[str, str] | None:
+        """One liveness probe: /health, then a one-token generation when the engine has been idle and none ran
+        recently. None when it answered; else the probe and what went wrong. An answer in the 4xx range is an
+        answer (the engine is alive; the probe is at fault)."""
+        settings = self.settings
+        timeout = settings.liveness_timeout_s
+        try:
+            health = await client.get(self.engine_url + self.health_path, timeout=timeout)
+        except httpx.TimeoutException:
+            return "health", f"GET {self.health_path} did not answer within {timeout:g} s"
+        except httpx.HTTPError as exc:
+            return "health", f"GET {self.health_path} failed: {type(exc).__name__}: {exc}"
+        if health.status_code >= 500:
+            return "health", f"GET {self.health_path} answered {health.status_code}"
+        now = time.monotonic()
+        interval = settings.liveness_generation_interval_s
+        if not interval or now - self._last_traffic_at < settings.liveness_idle_s:
+            return None
+        if now - self._last_generation_at < interval:
+            return None
+        body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        if self.served_model_name:
+            body["model"] = self.served_model_name
+        timeout = settings.liveness_generation_timeout_s
+        try:
+            answer = await client.post(self.engine_url + "/v1/completions", json=body, timeout=timeout)
+        except httpx.TimeoutException:
+            return "generation", f"a one-token generation did not finish within {timeout:g} s"
+        except httpx.HTTPError as exc:
+            return "generation", f"a one-token generation failed: {type(exc).__name__}: {exc}"
+        if answer.status_code >= 500:
+            return "generation", f"a one-token generation answered {answer.status_code}"
+        if answer.status_code >= 400:
+            log.warning("the generation probe was refused (%d): %s", answer.status_code, answer.text[:200])
+        self._last_generation_at = time.monotonic()
+        return None
+
+    # -- logs and stopping -------------------------------------------------------------------------------
+
     async def _pump(self, stream: asyncio.StreamReader) -> None:
         while True:
             try:
@@ -368,9 +752,12 @@ class EngineSupervisor:
             log.info("%s %s", self.log_prefix, line)
 
     async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
-        """SIGTERM the group; SIGKILL whatever of it is left after the grace period."""
+        """SIGTERM to the watchdog, which passes it on to the group, and SIGCONT to the group (a stopped process
+        acts on SIGTERM only once continued); SIGKILL whatever of it is left after the grace period."""
         pgid = proc.pid
-        _signal_group(pgid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pgid, signal.SIGTERM)
+        _signal_group(pgid, signal.SIGCONT)
         deadline = time.monotonic() + self.settings.stop_grace_s
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(leader_exit(proc), self.settings.stop_grace_s)

@@ -2,16 +2,23 @@
 
 It is NOT vLLM. It answers `GET /health` (503 until --ready-after seconds have passed, then 200),
 `GET /v1/models` and `POST /v1/completions` (OpenAI shape; `"stream": true` answers server-sent events in
-chunked encoding), and accepts the engine's command line (--model MODEL_DIR, --host, --port; other flags ignored),
-so the supervisor starts it through exactly the code that starts vLLM. Test hooks: --exit-after/--exit-code
-(crash), --spawn-worker (a child in its process group, like vLLM's workers), --ignore-sigterm,
---hold-stream (a stream pauses after its first event until POST /standin/release).
+chunked encoding), `GET /metrics` (a few lines in Prometheus text format, like vLLM's), and accepts the engine's
+command line (--model MODEL_DIR, --served-model-name NAME..., --host, --port; other flags ignored), so the
+supervisor starts it through exactly the code that starts vLLM. Like vLLM, it lists the served names (the model
+path when none is given) and answers 404 for a completion naming another model.
+Test hooks: --exit-after/--exit-code (crash), --spawn-worker (a child in its process group, like vLLM's
+workers), --ignore-sigterm, --hold-stream (a stream pauses after its first event until POST /standin/release),
+and hangs: --hang-after N (every request after the first N is never answered), SIGUSR1 (from now on nothing is
+answered: a stopped API server), SIGUSR2 (completions are never answered, /health still is: a wedged engine
+core behind a live API server). Its responses carry a hop-by-hop header named in `Connection`, as a proxy must
+drop, and http.server's own `Server` and `Date`.
 Standard library only: it starts in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -23,6 +30,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 STARTED = time.monotonic()
 RELEASE = threading.Event()
+HANG_ALL = threading.Event()  # nothing is answered any more
+HANG_COMPLETIONS = threading.Event()  # completions are not answered any more
+NEVER = threading.Event()  # waited on by a hung request
+SEEN = itertools.count(1)  # requests seen, for --hang-after
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -36,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--spawn-worker", action="store_true")
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--hold-stream", action="store_true")
+    parser.add_argument("--hang-after", type=int, default=None)
+    parser.add_argument("--served-model-name", nargs="+", default=None)
     args, ignored = parser.parse_known_args(argv)
     args.ignored = ignored  # the plan's vLLM flags (--dtype, --max-model-len, ...): accepted, unused
     return args
@@ -44,6 +57,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def completion_words(prompt: str, max_tokens: int) -> list[str]:
     """A deterministic 'generation': one word per token, derived from the prompt's length."""
     return [f" w{(len(prompt) + i) % 97}" for i in range(max_tokens)]
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    return args.served_model_name or [args.model]
+
+
+def hang_if_asked(path: str, hang_after: int | None) -> None:
+    """Block this request's thread for good when a hang is in force (the client sees no answer)."""
+    seen = next(SEEN)
+    if hang_after is not None and seen > hang_after:
+        HANG_ALL.set()
+    if HANG_ALL.is_set() or (HANG_COMPLETIONS.is_set() and path.startswith("/v1/completions")):
+        NEVER.wait()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -59,23 +85,39 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.send_header("X-Standin-Saw-Authorization", "yes" if self.headers.get("Authorization") else "no")
+        self.send_header("Connection", "X-Standin-Hop")  # names a hop-by-hop header (RFC 9110 7.6.1)
+        self.send_header("X-Standin-Hop", "this connection only")
+        self.send_header("Keep-Alive", "timeout=5")
         self.end_headers()
         self.wfile.write(body)
 
     def do_GET(self) -> None:
+        hang_if_asked(self.path, self.args.hang_after)
         if self.path == "/health":
             ready = time.monotonic() - STARTED >= self.args.ready_after
             self.send_response(200 if ready else 503)
             self.send_header("Content-Length", "0")
             self.end_headers()
         elif self.path.split("?")[0] == "/v1/models":
-            self._json(200, {"object": "list", "data": [{"id": self.args.model, "object": "model"}]})
+            cards = [{"id": name, "object": "model", "root": self.args.model} for name in served_names(self.args)]
+            self._json(200, {"object": "list", "data": cards})
+        elif self.path == "/metrics":
+            name = served_names(self.args)[0]
+            body = ("# HELP vllm:num_requests_running Requests running (stand-in).\n"
+                    "# TYPE vllm:num_requests_running gauge\n"
+                    f'vllm:num_requests_running{{model_name="{name}"}} 0.0\n').encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         else:
             self._json(404, {"error": {"message": f"no route {self.path}", "type": "NotFoundError"}})
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
+        hang_if_asked(self.path, self.args.hang_after)
         if self.path == "/standin/release":
             RELEASE.set()
             self._json(200, {"released": True})
@@ -90,13 +132,17 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, KeyError, TypeError) as exc:
             self._json(400, {"error": {"message": f"bad request: {exc}", "type": "BadRequestError"}})
             return
+        if request.get("model") and request["model"] not in served_names(self.args):
+            message = f"The model `{request['model']}` does not exist."
+            self._json(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
+            return
         words = completion_words(prompt, max_tokens)
         if request.get("stream"):
             self._stream(words)
         else:
             choice = {"index": 0, "text": "".join(words), "finish_reason": "length"}
             usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(words)}
-            self._json(200, {"object": "text_completion", "model": self.args.model, "choices": [choice],
+            self._json(200, {"object": "text_completion", "model": served_names(self.args)[0], "choices": [choice],
                              "usage": usage})  # fmt: skip
 
     def _stream(self, words: list[str]) -> None:
@@ -125,6 +171,8 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: HANG_ALL.set())
+    signal.signal(signal.SIGUSR2, lambda signum, frame: HANG_COMPLETIONS.set())
     if args.spawn_worker:
         # Like vLLM's engine-core/worker processes: a child in the same process group. A stop that signals
         # only the leader leaves it running; only a signal to the group ends it.

@@ -243,6 +243,7 @@ def test_openapi_says_which_operations_need_the_token(guarded):
     schema = guarded.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
     assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     assert schema["paths"]["/plan"]["post"]["security"] == [{"bearer": []}]
+    assert schema["paths"]["/metrics"]["get"]["security"] == [{"bearer": []}]  # Prometheus sends the token
     assert "security" not in schema["paths"]["/healthz"]["get"]
 
 

@@ -1,6 +1,7 @@
 """deploy/edge-up (the README's main command) with the REAL vLLM on the default model: ready, " Paris" through the
-wrapper, /status naming the path, the vLLM child killed and brought back; and the same under AVX2 dispatch.
-Minutes (each vLLM start here is 60-150 s), hence slow."""
+wrapper under the model's short name (and its path), /status naming the path, /metrics with the wrapper's and
+vLLM's series, the vLLM child killed and brought back; and the same under AVX2 dispatch.
+Minutes (each vLLM start here is 60-150 s), hence slow. The other faults: tests/server/test_faults_slow.py."""
 
 from __future__ import annotations
 
@@ -101,12 +102,18 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     assert f"path      {expected_path}" in log.read_text()
 
     model = get(f"{url}/v1/models").json()["data"][0]["id"]
+    assert model == status["engine"]["served_model_name"] == plan["model"]["name"]  # short, not a cache path
     first = complete(url, model)
     assert first.status_code == 200, first.text
     assert first.headers["X-Edge-Weight-Path"] == expected_path
     assert first.json()["choices"][0]["text"].startswith(" Paris"), first.json()["choices"][0]["text"]
+    by_path = complete(url, status["model_dir"])  # the full path is still a name of the model
+    assert by_path.status_code == 200 and by_path.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert len(first.headers.get_list("date")) == 1 and len(first.headers.get_list("server")) == 1
+    metrics = get(f"{url}/metrics").text
+    assert 'edge_engine_state{state="ready"} 1.0' in metrics and "vllm:num_requests_running" in metrics
 
-    engine_pid = status["engine"]["pid"]
+    group, engine_pid = status["engine"]["pid"], status["engine"]["engine_pid"]  # the watchdog; vLLM's API server
     os.kill(engine_pid, signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: get(f"{url}/status").json()["engine"]["restarts"] == 1, process, log, guard_s=120)
@@ -114,9 +121,9 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     print(f"edge-serve ready after {first_ready_s:.0f} s (model, conversion, vLLM start); "
           f"vLLM ready again {time.monotonic() - killed:.0f} s after SIGKILL")  # fmt: skip
     engine = get(f"{url}/status").json()["engine"]
-    assert engine["state"] == "ready" and engine["pid"] != engine_pid
-    assert "SIGKILL" in engine["last_error"]
-    assert group_members(engine_pid) == []  # nothing of the killed engine is left
+    assert engine["state"] == "ready" and engine["engine_pid"] != engine_pid
+    assert "SIGKILL" in engine["last_error"] and engine["restart_reasons"] == {"exited": 1}
+    assert group_members(group) == []  # nothing of the killed engine is left: its engine core and worker neither
 
     again = complete(url, model)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]

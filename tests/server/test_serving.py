@@ -16,6 +16,7 @@ from tests.server.conftest import fast_settings, free_port, smollm2_plan, standi
 
 TOKEN = {"Authorization": "Bearer s3cret"}
 MODEL_DIR = "/models/SmolLM2-135M-Instruct"
+SHORT_NAME = smollm2_plan().model.name  # the model's source directory: SmolLM2-135M-Instruct-bf16
 
 
 def serving(*flags: str, **settings):
@@ -70,7 +71,7 @@ def test_query_string_and_engine_errors_pass_through_unchanged():
         wait_until(lambda: ready(url))
         models = httpx.get(f"{url}/v1/models?limit=1", headers=TOKEN)
         missing = httpx.get(f"{url}/v1/no-such-route", headers=TOKEN)
-    assert models.json()["data"][0]["id"] == MODEL_DIR
+    assert [card["id"] for card in models.json()["data"]] == [SHORT_NAME, MODEL_DIR]
     assert missing.status_code == 404 and missing.headers[WEIGHT_PATH_HEADER] == "bf16"
 
 
@@ -98,6 +99,8 @@ def test_streamed_completion_arrives_event_by_event_not_buffered():
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=TOKEN, timeout=30) as response:
             assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
             assert response.headers["content-type"].startswith("text/event-stream")
+            names = header_names(response)
+            assert names.count("date") == 1 and names.count("server") == 1 and names.count("transfer-encoding") == 1
             lines = response.iter_lines()
             first = next(lines)  # arrives while the engine is still holding the rest
             assert first.startswith("data: ") and json.loads(first[6:])["choices"][0]["text"]
@@ -115,6 +118,52 @@ def test_status_names_the_plan_engine_and_openai_url():
     assert status["engine"]["state"] == "ready" and status["engine"]["restarts"] == 0
     assert status["engine"]["pid"] > 0 and status["engine"]["uptime_s"] >= 0
     assert status["openai_base_url"].endswith("/v1") and status["model_dir"] == MODEL_DIR
+    assert status["engine"]["served_model_name"] == SHORT_NAME == "SmolLM2-135M-Instruct-bf16"
+    assert status["engine"]["engine_pid"] > 0 and status["engine"]["engine_pid"] != status["engine"]["pid"]
+
+
+def test_clients_name_the_model_by_its_short_name_or_by_its_path():
+    server, _ = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        answers = {
+            model: httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1},
+                              headers=TOKEN)  # fmt: skip
+            for model in (SHORT_NAME, MODEL_DIR, "no-such-model")
+        }
+    assert answers[SHORT_NAME].status_code == 200 and answers[SHORT_NAME].json()["model"] == SHORT_NAME
+    assert answers[MODEL_DIR].status_code == 200
+    assert answers["no-such-model"].status_code == 404
+
+
+def test_the_served_model_name_can_be_set():
+    server, supervisor = serving(served_model_name="smollm2")
+    with server as url:
+        wait_until(lambda: ready(url))
+        models = httpx.get(f"{url}/v1/models", headers=TOKEN).json()
+    assert [card["id"] for card in models["data"]] == ["smollm2", MODEL_DIR]
+    assert supervisor.status().served_model_name == "smollm2"
+
+
+def header_names(response: httpx.Response) -> list[str]:
+    return [name.lower() for name, _ in response.headers.multi_items()]
+
+
+def test_proxied_responses_have_one_date_one_server_and_no_hop_by_hop_headers():
+    """The stand-in sends its own Date and Server (http.server does), Keep-Alive, and a header its Connection
+    header names: RFC 9110 7.6.1 says the last three stop at the proxy; uvicorn writes Date and Server."""
+    server, supervisor = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
+    assert {"date", "server", "keep-alive", "x-standin-hop"} <= set(header_names(direct))  # what the engine sent
+    names = header_names(response)
+    assert names.count("date") == 1 and names.count("server") == 1
+    assert "keep-alive" not in names and "x-standin-hop" not in names
+    assert response.headers.get("connection", "keep-alive") == "keep-alive"  # uvicorn's own, not the engine's
+    assert names.count(WEIGHT_PATH_HEADER.lower()) == 1 and response.headers[WEIGHT_PATH_HEADER] == "bf16"
+    assert response.headers["content-type"] == "application/json"
 
 
 def test_killed_engine_shows_in_status_and_comes_back():

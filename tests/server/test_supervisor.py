@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from server.supervisor import (
+    EngineRecord,
     EngineRefused,
     EngineSupervisor,
     backoff_delay,
     describe_exit,
     engine_argv,
     group_members,
+    process_start_time,
     vllm_launcher,
+    write_record,
 )
 from tests.server.conftest import eventually, fast_settings, free_port, smollm2_plan, standin
+
+REPO = Path(__file__).parents[2]
 
 pytestmark = pytest.mark.anyio
 
@@ -54,6 +64,23 @@ def test_engine_command_is_vllm_serve_with_the_plan_args_on_loopback():
     assert argv == [*launcher, "--model", "/m", *plan.vllm.args, "--host", "127.0.0.1", "--port", "8123"]
     assert launcher[-2:] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert argv[: -4] == plan.vllm.command("/m", launcher)  # built in one place, the plan's
+
+
+def test_engine_serves_the_model_under_its_short_name_and_its_path():
+    plan = smollm2_plan()
+    argv = EngineSupervisor.for_plan(plan, "/cache/converted/SmolLM2-135M-Instruct-bf16-bdf0e2de72f9",
+                                     port=8123).argv  # fmt: skip
+    names = argv[argv.index("--served-model-name") + 1 : argv.index("--host")]
+    assert names == ["SmolLM2-135M-Instruct-bf16", "/cache/converted/SmolLM2-135M-Instruct-bf16-bdf0e2de72f9"]
+    assert argv[: argv.index("--served-model-name")] == plan.vllm.command(names[1], vllm_launcher())
+
+
+def test_a_served_model_name_set_by_the_user_replaces_the_short_name():
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", port=8123, settings=fast_settings(
+        served_model_name="smollm2"))  # fmt: skip
+    argv = supervisor.argv
+    assert argv[argv.index("--served-model-name") + 1 : argv.index("--host")] == ["smollm2", "/m"]
+    assert supervisor.status().served_model_name == "smollm2"
 
 
 def test_plan_env_is_added_to_the_engine_environment():
@@ -212,3 +239,139 @@ async def test_dead_engine_is_crashed_during_its_backoff_and_stop_cuts_the_wait_
     assert status.pid is None and status.last_error and 0 < status.next_restart_in_s <= 3600
     await supervisor.stop()  # does not sit out the hour
     assert supervisor.state == "stopped" and supervisor.restarts == 0
+
+
+# -- no orphans: the engine's tree dies with its wrapper, and the next wrapper stops what a dead one left -----
+
+WRAPPER = """
+import asyncio, json, sys
+from server.supervisor import EngineSupervisor
+from tests.server.conftest import fast_settings, free_port, smollm2_plan, standin
+
+async def main():
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", port=free_port(),
+        settings=fast_settings(run_dir=sys.argv[1]), executable=standin("--spawn-worker"))
+    await supervisor.start()
+    assert await supervisor.wait_ready(30)
+    worker = [line for line in supervisor.log_tail if line.startswith("stand-in worker pid ")][-1].split()[-1]
+    print(json.dumps({"leader": supervisor.pid, "engine": supervisor.engine_pid, "worker": int(worker)}), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def start_wrapper(run_dir: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+    """A process that supervises the stand-in (with a worker) and then only waits: a wrapper to kill."""
+    wrapper = subprocess.Popen([sys.executable, "-c", WRAPPER, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    line = wrapper.stdout.readline()
+    assert line, f"the wrapper exited {wrapper.wait()} before its engine was ready"
+    pids = json.loads(line)
+    return wrapper, {name: (pid, process_start_time(pid)) for name, pid in pids.items()}
+
+
+def still_running(pids: dict) -> list[str]:
+    """Which of the named processes still run: the same pid with the same start time (never by name)."""
+    return [name for name, (pid, start) in pids.items() if start is not None and process_start_time(pid) == start]
+
+
+def wait_gone(pids: dict, guard_s: float = 30.0) -> float:
+    started = time.monotonic()
+    while still_running(pids):
+        assert time.monotonic() - started < guard_s, f"still running: {still_running(pids)}"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def kill_wrapper(wrapper: subprocess.Popen) -> None:
+    wrapper.kill()
+    wrapper.wait()
+
+
+def test_the_engine_tree_dies_with_a_wrapper_killed_with_sigkill(tmp_path):
+    wrapper, pids = start_wrapper(tmp_path)
+    assert still_running(pids) == ["leader", "engine", "worker"]
+    kill_wrapper(wrapper)
+    wait_gone(pids)
+    assert list(tmp_path.glob("engine-*.json"))  # the wrapper died without removing its pid file
+
+
+async def test_a_new_supervisor_stops_the_engine_a_dead_wrapper_left(tmp_path):
+    """A watchdog that cannot act (stopped) when its wrapper dies leaves the engine running; the next supervisor
+    of the same run directory finds it by its pid file and stops it before starting its own."""
+    wrapper, pids = start_wrapper(tmp_path)
+    os.kill(pids["leader"][0], signal.SIGSTOP)
+    kill_wrapper(wrapper)
+    time.sleep(0.5)
+    assert still_running(pids) == ["leader", "engine", "worker"]  # left behind
+    record = EngineRecord.model_validate_json(next(tmp_path.glob("engine-*.json")).read_text())
+    assert record.leader_pid == pids["leader"][0] and record.leader_start == pids["leader"][1]
+    assert {pid for pid, _ in pids.values()} <= set(record.members)
+
+    supervisor = supervisor_for(run_dir=str(tmp_path))
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        assert still_running(pids) == []  # stopped before the new engine started
+        assert len(supervisor.swept) == 1 and f"engine of wrapper {record.wrapper_pid}" in supervisor.swept[0]
+        assert [path.name for path in tmp_path.glob("engine-*.json")] == [f"engine-{os.getpid()}-{supervisor.pid}.json"]
+    finally:
+        await supervisor.stop()
+
+
+def record_for(tmp_path: Path, *, wrapper: tuple[int, int], leader: tuple[int, int]) -> Path:
+    path = tmp_path / f"engine-{wrapper[0]}-{leader[0]}.json"
+    write_record(path, EngineRecord(wrapper_pid=wrapper[0], wrapper_start=wrapper[1], leader_pid=leader[0],
+                                    leader_start=leader[1], members={leader[0]: leader[1]}, argv=["x"]))  # fmt: skip
+    return path
+
+
+def a_dead_process() -> tuple[int, int]:
+    done = subprocess.Popen(["true"])
+    start = process_start_time(done.pid) or 1
+    done.wait()
+    return done.pid, start
+
+
+async def test_the_sweep_leaves_the_engine_of_a_wrapper_still_running_alone(tmp_path):
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        me = (os.getpid(), process_start_time(os.getpid()))
+        path = record_for(tmp_path, wrapper=me, leader=(other.pid, process_start_time(other.pid)))
+        supervisor = supervisor_for(run_dir=str(tmp_path))
+        await supervisor.start()
+        await supervisor.wait_ready(30)
+        await supervisor.stop()
+        assert other.poll() is None and path.exists() and supervisor.swept == []
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def test_the_sweep_never_stops_a_process_that_only_shares_a_recorded_pid(tmp_path):
+    """The recorded leader's pid now names another process (another start time): it is not the engine."""
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        path = record_for(tmp_path, wrapper=a_dead_process(), leader=(other.pid, process_start_time(other.pid) - 1))
+        supervisor = supervisor_for(run_dir=str(tmp_path))
+        await supervisor.start()
+        await supervisor.wait_ready(30)
+        await supervisor.stop()
+        assert other.poll() is None and supervisor.swept == []
+        assert not path.exists()  # the record of a dead wrapper goes, whatever it named
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def test_an_engine_under_way_is_recorded_and_its_record_removed_when_it_stops(tmp_path):
+    supervisor = supervisor_for("--spawn-worker", run_dir=str(tmp_path))
+    await supervisor.start()
+    assert await supervisor.wait_ready(30)
+    record = EngineRecord.model_validate_json(next(tmp_path.glob("engine-*.json")).read_text())
+    assert (record.wrapper_pid, record.leader_pid) == (os.getpid(), supervisor.pid)
+    assert record.leader_start == process_start_time(supervisor.pid)
+    assert set(group_members(supervisor.pid)) <= set(record.members)  # engine and worker, once ready
+    await supervisor.stop()
+    assert not list(tmp_path.glob("engine-*.json"))

@@ -1,0 +1,166 @@
+"""`/metrics`: the wrapper's series in Prometheus text format (prometheus-client), vLLM's own appended.
+
+The wrapper's series (each app has a registry of its own: replicas in one process, and tests, share nothing):
+
+  edge_plans_served_total{endpoint}              plans answered (a batch counts each device it planned)
+  edge_plan_request_duration_seconds{endpoint}   how long an answered planning request took (histogram)
+  edge_planning_errors_total{kind}               planning requests, or batch devices, refused: input (a device
+                                                 or model the planner refused, 422), request (a body the schema
+                                                 refused, 422), store (calibration store unavailable, 503),
+                                                 internal (a bug, 500)
+  edge_engine_state{state}                       1 for the engine's state now, 0 for the others
+  edge_engine_restarts_total{reason}             restarts, by why the engine stopped serving
+  edge_engine_probe_failures_total{probe}        failed liveness probes: health, generation
+  edge_engine_last_ready_timestamp_seconds       when the engine last became ready (Unix time)
+  edge_engine_info{served_model_name,weight_path}
+  edge_engine_metrics_up                         1 when the engine's own metrics were read for this scrape
+
+The engine's series follow, as its `/metrics` wrote them: vLLM's `vllm:*`, and `process_*` / `python_*` of
+vLLM's API server process (the wrapper registers no process collector, so no name appears twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.supervisor import ENGINE_STATES, EngineSupervisor
+
+log = logging.getLogger("edge.metrics")
+
+# Text format 0.0.4: what vLLM's exposition is read as (Accept: text/plain), so the two parts are one document.
+# (prometheus-client >= 0.22 calls version 1.0.0 "latest"; for names without UTF-8 the two are the same text.)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ENGINE_METRICS_TIMEOUT_S = 5.0
+ERROR_KINDS = ("input", "request", "store", "internal")
+RESTART_REASONS = ("exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start")
+# A plan takes ~1-50 ms here (a batch of 256 devices, seconds): buckets from 1 ms to 10 s.
+PLAN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineCollector(Collector):
+    """The supervisor's state, read at scrape time."""
+
+    def __init__(self, supervisor: EngineSupervisor, weight_path: str | None) -> None:
+        self.supervisor = supervisor
+        self.weight_path = weight_path
+        self.engine_metrics_up = 0
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.supervisor.status()
+        state = GaugeMetricFamily(
+            "edge_engine_state", "1 for the engine's state now, 0 for the others.", labels=["state"]
+        )
+        for name in ENGINE_STATES:
+            state.add_metric([name], 1.0 if status.state == name else 0.0)
+        yield state
+        restarts = CounterMetricFamily(
+            "edge_engine_restarts", "Engine restarts, by why it stopped serving.", labels=["reason"]
+        )
+        for reason in sorted({*RESTART_REASONS, *status.restart_reasons}):
+            restarts.add_metric([reason], status.restart_reasons.get(reason, 0))
+        yield restarts
+        probes = CounterMetricFamily(
+            "edge_engine_probe_failures", "Failed liveness probes of the ready engine.", labels=["probe"]
+        )
+        for probe in ("health", "generation"):
+            probes.add_metric([probe], self.supervisor.probes_failed.get(probe, 0))
+        yield probes
+        if status.last_ready_at is not None:
+            yield GaugeMetricFamily(
+                "edge_engine_last_ready_timestamp_seconds",
+                "When the engine last became ready (Unix time).",
+                value=status.last_ready_at,
+            )
+        info = InfoMetricFamily("edge_engine", "What the engine serves.")
+        info.add_metric(
+            [], {"served_model_name": status.served_model_name or "", "weight_path": self.weight_path or ""}
+        )
+        yield info
+        yield GaugeMetricFamily(
+            "edge_engine_metrics_up",
+            "1 when the engine's own metrics were read for this scrape.",
+            value=self.engine_metrics_up,
+        )
+
+
+class ServiceMetrics:
+    """The wrapper's metrics: planning counted by the app's handlers, the engine read at scrape time."""
+
+    def __init__(self, supervisor: EngineSupervisor | None = None, weight_path: str | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.supervisor = supervisor
+        self.plans = Counter(
+            "edge_plans_served",
+            "Plans answered (a batch counts each device it planned).",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.plan_seconds = Histogram(
+            "edge_plan_request_duration_seconds",
+            "How long an answered planning request took.",
+            ["endpoint"],
+            buckets=PLAN_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "edge_planning_errors",
+            "Planning requests or batch devices refused, by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind in ERROR_KINDS:
+            self.errors.labels(kind)  # present at 0 from the start: a rate needs a first sample
+        self.engine = EngineCollector(supervisor, weight_path) if supervisor is not None else None
+        if self.engine is not None:
+            self.registry.register(self.engine)
+
+    @contextmanager
+    def planning(self, endpoint: str, plans: int = 1) -> Iterator[list[int]]:
+        """Time one planning request; counted as served only if it returns. The caller may set the number of
+        plans it made (a batch) in the yielded list."""
+        made = [plans]
+        started = time.perf_counter()
+        yield made
+        self.plan_seconds.labels(endpoint).observe(time.perf_counter() - started)
+        self.plans.labels(endpoint).inc(made[0])
+
+    def planning_error(self, kind: str, count: int = 1) -> None:
+        assert kind in ERROR_KINDS, f"planning error kind {kind!r} not one of {ERROR_KINDS}"
+        if count:
+            self.errors.labels(kind).inc(count)
+
+    async def exposition(self, client: httpx.AsyncClient) -> bytes:
+        """The wrapper's series, then the engine's (when it is ready and answers within a few seconds)."""
+        engine_text = await self._engine_text(client)
+        if self.engine is not None:
+            self.engine.engine_metrics_up = int(engine_text is not None)
+        own = generate_latest(self.registry)
+        if not engine_text:
+            return own
+        return own + engine_text.encode() + (b"" if engine_text.endswith("\n") else b"\n")
+
+    async def _engine_text(self, client: httpx.AsyncClient) -> str | None:
+        if self.supervisor is None or not self.supervisor.is_ready:
+            return None
+        try:
+            response = await client.get(
+                f"{self.supervisor.engine_url}/metrics",
+                headers={"Accept": "text/plain"},
+                timeout=ENGINE_METRICS_TIMEOUT_S,
+            )
+        except httpx.HTTPError as exc:
+            log.warning("engine metrics not read: %s: %s", type(exc).__name__, exc)
+            return None
+        if response.status_code != 200:
+            log.warning("engine metrics not read: %d", response.status_code)
+            return None
+        text = response.text.rstrip()
+        return text.removesuffix("# EOF").rstrip() + "\n"  # an OpenMetrics end marker would end ours too

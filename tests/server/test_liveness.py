@@ -1,0 +1,155 @@
+"""Liveness after readiness: an engine that stops answering is marked unresponsive, taken out of /readyz, and
+restarted, with the reason recorded. Run against the STAND-IN engine's hangs (tests/server/standin_engine.py):
+SIGSTOP (a stopped process), SIGUSR1 (nothing answered), SIGUSR2 (completions not answered, /health still is)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.supervisor import EngineSupervisor
+from tests.server.conftest import eventually, fast_settings, free_port, smollm2_plan, standin, uvicorn_on_loopback
+
+MODEL_DIR = "/models/SmolLM2-135M-Instruct"
+# Probes every 0.1 s, 0.3 s to answer, 3 in a row: an unresponsive stand-in is found within about a second.
+FAST_LIVENESS = dict(liveness_interval_s=0.1, liveness_timeout_s=0.3, liveness_failures=3)
+NO_GENERATION_PROBE = dict(liveness_generation_interval_s=0)
+
+
+def supervisor_for(*flags: str, **settings) -> EngineSupervisor:
+    return EngineSupervisor.for_plan(
+        smollm2_plan(), MODEL_DIR, port=free_port(), settings=fast_settings(**settings), executable=standin(*flags)
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("hang", [signal.SIGSTOP, signal.SIGUSR1], ids=["stopped", "not-answering"])
+async def test_engine_that_stops_answering_health_is_unresponsive_then_restarted(hang):
+    supervisor = supervisor_for(**FAST_LIVENESS, **NO_GENERATION_PROBE)
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        hung = supervisor.engine_pid
+        os.kill(hung, hang)
+        await eventually(lambda: supervisor.state == "unresponsive")
+        assert not supervisor.is_ready
+        await eventually(lambda: supervisor.restarts == 1 and supervisor.state == "ready")
+        status = supervisor.status()
+        assert status.engine_pid != hung and status.restart_reasons == {"unresponsive": 1}
+        assert status.last_error.startswith("unresponsive: 3 liveness probes failed in a row")
+        assert "GET /health did not answer within 0.3 s" in status.last_error
+        assert supervisor.probes_failed["health"] >= 3 and status.probe_failures == 0
+    finally:
+        await supervisor.stop()
+
+
+@pytest.mark.anyio
+async def test_wedged_generation_behind_a_live_health_is_found_by_the_idle_generation_probe():
+    supervisor = supervisor_for(
+        **FAST_LIVENESS,
+        liveness_idle_s=0,
+        liveness_generation_interval_s=0.1,
+        liveness_generation_timeout_s=0.3,
+    )
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        os.kill(supervisor.engine_pid, signal.SIGUSR2)  # completions hang; /health still answers 200
+        await eventually(lambda: supervisor.restarts == 1)
+        assert supervisor.restart_reasons == {"unresponsive": 1}
+        assert "a one-token generation did not finish within 0.3 s" in supervisor.last_error
+        assert supervisor.probes_failed["generation"] >= 3
+    finally:
+        await supervisor.stop()
+
+
+@pytest.mark.anyio
+async def test_idle_engine_gets_a_one_token_generation_probe_and_stays_ready():
+    supervisor = supervisor_for(**FAST_LIVENESS, liveness_idle_s=0, liveness_generation_interval_s=0.1)
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        await eventually(lambda: any("POST /v1/completions" in line for line in supervisor.log_tail))
+        assert supervisor.state == "ready" and supervisor.restarts == 0 and not supervisor.probes_failed
+    finally:
+        await supervisor.stop()
+
+
+@pytest.mark.anyio
+async def test_no_generation_probe_while_requests_are_being_forwarded():
+    """Traffic proves the engine generates: a wedged generation is not probed for while it is not idle (its
+    requests time out in the clients' hands instead)."""
+    supervisor = supervisor_for(**FAST_LIVENESS, liveness_idle_s=3600, liveness_generation_interval_s=0.1)
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        os.kill(supervisor.engine_pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 1.0  # ten probe intervals
+        while time.monotonic() < deadline:
+            supervisor.note_traffic()
+            await asyncio.sleep(0.05)
+            assert supervisor.state == "ready"
+        assert not supervisor.probes_failed
+    finally:
+        await supervisor.stop()
+
+
+@pytest.mark.anyio
+async def test_probe_failures_must_come_in_a_row():
+    """One slow answer is not a hung engine: the count starts again after a probe that succeeds."""
+    supervisor = supervisor_for(liveness_interval_s=0.1, liveness_timeout_s=0.3, liveness_failures=2,
+                                **NO_GENERATION_PROBE)  # fmt: skip
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        for _ in range(3):  # one failed probe each time, then answers again
+            os.kill(supervisor.engine_pid, signal.SIGSTOP)
+            await eventually(lambda: supervisor.probe_failures == 1)
+            os.kill(supervisor.engine_pid, signal.SIGCONT)
+            await eventually(lambda: supervisor.probe_failures == 0)
+        assert supervisor.state == "ready" and supervisor.restarts == 0
+        assert supervisor.probes_failed["health"] == 3
+    finally:
+        await supervisor.stop()
+
+
+def test_readyz_is_503_while_unresponsive_and_200_once_restarted_and_serving():
+    plan = smollm2_plan()
+    settings = fast_settings(**FAST_LIVENESS, **NO_GENERATION_PROBE)
+    supervisor = EngineSupervisor.for_plan(plan, MODEL_DIR, port=free_port(), settings=settings,
+                                           executable=standin())  # fmt: skip
+    app = create_app(settings, supervisor=supervisor, plan=plan, model_dir=MODEL_DIR)
+    seen_states = set()
+
+    def readyz(url: str) -> int:
+        response = httpx.get(f"{url}/readyz")
+        seen_states.add((response.status_code, response.json()["state"]))
+        return response.status_code
+
+    with uvicorn_on_loopback(app) as url:
+        _wait(lambda: readyz(url) == 200)
+        os.kill(supervisor.engine_pid, signal.SIGSTOP)
+        _wait(lambda: readyz(url) == 503)
+        _wait(lambda: readyz(url) == 200)
+        engine = httpx.get(f"{url}/status").json()["engine"]
+        completion = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        metrics = httpx.get(f"{url}/metrics").text
+    assert (503, "unresponsive") in seen_states or (503, "crashed") in seen_states
+    assert engine["restarts"] == 1 and engine["restart_reasons"] == {"unresponsive": 1}
+    assert engine["last_error"].startswith("unresponsive:")
+    assert completion.status_code == 200
+    assert 'edge_engine_restarts_total{reason="unresponsive"} 1.0' in metrics
+
+
+def _wait(predicate, guard_s: float = 30.0) -> None:
+    """Hang guard only, not a speed requirement."""
+    deadline = time.monotonic() + guard_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the hang guard"
+        time.sleep(0.02)
