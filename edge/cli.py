@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, metavar="TOKENS")
     parser.add_argument("--max-num-seqs", type=int, metavar="N")
     parser.add_argument("--device", metavar="FILE",
-                        help="plan for a described device: a JSON profile, a saved /proc/cpuinfo, or "
-                             "node-feature-discovery labels as JSON (the format is detected)")
+                        help="plan for a described device: a JSON profile or inventory, a saved /proc/cpuinfo, "
+                             "`lscpu -J` output, or node-feature-discovery labels as JSON (the format is detected)")
     parser.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
     parser.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
     parser.add_argument("--force", action="store_true", help="run a pinned path that a gate refuses")

@@ -161,8 +161,9 @@ def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
         why = (f"as fast as {chosen.option.label} by the measurements, and needs {_gib(extra)} more resident"
                if extra > 0 else f"as fast as {chosen.option.label} by the measurements; ranked after it")
     elif chosen.option.request_cost is not None and ev.option.request_cost is not None:
-        why = (f"ranked below {chosen.option.label} for {priority}: {ev.option.request_cost:.3g} vs "
-               f"{chosen.option.request_cost:.3g} {ev.option.cost_unit}")
+        faster = ev.option.request_cost < chosen.option.request_cost
+        why = (f"{'not pinned, though faster' if faster else 'ranked below ' + chosen.option.label} for {priority}: "
+               f"{ev.option.request_cost:.4g} vs {chosen.option.request_cost:.4g} {ev.option.cost_unit}")
         if priority == "fidelity" and ev.option.path != chosen.option.path:
             why = f"less faithful than {chosen.option.label} (bf16 is the reference)"
     else:
