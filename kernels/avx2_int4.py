@@ -49,16 +49,24 @@ def _compiler() -> str | None:
     return shutil.which("c++") or shutil.which("g++")
 
 
+def missing_prerequisite(cpu_flags: set[str], compiler: str | None) -> str | None:
+    """Why the kernel cannot be built or run on a CPU with these flags and this compiler; None when it can."""
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)} (the AVX2 int4 kernel needs AVX2, FMA and F16C)"
+    if compiler is None:
+        return "no C++ compiler (c++ or g++) on PATH to build the AVX2 int4 kernel; install g++ or use tinygemm"
+    return None
+
+
 @lru_cache(maxsize=1)
 def load() -> str | None:
     """Build (or load the cached build of) the extension and register its op; None when it runs here, else why not."""
     if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "w4a16_linear"):
         return None
-    missing = [flag for flag in REQUIRED_FLAGS if flag not in _cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)} (the AVX2 int4 kernel needs AVX2, FMA and F16C)"
-    if _compiler() is None:
-        return "no C++ compiler (c++ or g++) on PATH to build the AVX2 int4 kernel; install g++ or use tinygemm"
+    reason = missing_prerequisite(_cpu_flags(), _compiler())
+    if reason:
+        return reason
     from torch.utils import cpp_extension
 
     build_dir = cache_dir() / "torch_extensions" / EXTENSION
