@@ -76,7 +76,10 @@ def convert(plan: Plan, model_dir: Path, command: Sequence[str] | None = None) -
     with tempfile.NamedTemporaryFile("w", suffix=".plan.json", dir=dst.parent, delete=False) as f:
         f.write(plan.model_dump_json())
     try:
-        argv = [*(command or tool("edge-convert", "kernels.convert")), str(model_dir), str(dst), "--plan", f.name]
+        # --force: DST is this cache's own conversion for this exact config, so one that fails its checksums (a
+        # corrupted file, a half-deleted folder) is rebuilt, never served and never a reason to stop
+        argv = [*(command or tool("edge-convert", "kernels.convert")), str(model_dir), str(dst), "--plan", f.name,
+                "--force"]
         print(f"converting {model_dir} -> {dst} ({plan.path})", flush=True)
         done = subprocess.run(argv, check=False)
     finally:
