@@ -1,7 +1,8 @@
 """deploy/edge-up pinned to W4A8 with the REAL vLLM: on a host whose vLLM library runs int4_scaled_mm_cpu without
 AMX (AVX-512 with AVX512-BF16 and VNNI: the plugin's cpu_w4a8), the plan, /status and every response name
 w4a8-gptq, and "The capital of France is" still answers " Paris". Skipped, with the gate's reason, where W4A8
-cannot run (AVX2: vLLM's _C_AVX2 has no such op).
+cannot run (AVX2: vLLM's _C_AVX2 has no such op). It also streams max_num_seqs + 2 completions at once through the
+wrapper: every one completes.
 
 The speed plan itself does not choose W4A8 for the default model: its measured quality (mean KLD 0.40, shipped
 with the package) is over the speed floor; `--path` pins it as an operator would."""
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.load_test import engine_load
 from tests.server.conftest import free_port
 from tests.server.test_real_vllm import REPO, complete, get, ready, stop_wrapper, wait_for
 
@@ -54,5 +56,8 @@ def test_edge_up_pinned_to_w4a8_serves_it_names_it_and_answers_paris(tmp_path: P
         assert answer.headers["X-Edge-Weight-Path"] == "w4a8-gptq"
         assert answer.json()["choices"][0]["text"].startswith(" Paris"), answer.json()["choices"][0]["text"]
         print(f"edge-up --path w4a8-gptq ready after {time.monotonic() - started:.0f} s")
+        streams = status["plan"]["max_num_seqs"] + 2  # more than the engine runs at once: the rest queue
+        load = engine_load(url, streams=streams, tokens=16)
+        assert (load["completed"], load["lost"]) == (streams, 0), load
     finally:
         stop_wrapper(process)
