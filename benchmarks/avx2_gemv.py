@@ -1,0 +1,160 @@
+"""The AVX2 int4 kernel (kernels/avx2_int4.py) against tinygemm and bf16 at decode: ms and GB/s of weights read.
+
+    python benchmarks/avx2_gemv.py [--rounds 30] [--rows 1,4] [--group 64] [--json]
+
+Two processes: this host's own dispatch (tinygemm takes the CPU's widest path, AVX-512 on Zen 5) and a child under
+`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (tinygemm's and oneDNN's AVX2 code, as on an AVX2-only box; the
+AVX2 kernel is the same binary in both). In each: 1 torch thread, clock = the calling thread's CPU time (other jobs
+on the shared cores barely move it), kernels interleaved call by call within each (shape, M), median of `rounds`
+calls each; every call reads the next of enough weight copies to exceed 2x the last-level cache, so weights come
+from memory as in serving. GB/s = bytes of the kernel's weight format (codes + scales + zeros; bf16: 2 bytes a
+weight) / median time. The read bandwidth is kernels.calibration_timers.read_bandwidth_gb_s (a float32 sum, 1 thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+SHAPES = [(4096, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536)]  # N x K; the default model's four
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+KERNELS = ("avx2", "tinygemm", "bf16")
+
+
+def _builders(group: int):
+    from kernels import avx2_int4
+    from kernels.int4 import quantize_packed
+    from kernels.tinygemm import linear as tinygemm_linear
+    from kernels.tinygemm import to_tinygemm
+
+    def avx2(w):
+        q, s, z = quantize_packed(w, group)
+        return (lambda x: avx2_int4.linear(x, q, s, z, group)), q.nbytes + s.nbytes + z.nbytes
+
+    def tinygemm(w):
+        packed, sz = to_tinygemm(*quantize_packed(w, group), group)
+        return (lambda x: tinygemm_linear(x, packed, sz, group)), packed.nbytes + sz.nbytes
+
+    def bf16(w):
+        held = w.to(torch.bfloat16)
+        return (lambda x: torch.nn.functional.linear(x, held)), held.nbytes
+
+    return {"avx2": avx2, "tinygemm": tinygemm, "bf16": bf16}
+
+
+def measure(rounds: int, rows: list[int], group: int) -> dict:
+    from kernels.avx2_int4 import load
+    from kernels.calibration_timers import last_level_cache_bytes, read_bandwidth_gb_s
+
+    torch.set_num_threads(1)
+    reason = load()
+    kernels = [k for k in KERNELS if not (k == "avx2" and reason)]
+    llc = last_level_cache_bytes()
+    builders = _builders(group)
+    results = []
+    for n, k in SHAPES:
+        generator = torch.Generator().manual_seed(n * k)
+        runs, nbytes = {}, {}
+        for kernel in kernels:
+            copies = []
+            while True:
+                run, size = builders[kernel](torch.randn(n, k, generator=generator))
+                copies.append(run)
+                if len(copies) >= 2 and len(copies) * size > 2 * llc:
+                    break
+            runs[kernel], nbytes[kernel] = copies, size
+        for m in rows:
+            x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
+            samples = {kernel: [] for kernel in kernels}
+            for kernel in kernels:  # warm up
+                for run in runs[kernel][:2]:
+                    run(x)
+            for i in range(rounds):
+                for kernel in kernels:
+                    run = runs[kernel][i % len(runs[kernel])]
+                    begin = time.thread_time_ns()
+                    run(x)
+                    samples[kernel].append(time.thread_time_ns() - begin)
+            for kernel in kernels:
+                ms = statistics.median(samples[kernel]) / 1e6
+                results.append({"n": n, "k": k, "m": m, "kernel": kernel, "ms": round(ms, 4),
+                                "weight_bytes": nbytes[kernel], "gb_s": round(nbytes[kernel] / ms / 1e6, 2)})  # fmt: skip
+        del runs
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "avx2_kernel": reason or "built",
+        "read_bandwidth_gb_s": round(read_bandwidth_gb_s(llc, 1), 1),
+        "llc_bytes": llc,
+        "results": results,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def table(native: dict, avx2: dict) -> str:
+    """Markdown: one line per shape and M; ms and GB/s per kernel under each dispatch."""
+    lines = [
+        f"CPU: {_cpu_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
+        f"native dispatch {native['capability']}, child {avx2['capability']}",
+        "",
+        "| N x K | M | avx2 kernel ms (GB/s) | tinygemm native ms (GB/s) | tinygemm AVX2 ms (GB/s) | bf16 native ms |"
+        " bf16 AVX2 ms | avx2 kernel vs tinygemm AVX2 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pick(run, n, k, m, kernel):
+        return next((r for r in run["results"] if (r["n"], r["k"], r["m"], r["kernel"]) == (n, k, m, kernel)), None)
+
+    for r in native["results"]:
+        if r["kernel"] != "avx2":
+            continue
+        n, k, m = r["n"], r["k"], r["m"]
+        tg, tg2 = pick(native, n, k, m, "tinygemm"), pick(avx2, n, k, m, "tinygemm")
+        bf, bf2 = pick(native, n, k, m, "bf16"), pick(avx2, n, k, m, "bf16")
+        lines.append(
+            f"| {n}x{k} | {m} | {r['ms']:.3f} ({r['gb_s']:.1f}) | {tg['ms']:.3f} ({tg['gb_s']:.1f}) | "
+            f"{tg2['ms']:.3f} ({tg2['gb_s']:.1f}) | {bf['ms']:.3f} | {bf2['ms']:.3f} | {tg2['ms'] / r['ms']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rows", default="1,4")
+    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.child:
+        print(json.dumps(measure(args.rounds, rows, args.group)))
+        return 0
+    runs = {}
+    for label, extra in (("native", {}), ("avx2", AVX2_ENV)):
+        command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--rows", args.rows,
+                   "--group", str(args.group)]  # fmt: skip
+        done = subprocess.run(command, env={**os.environ, **extra}, capture_output=True, text=True, check=True)
+        runs[label] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(runs, indent=1) if args.json else table(runs["native"], runs["avx2"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
