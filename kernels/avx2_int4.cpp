@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
@@ -61,18 +62,30 @@ template <int MB, int GROUP>
 inline void group_dot(const uint8_t* wrow, const float* xe, const float* xo, int64_t half_k, int64_t base,
                       __m256* acc) {
   const __m256i low_mask = _mm256_set1_epi32(0x0F);
-  __m256 even_acc[MB], odd_acc[MB];  // even and odd k apart: two FMA chains per row
-  for (int r = 0; r < MB; ++r) even_acc[r] = odd_acc[r] = _mm256_setzero_ps();
-  for (int j = 0; j < GROUP / 2; j += 8) {
-    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wrow + base + j)));
-    const __m256 q_low = _mm256_cvtepi32_ps(_mm256_and_si256(wide, low_mask));  // k = 2(base+j+i)
-    const __m256 q_high = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));       // k = 2(base+j+i)+1
-    for (int r = 0; r < MB; ++r) {
-      even_acc[r] = _mm256_fmadd_ps(q_low, _mm256_loadu_ps(xe + r * half_k + base + j), even_acc[r]);
-      odd_acc[r] = _mm256_fmadd_ps(q_high, _mm256_loadu_ps(xo + r * half_k + base + j), odd_acc[r]);
+  // Chains per row: even and odd k, and for up to 2 rows, alternate 8-byte steps too (4 chains per row).
+  constexpr int CH = MB <= 2 ? 2 : 1;
+  __m256 even_acc[CH][MB], odd_acc[CH][MB];
+  for (int c = 0; c < CH; ++c)
+    for (int r = 0; r < MB; ++r) even_acc[c][r] = odd_acc[c][r] = _mm256_setzero_ps();
+  for (int j = 0; j < GROUP / 2; j += 8 * CH) {
+    for (int c = 0; c < CH; ++c) {
+      const int jj = j + 8 * c;
+      const __m256i wide =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wrow + base + jj)));
+      const __m256 q_low = _mm256_cvtepi32_ps(_mm256_and_si256(wide, low_mask));  // k = 2(base+jj+i)
+      const __m256 q_high = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));       // k = 2(base+jj+i)+1
+      for (int r = 0; r < MB; ++r) {
+        even_acc[c][r] = _mm256_fmadd_ps(q_low, _mm256_loadu_ps(xe + r * half_k + base + jj), even_acc[c][r]);
+        odd_acc[c][r] = _mm256_fmadd_ps(q_high, _mm256_loadu_ps(xo + r * half_k + base + jj), odd_acc[c][r]);
+      }
     }
   }
-  for (int r = 0; r < MB; ++r) acc[r] = _mm256_add_ps(even_acc[r], odd_acc[r]);
+  for (int c = 1; c < CH; ++c)
+    for (int r = 0; r < MB; ++r) {
+      even_acc[0][r] = _mm256_add_ps(even_acc[0][r], even_acc[c][r]);
+      odd_acc[0][r] = _mm256_add_ps(odd_acc[0][r], odd_acc[c][r]);
+    }
+  for (int r = 0; r < MB; ++r) acc[r] = _mm256_add_ps(even_acc[0][r], odd_acc[0][r]);
 }
 
 // Output channel `col` for MB activation rows from `m0`; writes y[m0 .. m0+MB, col].
@@ -150,26 +163,48 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(0) == n && t->size(1) == groups,
                 "scales/zeros: expected bf16 [", n, ", ", groups, "], got ", t->scalar_type(), " ", t->sizes());
   }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
+              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
   auto out_shape = x.sizes().vec();
   out_shape.back() = n;
-  at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();  // [M, K] fp32
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();  // [M, K]
   const int64_t m = x2.size(0);
-  at::Tensor y = at::empty({m, n}, x2.options());  // [M, N] fp32
+  at::Tensor out = at::empty({m, n}, x.options());  // [M, N] in x's dtype
   if (m == 0 || n == 0) {
-    return y.to(x.scalar_type()).reshape(out_shape);
+    return out.reshape(out_shape);
   }
-  at::Tensor planes = x2.view({m, k / 2, 2}).permute({2, 0, 1}).contiguous();  // [2, M, K/2]: even k, odd k
-  at::Tensor xsum = x2.view({m, groups, group}).sum(-1).contiguous();          // [M, K/g]
+  // Activations in one scratch buffer, filled here rather than by ATen ops (each op costs microseconds, as much as
+  // a 576x576 GEMV): even-k plane [M, K/2], odd-k plane [M, K/2], per-group sums [M, K/g], then y [M, N] fp32.
+  std::vector<float> scratch(static_cast<size_t>(m * k + m * groups + m * n));
+  float* xe_w = scratch.data();
+  float* xo_w = xe_w + m * (k / 2);
+  float* xs_w = xo_w + m * (k / 2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x2.scalar_type(), "w4a16_linear_planes", [&] {
+    const scalar_t* xp = x2.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
+          const float even = static_cast<float>(xp[r * k + 2 * j]);
+          const float odd = static_cast<float>(xp[r * k + 2 * j + 1]);
+          xe_w[r * (k / 2) + j] = even;
+          xo_w[r * (k / 2) + j] = odd;
+          sum += even + odd;
+        }
+        xs_w[r * groups + g] = sum;
+      }
+    }
+  });
   at::Tensor qw = qweight.contiguous();
   at::Tensor sc = scales.contiguous();
   at::Tensor ze = zeros.contiguous();
   const uint8_t* wp = qw.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
-  const float* xe = planes.data_ptr<float>();
-  const float* xo = xe + m * (k / 2);
-  const float* xs = xsum.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const float* xe = xe_w;
+  const float* xo = xo_w;
+  const float* xs = xs_w;
+  float* yp = xs_w + m * groups;
   // Grain: enough channels that a task streams tens of KB of weights.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k / 2));  // ~16 KB of weights a task
   // Two channels per tile (x loaded once for both) measured 2x slower at M=1 (1.53 vs 0.81 ms, 4096x4096 g64,
@@ -181,7 +216,11 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       default: channels<128>(wp, sp, zp, xe, xo, xs, yp, begin, end, m, n, k); break;
     }
   });
-  return y.to(x.scalar_type()).reshape(out_shape);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "w4a16_linear_out", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
+  });
+  return out.reshape(out_shape);
 }
 
 }  // namespace
