@@ -151,6 +151,18 @@ def faster_prefill(record: CalibrationRecord, shapes: list[tuple[int, int]], row
     return min(costs, key=costs.__getitem__) if costs else None
 
 
+def faster_decode(record: CalibrationRecord, shapes: list[tuple[int, int]]) -> str:
+    """"avx2" when the record timed the AVX2 int4 kernel faster than tinygemm at 1 row summed over these shapes
+    (both measured at every shape), else "tinygemm"."""
+    try:
+        avx2, tinygemm = kernel_times(record, "avx2-int4"), kernel_times(record, "tinygemm")
+        avx2_ms = sum(avx2.ms(n, k, 1) for n, k in shapes)
+        tinygemm_ms = sum(tinygemm.ms(n, k, 1) for n, k in shapes)
+    except Unmeasured:
+        return "tinygemm"
+    return "avx2" if avx2_ms < tinygemm_ms else "tinygemm"
+
+
 @dataclass
 class RequestCost:
     ms: float  # one request: prefill + NEW_TOKENS decode steps (the request's share when batched)

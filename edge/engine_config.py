@@ -49,6 +49,8 @@ def quantization_config(
             # ledger's direct/dual accounting rests on it.
             "tinygemm_block": kernel.block,
             "repack_chunk_rows": kernel.repack_chunk_rows,
+            # only where a record timed the AVX2 kernel faster: a tinygemm plan's config stays as it was
+            **({"decode_kernel": kernel.decode_kernel} if kernel.decode_kernel != "tinygemm" else {}),
             "quantize_embedding": model.tie_word_embeddings,
             # the converter takes the 4-bit codes from the source's own grid (edge-source.json), not re-rounding
             "codes_from_source": model.source_grid == group_size,

@@ -98,6 +98,10 @@ FACTS: dict[str, MeasuredFact] = {
               "in a second run) and from 256 at 4096x4096 (0.74-0.86); bf16 dequantize never beats tinygemm here"),
         _fact("avx2.repack_chunk_rows", 512, "rows", "here", "avx2", "2026-11-29",
               "repack time flat from 256 rows to whole at 1 thread; 512 rows: 5.8 MiB transient at 11008x4096"),
+        _fact("avx2.avx2_int4_decode_rows", 2, "rows", "here", "avx2", "2026-11-30",
+              "the AVX2 int4 kernel (kernels/avx2_int4.cpp) vs tinygemm under AVX2 dispatch, 1 thread, g64, rotated "
+              "weights, AMD EPYC Zen 5 with ATEN_CPU_CAPABILITY=avx2: 1.7-2.1x faster at 1 row, 1.2-1.5x at 2, "
+              "0.8x at 4 (benchmarks/avx2_gemv.py, docs/reports/2026-11-30-avx2-kernel.md)"),
         _fact("avx512.dequant_threshold", 128, "rows", "here", "avx512", "2026-11-30",
               "AMD EPYC Zen 5 (AVX512-BF16, no AMX), 1 thread: dequantize to bf16 + bf16 GEMM beats tinygemm from "
               "128 rows at SmolLM2 shapes (0.76-0.86) and from 256 at 4096x4096 (0.84); fp32 dequantize is 2-3x "

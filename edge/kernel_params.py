@@ -10,6 +10,9 @@ vLLM method reads them from there, so the engine runs what the plan accounted fo
     dequant_threshold   rows from which a batch dequantizes and runs a GEMM instead of tinygemm
     prefill_dtype       the dtype of that GEMM
     repack_chunk_rows   output channels repacked at a time at load (bounds the int32 transient)
+    decode_kernel       what runs batches of up to decode_rows(): "tinygemm", or "avx2" (kernels/avx2_int4.cpp,
+                        which reads the row-major copy, so every layer keeps one); "avx2" only where a calibration
+                        record timed it faster than tinygemm at 1 row on the model's shapes
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from edge.device import DeviceProfile
 from edge.facts import fact
 
 PrefillDtype = Literal["bfloat16", "float32"]
+DecodeKernel = Literal["tinygemm", "avx2"]
+DECODE_KERNELS: tuple[DecodeKernel, ...] = ("tinygemm", "avx2")
 PREFILL_DTYPES: tuple[PrefillDtype, ...] = ("bfloat16", "float32")
 # torch.backends.cpu.get_cpu_capability() -> the facts-table key of the block it packs with.
 _BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block"}
@@ -67,15 +72,22 @@ def repack_chunk_rows(*, amx: bool, block: int) -> int:
     return max(block, rows - rows % block)
 
 
+def avx2_decode_rows() -> int:
+    """Batches of up to this many rows take the AVX2 int4 kernel when decode_kernel is "avx2"; wider ones take
+    tinygemm (measured: 1.7-2.1x tinygemm's AVX2 path at 1 row, 1.2-1.5x at 2, 0.8x at 4)."""
+    return int(fact("avx2.avx2_int4_decode_rows").value)
+
+
 @dataclass(frozen=True)
 class KernelParams:
-    """The four values for one host, as the plan writes them into quantization_config."""
+    """The values for one host, as the plan writes them into quantization_config."""
 
     block: int
     dequant_threshold: int
     prefill_dtype: PrefillDtype
     repack_chunk_rows: int
     measured: str | None = None  # how the threshold and dtype were measured, when a calibration record set them
+    decode_kernel: DecodeKernel = "tinygemm"
 
 
 def params(*, capability: str | None, amx: bool, native_bf16: bool, block: int) -> KernelParams:
@@ -119,7 +131,7 @@ def for_device(device: DeviceProfile, record: CalibrationRecord | None = None,
 def measured(base: KernelParams, record: CalibrationRecord, shapes: list[tuple[int, int]], *,
              amx: bool) -> KernelParams:  # fmt: skip
     """`base` with the record's measured prefill dtype and crossover (when it measured them)."""
-    from edge.cost import faster_prefill, measured_threshold
+    from edge.cost import faster_decode, faster_prefill, measured_threshold
     from edge.kernel_registry import PREFILL_KERNELS
 
     dtype = faster_prefill(record, shapes) or base.prefill_dtype
@@ -129,4 +141,7 @@ def measured(base: KernelParams, record: CalibrationRecord, shapes: list[tuple[i
            + ("the AMX hazard's value" if amx else "the measured crossover with tinygemm" if crossover
               else "the facts table's value (dequantize never beat tinygemm up to the rows timed)")
            + f" ({record.describe()})")  # fmt: skip
-    return replace(base, prefill_dtype=dtype, dequant_threshold=threshold, measured=how)
+    decode = faster_decode(record, shapes)
+    if decode == "avx2":
+        how += "; decode rows on the AVX2 int4 kernel, measured faster than tinygemm at 1 row"
+    return replace(base, prefill_dtype=dtype, dequant_threshold=threshold, measured=how, decode_kernel=decode)

@@ -19,7 +19,7 @@ from typing import Literal
 from edge.plan import Layout, WeightPath
 
 Role = Literal["all", "decode", "prefill"]
-WeightFormat = Literal["bf16", "int4-tinygemm", "int4-gptq", "int8-channel"]
+WeightFormat = Literal["bf16", "int4-tinygemm", "int4-rowmajor", "int4-gptq", "int8-channel"]
 Library = Literal["torch", "vllm"]
 
 
@@ -57,6 +57,10 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("dequant-fp32", "dequantize the int4 weight to fp32, then an fp32 GEMM",
                    "aten::_weight_int4pack_mm_for_cpu + aten::mm", "torch", "int4-tinygemm", False,
                    (Serves(_W4A16, ("direct", "dual"), "prefill"),)),
+        # Serves no layout by itself: a plan picks it for decode rows with quantization_config's decode_kernel
+        # (edge.kernel_params), where a record timed it faster than tinygemm at 1 row.
+        KernelSpec("avx2-int4", "this project's AVX2+FMA int4 GEMV on the row-major copy (kernels/avx2_int4.cpp)",
+                   "edge_avx2::w4a16_linear", "torch", "int4-rowmajor", False),
         KernelSpec("int8", "int8 weights per output channel, bf16 activations (the 8-bit set: head, embedding)",
                    "aten::_weight_int8pack_mm", "torch", "int8-channel", False),
         KernelSpec("vllm-wna16", "vLLM's GPTQ/AWQ kernel (what a GPTQ checkpoint gets without W4A8)",

@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from edge import rules
+from edge.export_plan import WEIGHT_BLOCK
 from edge.facts import fact
 from edge.kernel_params import KernelParams
 from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
 from edge.quantized_layers import EMBEDDING, LayerDecision, QuantRules, model_layers, rules_for
 from edge.shapes import LinearShape, ModelShape
 
+FP32 = 4  # bytes of an exported graph's scale
 BF16 = 2  # bytes; the engine runs every path with bf16 activations and bf16 non-quantized tensors
 LM_HEAD = "lm_head"
 
@@ -50,7 +52,7 @@ def estimate(
             weights = _bf16_weights(model)
         elif path == "w4a16-tinygemm":
             assert layout is not None and group_size is not None, (layout, group_size)
-            weights = _tinygemm_weights(model, layers, layout, group_size, kernel.block)
+            weights = _tinygemm_weights(model, layers, layout, group_size, kernel.block, kernel.decode_kernel)
         else:
             assert path == "w4a8-gptq", path
             weights = _gptq_weights(model, layers, group_size)
@@ -183,8 +185,9 @@ def _kept_bf16(lin: LinearShape, why: str) -> MemoryItem:
 
 
 def _tinygemm_weights(
-    model: ModelShape, layers: dict[str, LayerDecision], layout: Layout, group: int, block: int
-) -> list[MemoryItem]:
+    model: ModelShape, layers: dict[str, LayerDecision], layout: Layout, group: int, block: int,
+    decode_kernel: str = "tinygemm",
+) -> list[MemoryItem]:  # fmt: skip
     """int4 tinygemm buffers, bf16 for the layers kept bf16, and the row-major copies the layout keeps.
 
     A tied embedding is quantized once (quantize_embedding): the head runs through tinygemm and a row-major
@@ -218,22 +221,25 @@ def _tinygemm_weights(
             items.append(_int8(lin))
         else:
             items.append(_kept_bf16(lin, decision.why))
-    return items + _row_major_copies(packed, layout, group, block)
+    return items + _row_major_copies(packed, layout, group, block, avx2=decode_kernel == "avx2")
 
 
 def _row_major_copies(
-    packed: Iterable[LinearShape], layout: Layout, group: int, block: int
+    packed: Iterable[LinearShape], layout: Layout, group: int, block: int, *, avx2: bool = False
 ) -> list[MemoryItem]:
     """The row-major copies a layout keeps beside the tinygemm buffers.
 
     dual: every quantized layer, for prefill dequantize; direct: only layers whose N does not tile the host
     block (docs/FACTS.md: direct saved 615 MB of dual's 3542 MB resident on Spark); kernel-only: none.
+    avx2 (decode_kernel "avx2"): every quantized layer in any layout, the copy the AVX2 decode kernel reads.
     """
-    if layout == "kernel-only":
+    if layout == "kernel-only" and not avx2:
         return []
     items = []
     for lin in packed:
-        if layout == "dual":
+        if avx2:
+            why = "AVX2 decode kernel (decode_kernel: avx2) reads the row-major copy"
+        elif layout == "dual":
             why = "dual layout: row-major copy for prefill dequantize"
         elif not rules.tiles_block(lin, block):
             why = f"direct layout, but N={lin.n} does not tile the {block}-channel block: row-major copy kept"
@@ -289,23 +295,24 @@ def _gptq_weights(model: ModelShape, layers: dict[str, LayerDecision], group: in
 
 
 def _export_weights(model: ModelShape) -> list[MemoryItem]:
-    """The exported graph's weights; no engine and no KV cache on a phone.
+    """The exported graph's weights (kernels/export_graph.py, what edge-export writes); no engine and no KV cache.
 
-    Assumed: calibrated w8a16 (docs/FACTS.md: "calibrated w8a16 was the only scheme correct on device"), 1 byte
-    per weight + one bf16 scale per output channel; norms stay bf16.
+    w8a16 (docs/FACTS.md: "calibrated w8a16 was the only scheme correct on device"): 1 byte per weight plus, per
+    block of WEIGHT_BLOCK inputs of each output channel, a float32 scale and an int8 zero point. The graph stores
+    the head even when it is tied to the embedding (the head is a MatMul, the embedding a Gather); norms as below.
     """
-    linears = [_embedding(model), *_layer_linears(model)]
-    if not model.tie_word_embeddings:
-        linears.append(_head(model))
+    linears = [_embedding(model), *_layer_linears(model), _head(model)]
     items = []
     for lin in linears:
-        size = lin.count * (lin.n * lin.k + BF16 * lin.n)
+        blocks = -(-lin.k // WEIGHT_BLOCK)
+        size = lin.count * (lin.n * lin.k + lin.n * blocks * (FP32 + 1))
         items.append(
             _resident(
                 "export-weights",
                 f"{lin.name} w8a16 (exported graph)",
                 size,
-                f"{_times(lin)}({lin.n} x {lin.k} x 1 B + 2 B x {lin.n} scales) = {_mib(size)}",
+                f"{_times(lin)}({lin.n} x {lin.k} x 1 B + {lin.n} x {blocks} blocks x 5 B scale and zero point)"
+                f" = {_mib(size)}",
                 layer=lin.name,
             )
         )

@@ -117,6 +117,24 @@ def _tinygemm(w: torch.Tensor, group: int) -> Weights:
     return Weights(reference, packed.nbytes + scales_and_zeros.nbytes, copy)
 
 
+def _avx2_int4(w: torch.Tensor, group: int) -> Weights:
+    """The AVX2 int4 kernel on the row-major checkpoint tensors (built on first use; absent without a compiler
+    or AVX2/FMA)."""
+    from kernels import avx2_int4
+
+    reason = avx2_int4.load()
+    if reason:
+        raise Absent(reason)
+    qweight, scales, zeros = quantize_packed(w, group)  # [N, K/2] uint8, [N, K/g] bf16 x2
+
+    def copy() -> Run:
+        held = [t.clone() for t in (qweight, scales, zeros)]
+        return lambda x: avx2_int4.linear(x, *held, group)
+
+    reference = dequantize(qweight, scales, zeros, group, torch.float32)
+    return Weights(reference, qweight.nbytes + scales.nbytes + zeros.nbytes, copy)
+
+
 def _dequantized_gemm(dtype: torch.dtype) -> Callable[[torch.Tensor, int], Weights]:
     """The wide-batch branch of kernels.int4_ops._linear_impl: dequantize to `dtype`, GEMM, back to bf16; straight
     from the tinygemm buffer when N tiles the host block (DIRECT), else from the row-major copy (DUAL)."""
@@ -258,6 +276,7 @@ def _onednn_int8(w: torch.Tensor, group: int) -> Weights:
 TIMERS: dict[str, Callable[[torch.Tensor, int], Weights]] = {
     "bf16": _bf16,
     "tinygemm": _tinygemm,
+    "avx2-int4": _avx2_int4,
     "dequant-bf16": _dequantized_gemm(torch.bfloat16),
     "dequant-fp32": _dequantized_gemm(torch.float32),
     "int8": _int8,
@@ -276,6 +295,8 @@ def _cannot_hold(kernel: str, n: int, k: int, group: int) -> str | None:
     fmt = KERNELS[kernel].weight_format
     if fmt == "int4-tinygemm" and (n % 16 or k % group):
         return f"{n}x{k}: tinygemm packs N in multiples of 16 and K in whole groups of {group}"
+    if fmt == "int4-rowmajor" and k % group:
+        return f"{n}x{k}: K in whole groups of {group}"
     if fmt == "int4-gptq" and (n % 32 or k % 32 or k % group):
         return f"{n}x{k}: vLLM's GPTQ kernels need N and K multiples of 32 and K in whole groups of {group}"
     return None

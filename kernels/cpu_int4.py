@@ -68,6 +68,7 @@ def quantization_config(
     quantize_embedding: bool = True,
     int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
     ignore: list[str] | None = None,
+    decode_kernel: str = "tinygemm",
 ) -> dict[str, Any]:
     """The `quantization_config` dict for a layout on this host, as a plan would write it (tests, benchmarks);
     `int8=()` leaves the embedding and the head to 4 bits."""
@@ -86,6 +87,7 @@ def quantization_config(
         "quantize_embedding": quantize_embedding,
         "int8": list(int8),
         "ignore": list(ignore or []),
+        **({"decode_kernel": decode_kernel} if decode_kernel != "tinygemm" else {}),
     }
 
 
@@ -116,6 +118,7 @@ class CpuInt4Config(QuantizationConfig):
         quantize_embedding: bool = False,
         int8: list[str] | None = None,
         ignore: list[str] | None = None,
+        decode_kernel: str = "tinygemm",
     ) -> None:
         super().__init__()
         if group_size not in TINYGEMM_GROUP_SIZES:
@@ -124,6 +127,8 @@ class CpuInt4Config(QuantizationConfig):
             raise InputError("dequant_threshold", dequant_threshold, "a row count >= 1")
         if prefill_dtype is not None and prefill_dtype not in kernel_params.PREFILL_DTYPES:
             raise InputError("prefill_dtype", prefill_dtype, f"one of {kernel_params.PREFILL_DTYPES}")
+        if decode_kernel not in kernel_params.DECODE_KERNELS:
+            raise InputError("decode_kernel", decode_kernel, f"one of {kernel_params.DECODE_KERNELS}")
         host = host_params()
         if tinygemm_block is not None and tinygemm_block != host.block:
             raise InputError(
@@ -144,6 +149,10 @@ class CpuInt4Config(QuantizationConfig):
         self.quantize_embedding = quantize_embedding
         self.int8 = list(int8 or [])
         self.ignore = list(ignore or [])
+        self.decode_kernel = decode_kernel
+        # Rows that take the AVX2 kernel; 0 (tinygemm) when it was not asked for or cannot run here (no compiler,
+        # no AVX2/FMA: kernels/avx2_int4.available() logs why).
+        self.avx2_rows = kernel_params.avx2_decode_rows() if decode_kernel == "avx2" and _avx2_available() else 0
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
     def __repr__(self) -> str:
@@ -183,6 +192,7 @@ class CpuInt4Config(QuantizationConfig):
             quantize_embedding=bool(config.get("quantize_embedding", False)),
             int8=list(config.get("int8", [])),
             ignore=list(config.get("ignore", [])),
+            decode_kernel=config.get("decode_kernel", "tinygemm"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,6 +209,7 @@ class CpuInt4Config(QuantizationConfig):
             "quantize_embedding": self.quantize_embedding,
             "int8": list(self.int8),
             "ignore": list(self.ignore),
+            **({"decode_kernel": self.decode_kernel} if self.decode_kernel != "tinygemm" else {}),
         }
 
     def get_name(self) -> str:
@@ -246,6 +257,12 @@ class CpuInt4Config(QuantizationConfig):
         if len(shards) != len(sizes):  # a layer fused in the checkpoint too (Phi-3's qkv_proj): one weight
             shards, sizes = [kind], [sum(sizes)]
         return self.rules.fused(prefix, list(zip(shards, sizes, strict=True)), layer.input_size)
+
+
+def _avx2_available() -> bool:
+    from kernels import avx2_int4
+
+    return avx2_int4.available()
 
 
 def _check_shape(n: int, k: int, group: int) -> None:
@@ -324,7 +341,8 @@ class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
     """A linear layer (also fused QKV / gate_up: shards stack along N, which is never the packed dim)."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows)
+        _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows,
+                keep_row_major=self.config.avx2_rows > 0)  # fmt: skip
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _apply(layer, self.config, x, bias)
@@ -354,7 +372,8 @@ class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if isinstance(layer, ParallelLMHead):
             mode = DUAL if self.tied else self.config.mode
-            _repack(layer, self.config.group_size, mode, self.config.repack_chunk_rows)
+            _repack(layer, self.config.group_size, mode, self.config.repack_chunk_rows,
+                    keep_row_major=self.config.avx2_rows > 0)  # fmt: skip
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         return int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
@@ -376,6 +395,7 @@ def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias:
         layer.int4_mode,
         config.dequant_threshold,
         config.prefill_dtype == "float32",
+        config.avx2_rows,
     )
     return y if bias is None else y + bias
 

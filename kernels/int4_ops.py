@@ -39,18 +39,23 @@ def _linear_impl(
     mode: int,
     dequant_threshold: int,
     fp32_prefill: bool = False,
+    avx2_rows: int = 0,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] bf16. packed uint8 [N, K/2] (host layout), scales_and_zeros bf16 [K/g, N, 2];
-    qweight uint8 [N, K/2] row-major + scales, zeros [N, K/g] in DUAL mode, else empty.
+    qweight uint8 [N, K/2] row-major + scales, zeros [N, K/g] in DUAL mode or with avx2_rows > 0, else empty.
 
     fp32_prefill: the wide-batch GEMM runs in fp32 instead of bf16 (the plan's prefill_dtype,
-    edge.kernel_params; a keyword with a default so the op's schema stays readable)."""
+    edge.kernel_params; a keyword with a default so the op's schema stays readable).
+    avx2_rows: batches of up to this many rows run the AVX2 int4 kernel on the row-major copy
+    (quantization_config's decode_kernel "avx2", kernels/avx2_int4.py); 0: never."""
     n = scales_and_zeros.shape[1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
     rows = x2.shape[0]
     if rows == 0:
         return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
-    if mode == KERNEL_ONLY or rows < dequant_threshold:
+    if rows <= avx2_rows:
+        y = torch.ops.edge_avx2.w4a16_linear(x2, qweight, scales, zeros, group)  # [M, N] bf16
+    elif mode == KERNEL_ONLY or rows < dequant_threshold:
         y = linear(x2, packed, scales_and_zeros, group)  # [M, N]
     else:
         dtype = torch.float32 if fp32_prefill else torch.bfloat16
@@ -73,6 +78,7 @@ def _linear_fake(
     mode: int,
     dequant_threshold: int,
     fp32_prefill: bool = False,
+    avx2_rows: int = 0,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
 
@@ -152,10 +158,11 @@ def int4_linear(
     mode: int,
     dequant_threshold: int,
     fp32_prefill: bool = False,
+    avx2_rows: int = 0,
 ) -> torch.Tensor:
     """The registered op (what Dynamo records), typed for callers."""
     return torch.ops.vllm.cpu_int4_linear(
-        x, packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold, fp32_prefill
+        x, packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold, fp32_prefill, avx2_rows
     )
 
 

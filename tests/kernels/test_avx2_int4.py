@@ -107,3 +107,34 @@ def test_a_cpu_without_avx2_or_fma_is_named():
     assert avx2_int4.missing_prerequisite({"sse4_2", "f16c"}, "/usr/bin/c++") == (
         "this CPU lacks avx2, fma (the AVX2 int4 kernel needs AVX2, FMA and F16C)"
     )
+
+
+@needs_kernel
+def test_the_cpu_int4_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_to_tinygemm():
+    from kernels.int4_ops import DIRECT, _linear_impl
+    from kernels.tinygemm import linear as tinygemm_linear
+    from kernels.tinygemm import to_tinygemm
+
+    qweight, scales, zeros = _layer(576, 576, 64)
+    packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, 64)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 576).to(torch.bfloat16)
+        y = _linear_impl(x, packed, scales_and_zeros, qweight, scales, zeros, 64, DIRECT, 128, False, 2)
+        if rows <= 2:
+            assert torch.equal(y, avx2_int4.linear(x, qweight, scales, zeros, 64))
+        else:
+            assert torch.equal(y, tinygemm_linear(x, packed, scales_and_zeros, 64))
+
+
+@needs_kernel
+def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name_is_refused():
+    from edge.errors import InputError
+    from edge.kernel_params import avx2_decode_rows
+    from kernels.cpu_int4 import CpuInt4Config, quantization_config
+
+    config = CpuInt4Config.from_config(quantization_config("direct", decode_kernel="avx2"))
+    assert (config.decode_kernel, config.avx2_rows) == ("avx2", avx2_decode_rows())
+    assert config.to_dict()["decode_kernel"] == "avx2"
+    assert CpuInt4Config.from_config(quantization_config("direct")).avx2_rows == 0
+    with pytest.raises(InputError, match="decode_kernel"):
+        CpuInt4Config.from_config({**quantization_config("direct"), "decode_kernel": "avx3"})
