@@ -173,6 +173,10 @@ def render(plan: Plan) -> str:
     if plan.vllm is not None:
         env = " ".join(f"{k}={v}" for k, v in sorted(plan.vllm.env.items()))
         lines.append(f"  vllm      {env} {' '.join(plan.vllm.command('MODEL_DIR'))}")
+    if plan.export is not None:  # PLAN.json: this plan, saved with --json
+        e = plan.export
+        lines.append(f"  export    {e.command_line()}  ({e.runtime} {e.format}, {e.weight_bits}-bit weights per "
+                     f"{e.weight_block}, bundle ~{_gib(e.bundle_bytes)}; PLAN.json is this plan, --json)")  # fmt: skip
     lines.append("  why")
     lines += [f"    - {r.text}" + (f" [{r.value:g} {r.unit}, {r.source}]" if isinstance(r.value, float) else "")
               for r in plan.reasons[:5]]  # fmt: skip

@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from edge import rules
+from edge.export_plan import WEIGHT_BLOCK
 from edge.facts import fact
 from edge.kernel_params import KernelParams
 from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
 from edge.quantized_layers import EMBEDDING, LayerDecision, QuantRules, model_layers, rules_for
 from edge.shapes import LinearShape, ModelShape
 
+FP32 = 4  # bytes of an exported graph's scale
 BF16 = 2  # bytes; the engine runs every path with bf16 activations and bf16 non-quantized tensors
 LM_HEAD = "lm_head"
 
@@ -293,23 +295,24 @@ def _gptq_weights(model: ModelShape, layers: dict[str, LayerDecision], group: in
 
 
 def _export_weights(model: ModelShape) -> list[MemoryItem]:
-    """The exported graph's weights; no engine and no KV cache on a phone.
+    """The exported graph's weights (kernels/export_graph.py, what edge-export writes); no engine and no KV cache.
 
-    Assumed: calibrated w8a16 (docs/FACTS.md: "calibrated w8a16 was the only scheme correct on device"), 1 byte
-    per weight + one bf16 scale per output channel; norms stay bf16.
+    w8a16 (docs/FACTS.md: "calibrated w8a16 was the only scheme correct on device"): 1 byte per weight plus, per
+    block of WEIGHT_BLOCK inputs of each output channel, a float32 scale and an int8 zero point. The graph stores
+    the head even when it is tied to the embedding (the head is a MatMul, the embedding a Gather); norms as below.
     """
-    linears = [_embedding(model), *_layer_linears(model)]
-    if not model.tie_word_embeddings:
-        linears.append(_head(model))
+    linears = [_embedding(model), *_layer_linears(model), _head(model)]
     items = []
     for lin in linears:
-        size = lin.count * (lin.n * lin.k + BF16 * lin.n)
+        blocks = -(-lin.k // WEIGHT_BLOCK)
+        size = lin.count * (lin.n * lin.k + lin.n * blocks * (FP32 + 1))
         items.append(
             _resident(
                 "export-weights",
                 f"{lin.name} w8a16 (exported graph)",
                 size,
-                f"{_times(lin)}({lin.n} x {lin.k} x 1 B + 2 B x {lin.n} scales) = {_mib(size)}",
+                f"{_times(lin)}({lin.n} x {lin.k} x 1 B + {lin.n} x {blocks} blocks x 5 B scale and zero point)"
+                f" = {_mib(size)}",
                 layer=lin.name,
             )
         )

@@ -11,11 +11,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from edge.device import DeviceProfile
+from edge.export_plan import ExportSection
 from edge.quality import PlanQuality
 from edge.quantized_layers import LayerDecision
 from edge.shapes import ModelShape
 
-SCHEMA_VERSION = "3"  # 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
+SCHEMA_VERSION = "4"  # 4: export; 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
 
 WeightPath = Literal["w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only"]
 Layout = Literal["direct", "dual", "kernel-only"]
@@ -140,6 +141,7 @@ class Plan(BaseModel):
     calibration: CalibrationRef | None = None  # the device's kernel times the ranking used; None: facts table
     quantization_config: dict[str, Any] | None  # written into the converted checkpoint's config.json
     vllm: VllmConfig | None  # None for export-only
+    export: ExportSection | None = None  # export-only: what edge-export builds and how (edge.export_plan)
     reasons: list[Reason]
     alternatives: list[Alternative]
     warnings: list[str] = []

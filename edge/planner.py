@@ -15,6 +15,7 @@ from edge.cost import engine_linears, thread_choice
 from edge.device import DeviceProfile
 from edge.engine_config import quantization_config, vllm_config
 from edge.errors import InputError
+from edge.export_plan import export_section
 from edge.facts import fact
 from edge.gates import Gate, all_gates
 from edge.plan import (
@@ -255,6 +256,7 @@ def make_plan(
         quantization_config=qconfig,
         vllm=vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
                          max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes),
+        export=export_section(model.name, chosen.memory.resident_bytes) if option.path == "export-only" else None,
         quality=_plan_quality(chosen),
         calibration=_calibration_ref(calibration),
         reasons=_reasons(chosen, priority, device, req.kernel, pin),
