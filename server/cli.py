@@ -96,6 +96,20 @@ class Prepared:
     serve_dir: Path  # the source itself for bf16, else the converted checkpoint
 
 
+class ExportOnly(Exception):
+    """An export-only plan (a phone): nothing to serve here; its deliverable is edge-export's bundle."""
+
+    def __init__(self, plan: Plan, source: Path, device: str | None) -> None:
+        self.plan, self.source, self.device = plan, source, device
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        select = ["edge-select", *(["--device", self.device] if self.device else []), "--json"]
+        export = self.plan.export.command_line(str(self.source)) if self.plan.export else "edge-export MODEL OUT"
+        return (f"edge-serve: this plan is {self.plan.path} (a phone: vLLM has no backend for it), nothing to serve; "
+                f"build its bundle instead:\n  {' '.join(select)} > PLAN.json\n  {export}")  # fmt: skip
+
+
 def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None) -> Prepared:
     """Probe, read the model, plan, convert when the plan needs it."""
     source = Path(args.model) if args.model else default_model_dir()
@@ -117,7 +131,7 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
         calibration=best_match(cached_calibrations(), device, model.name),
     )
     if plan.vllm is None:
-        raise InputError("--path", plan.path, "a path vLLM can serve (export-only builds a graph, not a server)")
+        raise ExportOnly(plan, source, args.device)
     if args.device:
         check_block_here(plan, args.device)
     serve_dir = convert(plan, source, converter) if plan.quantization_config is not None else source
@@ -268,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         prepared = prepare(args)
+    except ExportOnly as only:
+        print(only.message(), flush=True)
+        return 0
     except InputError as error:
         print(f"edge-serve: {error}", file=sys.stderr)
         return 2

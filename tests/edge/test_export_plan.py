@@ -57,3 +57,14 @@ def test_edge_select_on_an_android_description_prints_the_export_command(capsys)
 def test_export_section_defaults_to_the_measured_format():
     section = export_section("m", 1000)
     assert section.bundle_bytes == 1000 + BUNDLE_OVERHEAD_BYTES and section.runtime == "onnxruntime"
+
+
+def test_edge_serve_on_a_phone_prints_the_export_command_instead_of_a_refusal(capsys):
+    from server.cli import main as edge_serve
+
+    device = str(DATA / "inventory_phone_tensor_g2.json")
+    model = DATA / "configs" / "smollm2-135m-instruct.json"
+    assert edge_serve(["--device", device, "--model", str(model), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"edge-select --device {device} --json > PLAN.json" in out
+    assert f"edge-export {model} " in out and "--plan PLAN.json" in out
