@@ -232,7 +232,7 @@ def _written_quantized(decisions: Decisions, name: str) -> bool:
 
 def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
     if path == "export-only":
-        raise InputError("path", path, "a path the converter builds (export-only is not built yet)")
+        raise InputError("path", path, "a path the converter builds (an export-only plan's bundle: edge-export)")
     if path not in PATHS:
         raise InputError("path", path, f"one of {list(PATHS)}")
     if path == "bf16":
@@ -550,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         plan = load_plan(args.plan) if args.plan else _plan_for_this_host(args.src)
+        if plan.path == "export-only":  # a phone's plan: the deliverable is the exported bundle
+            from kernels.export import export
+
+            print(export(args.src, args.dst, plan, force=args.force))
+            return 0
         dst = convert(args.src, args.dst, plan.quantization_config, path=plan.path,
                       progress=StderrProgress(), force=args.force)  # fmt: skip
     except InputError as error:

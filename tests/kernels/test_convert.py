@@ -292,8 +292,8 @@ def test_a_directory_without_safetensors_is_refused(tmp_path):
         convert(tmp_path / "src", tmp_path / "dst", None, path="bf16")
 
 
-def test_export_only_is_refused_as_not_built_yet(smol_shaped, tmp_path):
-    with pytest.raises(InputError, match="not built yet"):
+def test_export_only_is_left_to_edge_export(smol_shaped, tmp_path):
+    with pytest.raises(InputError, match="edge-export"):
         convert(smol_shaped, tmp_path / "dst", None, path="export-only")
 
 
