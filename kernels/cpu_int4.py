@@ -287,7 +287,9 @@ def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extr
 def _repack(
     layer: torch.nn.Module, group: int, mode: int, chunk_rows: int, keep_row_major: bool = False
 ) -> None:
-    """Build the tinygemm buffer; drop the row-major copy unless this layer's mode reads it.
+    """Build the tinygemm buffer; drop the row-major copy unless this layer's mode reads it (or keep_row_major:
+    the AVX2 decode kernel reads it; its op is loaded here, in the worker, which the config never ran in: vLLM
+    builds the config in the engine process and ships it to the workers).
 
     Sets layer.int4_mode: DIRECT falls back to DUAL when N does not tile the host block (the direct
     dequantizer cannot read a narrower last block, kernels/layout.py).
@@ -295,6 +297,8 @@ def _repack(
     n = layer.qweight.shape[0]
     if mode == DIRECT and not tiles(n, host_layout()):
         mode = DUAL
+    if keep_row_major:
+        assert _avx2_available(), "the config checked the AVX2 kernel runs on this host"
     packed, scales_and_zeros = to_tinygemm(
         layer.qweight.data, layer.scales.data, layer.zeros.data, group, chunk_rows=chunk_rows
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import avx2_int4
 from kernels.int4 import apply_scales, dequantize, unpack_nibbles
 from kernels.int8 import dequantize_int8
 from kernels.layout import host_layout
@@ -54,7 +55,7 @@ def _linear_impl(
     if rows == 0:
         return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
     if rows <= avx2_rows:
-        y = torch.ops.edge_avx2.w4a16_linear(x2, qweight, scales, zeros, group)  # [M, N] bf16
+        y = avx2_int4.linear(x2, qweight, scales, zeros, group)  # [M, N] bf16; loads the op in this process
     elif mode == KERNEL_ONLY or rows < dequant_threshold:
         y = linear(x2, packed, scales_and_zeros, group)  # [M, N]
     else:
