@@ -68,3 +68,18 @@ def test_edge_serve_on_a_phone_prints_the_export_command_instead_of_a_refusal(ca
     out = capsys.readouterr().out
     assert f"edge-select --device {device} --json > PLAN.json" in out
     assert f"edge-export {model} " in out and "--plan PLAN.json" in out
+
+
+def test_post_plan_for_an_android_description_returns_the_export_section():
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    device = json.loads((DATA / "inventory_phone_tensor_g2.json").read_text())
+    with TestClient(create_app(Settings())) as client:
+        response = client.post("/plan", json={"device": {"profile": device}, "model": {"name": "default"}})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["path"] == "export-only" and body["schema_version"] == "4"
+    assert body["export"]["runtime"] == "onnxruntime" and body["export"]["command"][0] == "edge-export"
