@@ -1,9 +1,10 @@
 """The `export` section of an export-only plan: what `edge-export` builds for a phone, and the command to build it.
 
 The runtime is ONNX Runtime (README, "Phones"): its exporter side (onnx, onnxruntime's quantization tools) installs
-beside the serving environment's torch 2.13.0+cpu without changing it, the bundle is one standard ONNX graph that
-its mobile packages (Android/iOS, the XNNPACK and NNAPI/CoreML providers) and its QNN execution provider
-(Snapdragon NPU) load, and its CPU provider runs the same graph here for verification. ExecuTorch (`.pte`, XNNPACK
+beside the serving environment's torch 2.13.0+cpu without changing it, the bundle is one standard ONNX graph
+(opset 21, QDQ weights) meant for its mobile packages (Android/iOS) and its QNN execution provider (Snapdragon
+NPU), and its CPU provider runs the same graph here for verification. No phone was available: that a phone loads
+it (and QNN takes blocked int8 scales) is not verified. ExecuTorch (`.pte`, XNNPACK
 and Qualcomm QNN backends) is the alternative a plan can name: its 1.5.1 wheel also resolves against torch 2.13 but
 pulls ~20 more packages (coremltools, torchao, scikit-learn, pandas) into the environment.
 """

@@ -9,21 +9,22 @@ The graph, for batch 1 (no padding mask: one sequence per session run):
 
 The names are those ONNX Runtime GenAI's decoder uses. A prompt is one run with P = 0; each generated token is a
 run with S = 1 and the previous run's presents as pasts. Attention is plain MatMul/Softmax and the weights are
-standard QDQ (no contrib op), so any ONNX runtime loads the graph, and QDQ is the form ONNX Runtime's QNN (NPU)
-and XNNPACK providers take quantized weights in.
+standard QDQ (no contrib op), so any ONNX runtime with opset 21 loads the graph; QDQ is the form ONNX Runtime's
+QNN (NPU) provider takes quantized models in. Not verified here: whether QNN takes int8 weights with *blocked*
+scales (opset 21 block_size) rather than per-channel ones; no phone or NPU was available.
 
 Weights: every linear (q/k/v/o, gate/up/down, the head) is exported in float32 with its weight stored [K, N] (so
 the MatMul's B is an initializer), then rewritten as DequantizeLinear(int8, opset 21 blocked) -> MatMul: 8 bits,
 symmetric, one scale per BLOCK_SIZE inputs of each output channel. The embedding table is int8 the same way (one
 scale per block of each row), gathered and scaled in the graph. Norms and the RoPE tables stay float32.
-Activations are float32 here (ONNX Runtime's CPU provider); a phone provider runs them in float16 (the reference
-study's w8a16).
+Activations are float32 in the graph (ONNX Runtime's CPU provider runs them so); the reference study's w8a16 means
+a phone provider running them in float16, which is not built or measured here.
 
 Why per block and not per output channel: on the default model (2048 tokens of the eval text, float32 reference)
 per-channel int8 gave mean KLD 0.0039 and top-1 95.6 %; blocks of 64 gave 0.0018 and 97.2 % (2026-11-30, AMD EPYC
 AVX-512 host). Why QDQ and not ONNX Runtime's MatMulNBits bits=8: same quality (0.0016, 97.5 %), but the CPU
-provider here ran it at 1.7 decode tok/s (it re-expands the weights each call unless activations go int8,
-accuracy_level 4, which the reference study found breaks phones), and QNN takes QDQ.
+provider here ran it at 1.7 decode tok/s with accuracy_level unset (float activations; its fast path wants int8
+activations, which the reference study found breaks phones), and QNN takes QDQ.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-BLOCK_SIZE = 64  # divides SmolLM2's K = 576 and 1536 (and every K of a Llama built of multiples of 64)
-WEIGHT_BITS = 8
-ACTIVATIONS = "float32 (CPU provider); float16 on a phone provider"
+from edge.export_plan import WEIGHT_BLOCK
+
+BLOCK_SIZE = WEIGHT_BLOCK  # 64: divides SmolLM2's K = 576 and 1536
+ACTIVATIONS = "float32 (float16 on a phone provider: not built or measured here)"
 OPSET = 17  # the TorchScript exporter's graph; converted to QDQ_OPSET when quantized
 QDQ_OPSET = 21  # DequantizeLinear with block_size
 ROPE_ROWS = 4096  # cos/sin rows in the graph: the bundle's longest sequence (prompt + generated)
