@@ -19,6 +19,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from edge.calibration import CalibrationRecord, KernelResult
+from edge.kernel_params import avx2_decode_rows
 from edge.kernel_registry import FORMAT_KERNEL, PREFILL_KERNELS, kernels_for
 from edge.plan import Layout, WeightPath
 from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision
@@ -174,8 +175,12 @@ class RequestCost:
 
 
 def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: WeightPath, layout: Layout | None,
-                 *, dequant_threshold: int, prefill_dtype: str, batch: int = 1) -> RequestCost:  # fmt: skip
-    """Raises Unmeasured when a kernel the option needs has no times in the record."""
+                 *, dequant_threshold: int, prefill_dtype: str, batch: int = 1,
+                 decode_kernel: str = "tinygemm") -> RequestCost:  # fmt: skip
+    """Raises Unmeasured when a kernel the option needs has no times in the record.
+
+    decode_kernel "avx2" (edge.kernel_params): a w4a16 path's int4 layers run batches of up to
+    avx2_decode_rows() rows on the AVX2 int4 kernel instead of tinygemm."""
     int4_kernels = {
         "decode": kernels_for(path, layout, "decode"),
         "prefill": kernels_for(path, layout, "prefill"),
@@ -192,6 +197,9 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
             names = int4_kernels[role] or int4_kernels["decode"]
             assert names, f"{path}/{layout} has no kernel for {role}"
             name = names[0]
+            if decode_kernel == "avx2" and path == "w4a16-tinygemm" and lin.format == "int4" \
+                    and m <= avx2_decode_rows():
+                name = "avx2-int4"
         else:
             name = FORMAT_KERNEL[lin.format]
             if name != "bf16" and record.timed(name) is None and record.timed("bf16") is not None:

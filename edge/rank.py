@@ -118,7 +118,8 @@ def _record_options(inp: RankInput, record: CalibrationRecord, source: str, fact
         try:
             cost, batched = (request_cost(record, linears, path, layout, batch=batch,
                                           dequant_threshold=inp.kernel.dequant_threshold,
-                                          prefill_dtype=inp.kernel.prefill_dtype)
+                                          prefill_dtype=inp.kernel.prefill_dtype,
+                                          decode_kernel=inp.kernel.decode_kernel)
                              for batch in (1, inp.batch))  # fmt: skip
         except Unmeasured as missing:
             options.append(Option(path, layout, None, unit, [Reason(

@@ -44,3 +44,10 @@ def test_a_plan_without_it_writes_the_config_as_before(avx2_host, smollm2):
     plan = make_plan(avx2_host, smollm2, calibration=record, path="w4a16-tinygemm", layout="direct")
     assert "decode_kernel" not in plan.quantization_config
     assert "AVX2 decode kernel" not in plan.model_dump_json()
+
+
+def test_the_cost_model_counts_decode_steps_at_the_avx2_kernels_times_when_the_plan_picks_it(avx2_host, smollm2):
+    record = _avx2_record_with_avx2_kernel(2.0)
+    plan = make_plan(avx2_host, smollm2, calibration=record, path="w4a16-tinygemm", layout="direct")
+    cost = next(r.text for r in plan.reasons if "decode steps of" in r.text)
+    assert "avx2-int4" in cost
