@@ -85,7 +85,8 @@ def measure(rounds: int, rows: list[int], group: int) -> dict:
             for kernel in kernels:
                 ms = statistics.median(samples[kernel]) / 1e6
                 results.append({"n": n, "k": k, "m": m, "kernel": kernel, "ms": round(ms, 4),
-                                "weight_bytes": nbytes[kernel], "gb_s": round(nbytes[kernel] / ms / 1e6, 2)})  # fmt: skip
+                                "weight_bytes": nbytes[kernel],
+                                "gb_s": round(nbytes[kernel] / ms / 1e6, 2)})  # fmt: skip
         del runs
     return {
         "capability": torch.backends.cpu.get_cpu_capability(),

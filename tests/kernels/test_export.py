@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnxruntime  # noqa: E402,F401  (scripts/test installs the export extra: missing means broken set-up)
 import pytest
 import torch
-
-pytest.importorskip("onnxruntime")
 
 from edge.errors import InputError  # noqa: E402
 from kernels.checkpoint import read_manifest  # noqa: E402

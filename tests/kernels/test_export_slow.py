@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnxruntime  # noqa: E402,F401  (scripts/test installs the export extra: missing means broken set-up)
 import pytest
-
-pytest.importorskip("onnxruntime")
 
 pytestmark = pytest.mark.slow
 
