@@ -101,8 +101,61 @@ def _empty(dtype: torch.dtype) -> Parameter:
     return Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
+class PluginConfig(QuantizationConfig):
+    """What the plugin's configs share: bf16 activations, the config in config.json, the layer rules of
+    edge.quantized_layers for their path, and the method each weight's format gets. A subclass names its PATH
+    and its methods per format (`_methods`: "linear" and "embedding", keyed by int4/int8; bf16 is vLLM's own)."""
+
+    PATH = ""
+
+    def _methods(self) -> dict[str, dict[str, type]]:
+        raise NotImplementedError
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16]  # tinygemm, int4_scaled_mm_cpu and the int8 kernels take bf16 activations
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1  # a GPU notion; vLLM's CPU platform reports no capability
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # the config lives in config.json's quantization_config
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        if hf_config is not None:
+            self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    @property
+    def rules(self) -> QuantRules:
+        """edge.quantized_layers' rules for this config: the same answer the plan's ledger and the converter got."""
+        return QuantRules.from_config(self.PATH, self.to_dict(), tied=self.tied_embeddings)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        methods = self._methods()
+        if isinstance(layer, LinearBase):
+            method = methods["linear"].get(self._linear_decision(layer, prefix).format)
+            return method(self) if method else UnquantizedLinearMethod()
+        if not isinstance(layer, VocabParallelEmbedding):
+            return None
+        name = prefix or ("lm_head" if isinstance(layer, ParallelLMHead) else "model.embed_tokens")
+        decision = self.rules.weight(name, layer.org_vocab_size, layer.embedding_dim)
+        method = methods["embedding"].get(decision.format)
+        assert method or decision.format == "bf16", f"{self.get_name()} has no {decision.format} {name}"
+        return method(self) if method else None
+
+    def _linear_decision(self, layer: LinearBase, prefix: str) -> Decision:
+        """A fused vLLM layer (qkv_proj, gate_up_proj) is decided from the checkpoint weights it loads."""
+        kind = prefix.rsplit(".", 1)[-1]
+        sizes = getattr(layer, "output_sizes", None) or [layer.output_size]
+        shards = list(self.packed_modules_mapping.get(kind) or SHARDS.get(kind) or [kind])
+        if len(shards) != len(sizes):  # a layer fused in the checkpoint too (Phi-3's qkv_proj): one weight
+            shards, sizes = [kind], [sum(sizes)]
+        return self.rules.fused(prefix, list(zip(shards, sizes, strict=True)), layer.input_size)
+
+
 @register_quantization_config(NAME)
-class CpuInt4Config(QuantizationConfig):
+class CpuInt4Config(PluginConfig):
     """W4A16 group-wise asymmetric int4 for CPUs (tinygemm), from a checkpoint's `quantization_config`."""
 
     def __init__(
@@ -215,48 +268,11 @@ class CpuInt4Config(QuantizationConfig):
     def get_name(self) -> str:
         return NAME
 
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16]  # tinygemm takes bf16 activations only
+    PATH = "w4a16-tinygemm"
 
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return -1  # a GPU notion; vLLM's CPU platform reports no capability
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []  # the config lives in config.json's quantization_config
-
-    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
-        if hf_config is not None:
-            self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-
-    @property
-    def rules(self) -> QuantRules:
-        """edge.quantized_layers' rules for this config: the same answer the plan's ledger and the converter got."""
-        return QuantRules.from_config("w4a16-tinygemm", self.to_dict(), tied=self.tied_embeddings)
-
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if isinstance(layer, LinearBase):
-            linear_methods = {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod}
-            method = linear_methods.get(self._linear_decision(layer, prefix).format)
-            return method(self) if method else UnquantizedLinearMethod()
-        if not isinstance(layer, VocabParallelEmbedding):
-            return None
-        is_head = isinstance(layer, ParallelLMHead)
-        name = prefix or ("lm_head" if is_head else "model.embed_tokens")
-        decision = self.rules.weight(name, layer.org_vocab_size, layer.embedding_dim)
-        embedding_methods = {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod}
-        method = embedding_methods.get(decision.format)
-        return method(self) if method else None
-
-    def _linear_decision(self, layer: LinearBase, prefix: str) -> Decision:
-        """A fused vLLM layer (qkv_proj, gate_up_proj) is decided from the checkpoint weights it loads."""
-        kind = prefix.rsplit(".", 1)[-1]
-        sizes = getattr(layer, "output_sizes", None) or [layer.output_size]
-        shards = list(self.packed_modules_mapping.get(kind) or SHARDS.get(kind) or [kind])
-        if len(shards) != len(sizes):  # a layer fused in the checkpoint too (Phi-3's qkv_proj): one weight
-            shards, sizes = [kind], [sum(sizes)]
-        return self.rules.fused(prefix, list(zip(shards, sizes, strict=True)), layer.input_size)
+    def _methods(self) -> dict[str, dict[str, type]]:
+        return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod},
+                "embedding": {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod}}  # fmt: skip
 
 
 def _avx2_available() -> bool:

@@ -24,16 +24,14 @@ from typing import Any
 
 import torch
 from torch.nn import Parameter
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
 from edge.errors import InputError
-from edge.quantized_layers import EIGHT_BIT_SET, QuantRules
+from edge.quantized_layers import EIGHT_BIT_SET
 from edge.rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
-from kernels.cpu_int4 import CpuInt4Config, CpuInt8EmbeddingMethod, CpuInt8LinearMethod, host_params
+from kernels.cpu_int4 import CpuInt8EmbeddingMethod, CpuInt8LinearMethod, PluginConfig, host_params
 
 NAME = "cpu_w4a8"
 PACK = 8  # 4-bit codes per int32
@@ -133,7 +131,7 @@ def quantization_config(
 
 
 @register_quantization_config(NAME)
-class CpuW4A8Config(QuantizationConfig):
+class CpuW4A8Config(PluginConfig):
     """Symmetric 4-bit GPTQ weights, int8 activations, through vLLM's int4_scaled_mm_cpu on any host with `_C`."""
 
     def __init__(
@@ -179,41 +177,12 @@ class CpuW4A8Config(QuantizationConfig):
     def get_name(self) -> str:
         return NAME
 
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.bfloat16]  # int4_scaled_mm_cpu takes bf16 activations (vLLM's W4A8 condition)
+    PATH = "w4a8-gptq"
 
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return -1  # a GPU notion; vLLM's CPU platform reports no capability
-
-    @staticmethod
-    def get_config_filenames() -> list[str]:
-        return []  # the config lives in config.json's quantization_config
-
-    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
-        if hf_config is not None:
-            self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-
-    @property
-    def rules(self) -> QuantRules:
-        """edge.quantized_layers' rules for this config: the same answer the plan's ledger and the converter got."""
-        return QuantRules.from_config("w4a8-gptq", self.to_dict(), tied=self.tied_embeddings)
-
-    # A fused vLLM layer (qkv_proj, gate_up_proj) is decided from the checkpoint weights it loads, as cpu_int4
-    # decides it (reads self.rules and self.packed_modules_mapping).
-    _linear_decision = CpuInt4Config._linear_decision
-
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if isinstance(layer, LinearBase):
-            linear_methods = {"int4": CpuW4A8LinearMethod, "int8": CpuInt8LinearMethod}
-            method = linear_methods.get(self._linear_decision(layer, prefix).format)
-            return method(self) if method else UnquantizedLinearMethod()
-        if not isinstance(layer, VocabParallelEmbedding):
-            return None
-        name = prefix or ("lm_head" if isinstance(layer, ParallelLMHead) else "model.embed_tokens")
-        decision = self.rules.weight(name, layer.org_vocab_size, layer.embedding_dim)
-        assert decision.format != "int4", f"cpu_w4a8 keeps {name} int8 or bf16, got {decision}"
-        return CpuInt8EmbeddingMethod(self) if decision.format == "int8" else None  # type: ignore[arg-type]
+    def _methods(self) -> dict[str, dict[str, type]]:
+        # the embedding and the head stay int8 or bf16 (edge.quantized_layers: never 4-bit on this path)
+        return {"linear": {"int4": CpuW4A8LinearMethod, "int8": CpuInt8LinearMethod},
+                "embedding": {"int8": CpuInt8EmbeddingMethod}}  # fmt: skip
 
 
 def _param(data: torch.Tensor, **attrs: Any) -> Parameter:
