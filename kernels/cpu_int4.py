@@ -328,10 +328,11 @@ def _repack(
 
 
 class _Weights:
-    """What every cpu_int4 method shares: its config and vLLM's create_weights, which registers the checkpoint's
-    tensors for a [N, K] weight (fused shards stack along N; for the head, this rank's padded vocab)."""
+    """What every plugin method shares (cpu_int4's and cpu_w4a8's): its config and vLLM's create_weights, which
+    registers the checkpoint's tensors for a [N, K] weight (fused shards stack along N; for the head, this rank's
+    padded vocab)."""
 
-    def __init__(self, config: CpuInt4Config) -> None:
+    def __init__(self, config: PluginConfig) -> None:
         self.config = config
 
     def create_weights(

@@ -31,7 +31,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from edge.errors import InputError
 from edge.quantized_layers import EIGHT_BIT_SET
 from edge.rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
-from kernels.cpu_int4 import CpuInt8EmbeddingMethod, CpuInt8LinearMethod, PluginConfig, host_params
+from kernels.cpu_int4 import CpuInt8EmbeddingMethod, CpuInt8LinearMethod, PluginConfig, _Weights, host_params
 
 NAME = "cpu_w4a8"
 PACK = 8  # 4-bit codes per int32
@@ -195,24 +195,11 @@ def _empty(dtype: torch.dtype) -> Parameter:
     return Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
-class CpuW4A8LinearMethod(LinearMethodBase):
+class CpuW4A8LinearMethod(_Weights, LinearMethodBase):
     """A linear layer (also fused QKV / gate_up: shards stack along N, dim 1 of the GPTQ tensors)."""
 
-    def __init__(self, config: CpuW4A8Config) -> None:
-        self.config = config
-
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
-    ) -> None:
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra_weight_attrs: dict[str, Any]) -> None:
         """Register the checkpoint's GPTQ tensors for a [N, K] weight, as vLLM's AutoGPTQ method lays them out."""
-        n, k = sum(output_partition_sizes), input_size_per_partition
         group = k if self.config.group_size == -1 else self.config.group_size
         if k % GPTQ_PARTITION_MULTIPLE or k % group:
             raise InputError("input_size", k, f"a multiple of {GPTQ_PARTITION_MULTIPLE} and of group_size {group}")
