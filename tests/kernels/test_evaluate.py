@@ -490,10 +490,14 @@ def test_candidate_logprobs_match_the_vllm_engine(default_source, tmp_path):
     models = {label: {"model": str(d), "quantization": "cpu_int4"} for label, d in dirs.items()}
     (tmp_path / "windows.json").write_text(json.dumps(windows.tolist()))
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
-    proc = subprocess.run([sys.executable, __file__, str(out), json.dumps(models), str(tmp_path / "windows.json")],
-                          env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    engine = json.loads(out.read_text())
+    engine = {}
+    for label, spec in models.items():  # one engine per process: a second LLM in one process once aborted (SIGABRT)
+        part = out.with_suffix(f".{label}.json")
+        proc = subprocess.run([sys.executable, __file__, str(part), json.dumps({label: spec}),
+                               str(tmp_path / "windows.json")], env=env, capture_output=True, text=True,
+                              timeout=1200)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        engine |= json.loads(part.read_text())
     assert {engine[label]["quantization"] for label in dirs} == {"cpu_int4"}
 
     def scored(label: str) -> torch.Tensor:  # positions 257..512: the harness's scored targets, in order
