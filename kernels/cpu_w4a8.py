@@ -26,12 +26,19 @@ import torch
 from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization import register_quantization_config
-from vllm.model_executor.utils import set_weight_attrs
 
 from edge.errors import InputError
 from edge.quantized_layers import EIGHT_BIT_SET
 from edge.rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
-from kernels.cpu_int4 import CpuInt8EmbeddingMethod, CpuInt8LinearMethod, PluginConfig, _Weights, host_params
+from kernels.cpu_int4 import (
+    CpuInt8EmbeddingMethod,
+    CpuInt8LinearMethod,
+    PluginConfig,
+    _empty,
+    _param,
+    _Weights,
+    host_params,
+)
 
 NAME = "cpu_w4a8"
 PACK = 8  # 4-bit codes per int32
@@ -183,16 +190,6 @@ class CpuW4A8Config(PluginConfig):
         # the embedding and the head stay int8 or bf16 (edge.quantized_layers: never 4-bit on this path)
         return {"linear": {"int4": CpuW4A8LinearMethod, "int8": CpuInt8LinearMethod},
                 "embedding": {"int8": CpuInt8EmbeddingMethod}}  # fmt: skip
-
-
-def _param(data: torch.Tensor, **attrs: Any) -> Parameter:
-    param = Parameter(data, requires_grad=False)
-    set_weight_attrs(param, attrs)
-    return param
-
-
-def _empty(dtype: torch.dtype) -> Parameter:
-    return Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 class CpuW4A8LinearMethod(_Weights, LinearMethodBase):
