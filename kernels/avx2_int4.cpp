@@ -1,16 +1,23 @@
-// w4a16 GEMV/GEMM for a few rows on AVX2 + FMA (x86-64-v3): edge_avx2::w4a16_linear.
+// int4 GEMV/GEMM for a few rows on AVX2 (x86-64-v3): edge_avx2::w4a16_linear and edge_avx2::w4a8_linear.
 //
 // Weights are the checkpoint's own row-major format (kernels/int4.py), read as they are, no repack:
 //   qweight uint8 [N, K/2]   byte j of row n: k=2j in the low nibble, k=2j+1 in the high nibble
 //   scales, zeros bf16 [N, K/g]   w = (q - 8) * scale + zero
-// Per output channel n and group g:  y[m, n] += s * sum_k q_k x[m, k]  +  (z - 8 s) * sum_k x[m, k]
-// so the inner loop is one multiply-add per weight on the raw code (no dequantize): the scale and the zero apply
-// once per group. Activations are de-interleaved once per call into even-k and odd-k fp32 planes, so the low
-// nibbles of 8 bytes meet x[2j..] and the high ones x[2j+1..] with plain vector loads; the per-group sums of x
-// are computed once per call too.
 //
-// Inner step, 8 bytes = 16 weights: vpmovzxbd (8 bytes -> 8 x i32), and 0xF / shift 4, two int->float converts,
-// then two FMAs per activation row. Parallel over output channels (at::parallel_for), rows in blocks of 4.
+// Both ops quantize the activations once per call, per row and group g: xq = round(x / a), a = max|x_g| / QMAX,
+// and de-interleave them into even-k and odd-k planes, so the low nibbles of a run of bytes meet xq[2j..] and the
+// high ones xq[2j+1..] with plain vector loads. Then, per output channel n and group g, all in integers until the
+// group ends:
+//   y[m, n] += (scale * a) * sum_k q_k xq_k  +  (zero - 8 scale) * (a * sum_k xq_k)
+//   w4a16: xq int16 (QMAX 32767). The rounding of x is at most max|x_g| / 65534 per element: below bf16's own
+//          rounding of the group's largest element (max|x_g| / 512), so bf16 activations lose nothing visible.
+//          Inner step, 16 bytes = 32 weights: vpmovzxbw, a mask, a shift, two vpmaddwd and an add.
+//   w4a8:  xq int8 (QMAX 127), as llama.cpp's Q8 activations. Inner step, 32 bytes = 64 weights: a load, two masks,
+//          a shift, two vpmaddubsw (unsigned codes x signed activations, pairs <= 2*15*127: no saturation), one
+//          16-bit add; one vpmaddwd by ones per group.
+// The int32 sums of 8 groups are transposed into one vector (a tree of hadds) and meet 8 scales and 8 zeros as
+// vectors. Parallel over output channels (at::parallel_for), rows in blocks of 4: a block decodes each code once.
+// Compiled with -mavx2 -mfma -mf16c only, so one binary runs on every AVX2 CPU.
 
 #include <immintrin.h>
 #include <torch/library.h>
@@ -18,9 +25,10 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <algorithm>
 #include <vector>
 
 namespace {
@@ -32,23 +40,26 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  sums = _mm_add_ss(sums, shuf);
-  return _mm_cvtss_f32(sums);
+inline float hsum_ps(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
 }
 
-// Sums of 8 vectors, one per lane: [sum(v0), ..., sum(v7)].
-inline __m256 hsum8(const __m256* v) {
-  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The lane sums of 8 vectors as one vector: [sum(v0), ..., sum(v7)].
+inline __m256i hsum8_epi32(const __m256i* v) {
+  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
 // 8 bf16 -> 8 fp32.
@@ -57,68 +68,162 @@ inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-// sum_k q_k x[r, k] over one group of channel `wrow`, for MB rows: acc[r] (8 lanes still to be summed).
-template <int MB, int GROUP>
-inline void group_dot(const uint8_t* wrow, const float* xe, const float* xo, int64_t half_k, int64_t base,
-                      __m256* acc) {
-  const __m256i low_mask = _mm256_set1_epi32(0x0F);
-  // Chains per row: even and odd k, and for up to 2 rows, alternate 8-byte steps too (4 chains per row).
-  constexpr int CH = MB <= 2 ? 2 : 1;
-  __m256 even_acc[CH][MB], odd_acc[CH][MB];
-  for (int c = 0; c < CH; ++c)
-    for (int r = 0; r < MB; ++r) even_acc[c][r] = odd_acc[c][r] = _mm256_setzero_ps();
-  for (int j = 0; j < GROUP / 2; j += 8 * CH) {
-    for (int c = 0; c < CH; ++c) {
-      const int jj = j + 8 * c;
-      const __m256i wide =
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wrow + base + jj)));
-      const __m256 q_low = _mm256_cvtepi32_ps(_mm256_and_si256(wide, low_mask));  // k = 2(base+jj+i)
-      const __m256 q_high = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));       // k = 2(base+jj+i)+1
+template <typename T>
+inline __m256i loadu(const T* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// ---- int16 activations: 16 bytes (32 codes) a step ----
+// acc[r][i] = the int32 lanes of sum_k q_k xq[r, k] over group i of NG groups from byte `off` of the channel's row.
+template <int MB, int GROUP, int NG>
+inline void dots_a16(const uint8_t* w, const int16_t* xe, const int16_t* xo, int64_t half_k, int64_t off,
+                     __m256i (*acc)[NG]) {
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  for (int i = 0; i < NG; ++i) {
+    for (int c = 0; c < GROUP / 32; ++c) {
+      const int64_t at = off + i * (GROUP / 2) + 16 * c;
+      const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at)));
+      const __m256i lo = _mm256_and_si256(wide, mask);  // q[2j]
+      const __m256i hi = _mm256_srli_epi16(wide, 4);    // q[2j+1]
       for (int r = 0; r < MB; ++r) {
-        even_acc[c][r] = _mm256_fmadd_ps(q_low, _mm256_loadu_ps(xe + r * half_k + base + jj), even_acc[c][r]);
-        odd_acc[c][r] = _mm256_fmadd_ps(q_high, _mm256_loadu_ps(xo + r * half_k + base + jj), odd_acc[c][r]);
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, loadu(xe + r * half_k + at)),
+                                           _mm256_madd_epi16(hi, loadu(xo + r * half_k + at)));
+        acc[r][i] = c == 0 ? p : _mm256_add_epi32(acc[r][i], p);
       }
     }
   }
-  for (int c = 1; c < CH; ++c)
-    for (int r = 0; r < MB; ++r) {
-      even_acc[0][r] = _mm256_add_ps(even_acc[0][r], even_acc[c][r]);
-      odd_acc[0][r] = _mm256_add_ps(odd_acc[0][r], odd_acc[c][r]);
-    }
-  for (int r = 0; r < MB; ++r) acc[r] = _mm256_add_ps(even_acc[0][r], odd_acc[0][r]);
 }
 
-// Output channel `col` for MB activation rows from `m0`; writes y[m0 .. m0+MB, col].
-// Scales and zeros apply once per group, 8 groups at a time as vectors: the 8 groups' sums are transposed into
-// one vector (hsum8) and meet 8 scales and 8 zeros in two FMAs. Per group one at a time (broadcast, scalar
-// zero term) cost 0.79 ms at 4096x4096 g64 M=1, 1 thread.
 template <int MB, int GROUP>
-void channel(const uint8_t* qweight, const uint16_t* scales, const uint16_t* zeros, const float* xe, const float* xo,
-             const float* xsum, float* y, int64_t col, int64_t m0, int64_t n, int64_t k) {
+struct A16 {
+  using Q = int16_t;
+  static constexpr int QMAX = 32767;
+  // Per-row int32 sums of 8 groups from byte `off`: out[r] = [dot(g0), ..., dot(g7)].
+  static inline void dots8(const uint8_t* w, const Q* xe, const Q* xo, int64_t half_k, int64_t off, __m256i* out) {
+    __m256i acc[MB][8];
+    dots_a16<MB, GROUP, 8>(w, xe, xo, half_k, off, acc);
+    for (int r = 0; r < MB; ++r) out[r] = hsum8_epi32(acc[r]);
+  }
+  static inline void dot1(const uint8_t* w, const Q* xe, const Q* xo, int64_t half_k, int64_t off, int32_t* out) {
+    __m256i acc[MB][1];
+    dots_a16<MB, GROUP, 1>(w, xe, xo, half_k, off, acc);
+    for (int r = 0; r < MB; ++r) out[r] = hsum_epi32(acc[r][0]);
+  }
+};
+
+// ---- int8 activations: 32 bytes (64 codes) a step ----
+// 16-bit pair sums of unsigned codes times signed activations for 32 bytes from `at`, both nibbles.
+inline __m256i pairs_a8(__m256i lo, __m256i hi, const int8_t* xe, const int8_t* xo, int64_t at) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(lo, loadu(xe + at)), _mm256_maddubs_epi16(hi, loadu(xo + at)));
+}
+
+template <int MB, int GROUP>
+struct A8 {
+  using Q = int8_t;
+  static constexpr int QMAX = 127;
+  static inline void split(const uint8_t* p, __m256i& lo, __m256i& hi) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i v = loadu(p);
+    lo = _mm256_and_si256(v, mask);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  }
+  static inline void dots8(const uint8_t* w, const Q* xe, const Q* xo, int64_t half_k, int64_t off, __m256i* out) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (GROUP == 32) {
+      // A 32-byte step covers two groups, one per 128-bit half: after vpmaddwd lanes 0-3 are group 2c, 4-7 2c+1.
+      __m256i acc[MB][4];
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo, hi;
+        split(w + off + 32 * c, lo, hi);
+        for (int r = 0; r < MB; ++r)
+          acc[r][c] = _mm256_madd_epi16(pairs_a8(lo, hi, xe + r * half_k, xo + r * half_k, off + 32 * c), ones);
+      }
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      for (int r = 0; r < MB; ++r) {
+        // [g0, g2, g4, g6 | g1, g3, g5, g7] -> [g0 .. g7]
+        const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[r][0], acc[r][1]),
+                                            _mm256_hadd_epi32(acc[r][2], acc[r][3]));
+        out[r] = _mm256_permutevar8x32_epi32(a, order);
+      }
+    } else {
+      // 16-bit sums stay below 2*15*127 * GROUP/32 <= 15240 for GROUP <= 128: one vpmaddwd per group.
+      __m256i acc[MB][8];
+      for (int i = 0; i < 8; ++i) {
+        __m256i sum16[MB];
+        for (int c = 0; c < GROUP / 64; ++c) {
+          const int64_t at = off + i * (GROUP / 2) + 32 * c;
+          __m256i lo, hi;
+          split(w + at, lo, hi);
+          for (int r = 0; r < MB; ++r) {
+            const __m256i p = pairs_a8(lo, hi, xe + r * half_k, xo + r * half_k, at);
+            sum16[r] = c == 0 ? p : _mm256_add_epi16(sum16[r], p);
+          }
+        }
+        for (int r = 0; r < MB; ++r) acc[r][i] = _mm256_madd_epi16(sum16[r], ones);
+      }
+      for (int r = 0; r < MB; ++r) out[r] = hsum8_epi32(acc[r]);
+    }
+  }
+  static inline void dot1(const uint8_t* w, const Q* xe, const Q* xo, int64_t half_k, int64_t off, int32_t* out) {
+    // One group, 16 bytes at a time on 128-bit vectors (any GROUP, including 32 at an odd group).
+    const __m128i mask = _mm_set1_epi8(0x0F), ones = _mm_set1_epi16(1);
+    __m128i acc[MB];
+    for (int r = 0; r < MB; ++r) acc[r] = _mm_setzero_si128();
+    for (int c = 0; c < GROUP / 32; ++c) {
+      const int64_t at = off + 16 * c;
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + at));
+      const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+      for (int r = 0; r < MB; ++r) {
+        const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xe + r * half_k + at));
+        const __m128i o = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xo + r * half_k + at));
+        const __m128i p = _mm_add_epi16(_mm_maddubs_epi16(lo, e), _mm_maddubs_epi16(hi, o));
+        acc[r] = _mm_add_epi32(acc[r], _mm_madd_epi16(p, ones));
+      }
+    }
+    for (int r = 0; r < MB; ++r) {
+      __m128i s = _mm_add_epi32(acc[r], _mm_shuffle_epi32(acc[r], 0x4E));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+      out[r] = _mm_cvtsi128_si32(s);
+    }
+  }
+};
+
+// The activations of one call: xe/xo [M, K/2] quantized codes, a [M, G] their scales, xs [M, G] = a * sum xq.
+template <typename Q>
+struct Acts {
+  const Q* xe;
+  const Q* xo;
+  const float* a;
+  const float* xs;
+};
+
+// Output channel `col` for MB activation rows from `m0`; writes y[m0 .. m0+MB, col].
+template <template <int, int> class Kind, int MB, int GROUP>
+void channel(const uint8_t* qweight, const uint16_t* scales, const uint16_t* zeros,
+             const Acts<typename Kind<MB, GROUP>::Q>& x, float* y, int64_t col, int64_t m0, int64_t n, int64_t k) {
+  using K = Kind<MB, GROUP>;
   const int64_t half_k = k / 2;
   const int64_t groups = k / GROUP;
   const uint8_t* wrow = qweight + col * half_k;
   const uint16_t* srow = scales + col * groups;
   const uint16_t* zrow = zeros + col * groups;
-  const float* xe_r = xe + m0 * half_k;
-  const float* xo_r = xo + m0 * half_k;
-  const float* xs_r = xsum + m0 * groups;
+  const typename K::Q* xe = x.xe + m0 * half_k;
+  const typename K::Q* xo = x.xo + m0 * half_k;
+  const float* a = x.a + m0 * groups;
+  const float* xs = x.xs + m0 * groups;
   __m256 total[MB];
   for (int r = 0; r < MB; ++r) total[r] = _mm256_setzero_ps();
   const __m256 eight = _mm256_set1_ps(8.f);
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
-    __m256 sums[MB][8];
-    for (int i = 0; i < 8; ++i) {
-      __m256 acc[MB];
-      group_dot<MB, GROUP>(wrow, xe_r, xo_r, half_k, (g + i) * (GROUP / 2), acc);
-      for (int r = 0; r < MB; ++r) sums[r][i] = acc[r];
-    }
+    __m256i dots[MB];
+    K::dots8(wrow, xe, xo, half_k, g * (GROUP / 2), dots);
     const __m256 s = load_bf16x8(srow + g);
     const __m256 z = _mm256_fnmadd_ps(eight, s, load_bf16x8(zrow + g));  // zero - 8 * scale
     for (int r = 0; r < MB; ++r) {
-      total[r] = _mm256_fmadd_ps(s, hsum8(sums[r]), total[r]);
-      total[r] = _mm256_fmadd_ps(z, _mm256_loadu_ps(xs_r + r * groups + g), total[r]);
+      const __m256 sa = _mm256_mul_ps(s, _mm256_loadu_ps(a + r * groups + g));
+      total[r] = _mm256_fmadd_ps(sa, _mm256_cvtepi32_ps(dots[r]), total[r]);
+      total[r] = _mm256_fmadd_ps(z, _mm256_loadu_ps(xs + r * groups + g), total[r]);
     }
   }
   float tail[MB];
@@ -126,31 +231,57 @@ void channel(const uint8_t* qweight, const uint16_t* scales, const uint16_t* zer
   for (; g < groups; ++g) {  // the last groups % 8
     const float s = bf16_to_float(srow[g]);
     const float z = bf16_to_float(zrow[g]) - 8.f * s;
-    __m256 acc[MB];
-    group_dot<MB, GROUP>(wrow, xe_r, xo_r, half_k, g * (GROUP / 2), acc);
-    for (int r = 0; r < MB; ++r) tail[r] += s * hsum(acc[r]) + z * xs_r[r * groups + g];
+    int32_t dot[MB];
+    K::dot1(wrow, xe, xo, half_k, g * (GROUP / 2), dot);
+    for (int r = 0; r < MB; ++r)
+      tail[r] += s * a[r * groups + g] * static_cast<float>(dot[r]) + z * xs[r * groups + g];
   }
-  for (int r = 0; r < MB; ++r) y[(m0 + r) * n + col] = hsum(total[r]) + tail[r];
+  for (int r = 0; r < MB; ++r) y[(m0 + r) * n + col] = hsum_ps(total[r]) + tail[r];
 }
 
-template <int GROUP>
-void channels(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const float* xe, const float* xo,
-              const float* xs, float* yp, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+template <template <int, int> class Kind, int GROUP, typename Q>
+void channels(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<Q>& x, float* yp,
+              int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
   // Channel outermost: its weights come from memory once and stay in L1 for every block of rows.
   for (int64_t c = begin; c < end; ++c) {
     int64_t m0 = 0;
-    for (; m0 + 4 <= m; m0 += 4) channel<4, GROUP>(wp, sp, zp, xe, xo, xs, yp, c, m0, n, k);
-    switch (m - m0) {
-      case 3: channel<3, GROUP>(wp, sp, zp, xe, xo, xs, yp, c, m0, n, k); break;
-      case 2: channel<2, GROUP>(wp, sp, zp, xe, xo, xs, yp, c, m0, n, k); break;
-      case 1: channel<1, GROUP>(wp, sp, zp, xe, xo, xs, yp, c, m0, n, k); break;
-      default: break;
+    for (; m0 + 2 <= m; m0 += 2) channel<Kind, 2, GROUP>(wp, sp, zp, x, yp, c, m0, n, k);
+    if (m0 < m) channel<Kind, 1, GROUP>(wp, sp, zp, x, yp, c, m0, n, k);
+  }
+}
+
+// Quantize x [M, K] per row and group into codes of QMAX, de-interleaved; fills xe, xo, a, xs.
+template <typename Q, typename T>
+void quantize_acts(const T* xp, int64_t m, int64_t k, int64_t group, int qmax, Q* xe, Q* xo, float* a, float* xs) {
+  const int64_t groups = k / group, half_k = k / 2;
+  std::vector<float> row(static_cast<size_t>(group));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < group; ++i) {
+        row[i] = static_cast<float>(xp[r * k + g * group + i]);
+        amax = std::max(amax, std::fabs(row[i]));
+      }
+      const float scale = amax / static_cast<float>(qmax);
+      const float inverse = amax > 0.f ? static_cast<float>(qmax) / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < group / 2; ++j) {
+        const int32_t even = static_cast<int32_t>(std::nearbyint(row[2 * j] * inverse));
+        const int32_t odd = static_cast<int32_t>(std::nearbyint(row[2 * j + 1] * inverse));
+        xe[r * half_k + g * group / 2 + j] = static_cast<Q>(even);
+        xo[r * half_k + g * group / 2 + j] = static_cast<Q>(odd);
+        sum += even + odd;
+      }
+      a[r * groups + g] = scale;
+      xs[r * groups + g] = scale * static_cast<float>(sum);
     }
   }
 }
 
-at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor& zeros, int64_t group) {
+template <template <int, int> class Kind>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
+                  int64_t group) {
+  using Q = typename Kind<1, 32>::Q;
   TORCH_CHECK(group == 32 || group == 64 || group == 128, "group: expected 32, 64 or 128, got ", group);
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte,
               "qweight: expected uint8 [N, K/2], got ", qweight.scalar_type(), " ", qweight.sizes());
@@ -173,62 +304,59 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (m == 0 || n == 0) {
     return out.reshape(out_shape);
   }
-  // Activations in one scratch buffer, filled here rather than by ATen ops (each op costs microseconds, as much as
-  // a 576x576 GEMV): even-k plane [M, K/2], odd-k plane [M, K/2], per-group sums [M, K/g], then y [M, N] fp32.
-  std::vector<float> scratch(static_cast<size_t>(m * k + m * groups + m * n));
-  float* xe_w = scratch.data();
-  float* xo_w = xe_w + m * (k / 2);
-  float* xs_w = xo_w + m * (k / 2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x2.scalar_type(), "w4a16_linear_planes", [&] {
-    const scalar_t* xp = x2.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) {
-          const float even = static_cast<float>(xp[r * k + 2 * j]);
-          const float odd = static_cast<float>(xp[r * k + 2 * j + 1]);
-          xe_w[r * (k / 2) + j] = even;
-          xo_w[r * (k / 2) + j] = odd;
-          sum += even + odd;
-        }
-        xs_w[r * groups + g] = sum;
-      }
-    }
+  // One scratch allocation, filled here rather than by ATen ops (each op costs microseconds, as much as a 576x576
+  // GEMV): codes even/odd [M, K/2] each, then scales and sums [M, G] each, then y [M, N] fp32. The code planes are
+  // padded by 32 bytes so the last 32-byte load of a row stays inside.
+  std::vector<Q> codes(static_cast<size_t>(m * k + 64));
+  std::vector<float> scratch(static_cast<size_t>(2 * m * groups + m * n));
+  Q* xe_w = codes.data();
+  Q* xo_w = xe_w + m * (k / 2);
+  float* a_w = scratch.data();
+  float* xs_w = a_w + m * groups;
+  float* yp = xs_w + m * groups;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x2.scalar_type(), "edge_avx2_quantize", [&] {
+    quantize_acts<Q>(x2.data_ptr<scalar_t>(), m, k, group, Kind<1, 32>::QMAX, xe_w, xo_w, a_w, xs_w);
   });
+  const Acts<Q> acts{xe_w, xo_w, a_w, xs_w};
   at::Tensor qw = qweight.contiguous();
   at::Tensor sc = scales.contiguous();
   at::Tensor ze = zeros.contiguous();
   const uint8_t* wp = qw.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
-  const float* xe = xe_w;
-  const float* xo = xo_w;
-  const float* xs = xs_w;
-  float* yp = xs_w + m * groups;
-  // Grain: enough channels that a task streams tens of KB of weights.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k / 2));  // ~16 KB of weights a task
-  // Two channels per tile (x loaded once for both) measured 2x slower at M=1 (1.53 vs 0.81 ms, 4096x4096 g64,
-  // 1 thread, Zen 5, 2026-11-30); K in chunks that keep x in L1 measured slower at M=4 (3.5 vs 2.2 ms).
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     switch (group) {
-      case 32: channels<32>(wp, sp, zp, xe, xo, xs, yp, begin, end, m, n, k); break;
-      case 64: channels<64>(wp, sp, zp, xe, xo, xs, yp, begin, end, m, n, k); break;
-      default: channels<128>(wp, sp, zp, xe, xo, xs, yp, begin, end, m, n, k); break;
+      case 32: channels<Kind, 32>(wp, sp, zp, acts, yp, begin, end, m, n, k); break;
+      case 64: channels<Kind, 64>(wp, sp, zp, acts, yp, begin, end, m, n, k); break;
+      default: channels<Kind, 128>(wp, sp, zp, acts, yp, begin, end, m, n, k); break;
     }
   });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "w4a16_linear_out", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "edge_avx2_out", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
   });
   return out.reshape(out_shape);
 }
 
+at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& zeros, int64_t group) {
+  return linear<A16>(x, qweight, scales, zeros, group);
+}
+
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group) {
+  return linear<A8>(x, qweight, scales, zeros, group);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edge_avx2, m) {
   m.def("w4a16_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("w4a8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("w4a16_linear", &w4a16_linear);
+  m.impl("w4a8_linear", &w4a8_linear);
 }

@@ -1,13 +1,16 @@
-"""An AVX2 + FMA int4 decode kernel: torch.ops.edge_avx2.w4a16_linear, built from kernels/avx2_int4.cpp.
+"""AVX2 int4 decode kernels: torch.ops.edge_avx2.w4a16_linear and w4a8_linear, built from kernels/avx2_int4.cpp.
 
-    linear(x [..., K], qweight uint8 [N, K/2], scales bf16 [N, K/g], zeros bf16 [N, K/g], group) -> [..., N]
+    linear(x [..., K], qweight uint8 [N, K/2], scales bf16 [N, K/g], zeros bf16 [N, K/g], group, act_bits) -> [..., N]
 
-reads the checkpoint's row-major nibbles as they are (kernels/int4.py) and applies each group's scale and zero once
-per group (y = s * sum q x + (z - 8 s) * sum x), in fp32; the result has x's dtype. Meant for a few rows
-(decode, M <= ~16): it decodes the weights once per block of 4 rows.
+read the checkpoint's row-major nibbles as they are (kernels/int4.py). The activations are quantized once per call,
+per row and group, to integers (act_bits 16: int16, w4a16; 8: int8, w4a8, llama.cpp's Q8 activations); each group's
+integer dot product with the codes meets the group's scale and zero once (y = s a sum q xq + (z - 8 s) a sum xq,
+a = max|x_g| / QMAX), in fp32; the result has x's dtype. The int16 rounding (<= max|x_g| / 65534 an element) is
+below bf16's own rounding of the group's largest element; the int8 rounding is not, and edge-eval measures it.
+Meant for a few rows (decode): a block of 2 rows decodes each code once.
 
 The extension is compiled with the host's C++ compiler the first time it is needed (`torch.utils.cpp_extension.load`,
-~40 s here) and cached under `edge.paths.cache_dir() / "torch_extensions"`; its ISA flags are only -mavx2 -mfma
+~15-40 s) and cached under `edge.paths.cache_dir() / "torch_extensions"`; its ISA flags are only -mavx2 -mfma
 -mf16c (x86-64-v3), so one build runs on every AVX2 CPU. `available()` says whether it can run here and why not:
 no compiler, a CPU without AVX2/FMA, or a failed build. Callers fall back to tinygemm then.
 """
@@ -29,6 +32,7 @@ SOURCE = Path(__file__).with_name("avx2_int4.cpp")
 EXTENSION = "edge_avx2_int4"
 OP_NAMESPACE = "edge_avx2"
 GROUP_SIZES = (32, 64, 128)
+ACT_BITS = {16: "w4a16_linear", 8: "w4a8_linear"}  # activation bits -> the op
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # -fopenmp: at::parallel_for's OpenMP backend
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch has already loaded
@@ -62,7 +66,7 @@ def missing_prerequisite(cpu_flags: set[str], compiler: str | None) -> str | Non
 @lru_cache(maxsize=1)
 def load() -> str | None:
     """Build (or load the cached build of) the extension and register its op; None when it runs here, else why not."""
-    if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "w4a16_linear"):
+    if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "w4a8_linear"):
         return None
     reason = missing_prerequisite(_cpu_flags(), _compiler())
     if reason:
@@ -95,16 +99,19 @@ def available() -> bool:
 
 
 def _register_fake() -> None:
-    @torch.library.register_fake(f"{OP_NAMESPACE}::w4a16_linear")
     def _fake(x, qweight, scales, zeros, group):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    for op in ACT_BITS.values():
+        torch.library.register_fake(f"{OP_NAMESPACE}::{op}")(_fake)
+
 
 def linear(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, act_bits: int = 16
 ) -> torch.Tensor:
-    """y = x @ w.T for the row-major int4 weights; x [..., K] any float dtype -> [..., N] in x's dtype."""
+    """y = x @ w.T for the row-major int4 weights, activations rounded to act_bits (16 or 8) per group;
+    x [..., K] any float dtype -> [..., N] in x's dtype."""
     reason = load()
     if reason:
         raise RuntimeError(reason)
-    return torch.ops.edge_avx2.w4a16_linear(x, qweight, scales, zeros, group)
+    return getattr(torch.ops.edge_avx2, ACT_BITS[act_bits])(x, qweight, scales, zeros, group)

@@ -1,8 +1,12 @@
-"""The AVX2 int4 kernel (kernels/avx2_int4.py) against a plain PyTorch reference: dequantize, then an fp32 matmul.
+"""The AVX2 int4 kernels (kernels/avx2_int4.py) against plain PyTorch references.
 
-Tolerance: the kernel sums q * x per group in fp32 and applies scale and zero once per group; the reference sums
-((q - 8) * s + z) * x. Both are fp32 with different orders of summation, so they agree to fp32 rounding over K
-terms: max |y - ref| <= 1e-5 * (sum_k |w_k x_k| per output, the reduction's own scale), measured ~1e-7 relative.
+Two kinds of check:
+- Exact: inputs whose every value is an integer or a power of two small enough that each group's integer dot
+  product, the per-group scaling and the fp32 sum over groups are exact in any order; there the kernel must equal
+  the int64 reference bit for bit, so any code read from the wrong nibble, a wrong zero or a lost group fails.
+- Bounded: random weights and activations against dequantize-then-fp32-matmul. The kernel computes sum w * x^
+  where x^ is x rounded per row and group to a = max|x_g| / QMAX (QMAX 32767 for act_bits 16, 127 for 8), so
+  |y - ref| <= sum_g (a_g / 2) * sum_{k in g} |w_k|  (the rounding)  +  1e-5 * sum_k |w_k x_k| (fp32 ordering).
 """
 
 import os
@@ -16,6 +20,7 @@ from kernels.int4 import dequantize, quantize_packed
 REASON = avx2_int4.load()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"AVX2 int4 kernel unavailable here: {REASON}")
 RELATIVE = 1e-5
+QMAX = {16: 32767, 8: 127}
 
 
 def _layer(n: int, k: int, group: int, seed: int = 0):
@@ -26,44 +31,104 @@ def _layer(n: int, k: int, group: int, seed: int = 0):
     return qweight[:n].contiguous(), scales[:n].contiguous(), zeros[:n].contiguous()
 
 
-def _check(n: int, k: int, group: int, m: int, dtype=torch.float32, seed: int = 0):
+def _rounding_bound(x: torch.Tensor, w: torch.Tensor, group: int, act_bits: int) -> torch.Tensor:
+    """[M, N]: sum_g (max|x_g| / QMAX / 2) * sum_{k in g} |w_k|."""
+    m, k = x.shape
+    half_step = x.float().abs().reshape(m, k // group, group).amax(-1) / QMAX[act_bits] / 2  # [M, G]
+    w_abs = w.abs().reshape(w.shape[0], k // group, group).sum(-1)  # [N, G]
+    return half_step @ w_abs.t()
+
+
+def _check(n: int, k: int, group: int, m: int, dtype=torch.float32, seed: int = 0, act_bits: int = 16):
     qweight, scales, zeros = _layer(n, k, group, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     w = dequantize(qweight, scales, zeros, group, torch.float32)  # [N, K]
     reference = x.float() @ w.t()  # [M, N]
-    bound = x.float().abs() @ w.abs().t()  # sum_k |x w|: the scale of each output's rounding
-    y = avx2_int4.linear(x, qweight, scales, zeros, group)
+    bound = _rounding_bound(x, w, group, act_bits) + RELATIVE * (x.float().abs() @ w.abs().t()) + 1e-6
+    y = avx2_int4.linear(x, qweight, scales, zeros, group, act_bits)
     assert y.shape == (m, n) and y.dtype == dtype
     if dtype == torch.float32:
-        assert ((y - reference).abs() <= RELATIVE * bound + 1e-6).all()
+        assert ((y - reference).abs() <= bound).all()
     else:  # the kernel's fp32 result rounded once to x's dtype
-        assert torch.equal(y, (avx2_int4.linear(x.float(), qweight, scales, zeros, group)).to(dtype))
+        assert torch.equal(y, (avx2_int4.linear(x.float(), qweight, scales, zeros, group, act_bits)).to(dtype))
 
 
 @needs_kernel
+@pytest.mark.parametrize("act_bits", [16, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("threads", [1, "all"])
-def test_matches_dequantize_then_matmul_per_group_size_rows_and_threads(group, m, threads):
+def test_matches_dequantize_then_matmul_per_group_size_rows_and_threads(group, m, threads, act_bits):
     before = torch.get_num_threads()
     torch.set_num_threads(1 if threads == 1 else max(1, len(os.sched_getaffinity(0))))
     try:
-        _check(960, 1536 if group != 128 else 1024, group, m)
+        _check(960, 1536 if group != 128 else 1024, group, m, act_bits=act_bits)
     finally:
         torch.set_num_threads(before)
 
 
 @needs_kernel
+@pytest.mark.parametrize("act_bits", [16, 8])
 @pytest.mark.parametrize(
-    "n, k, group", [(576, 576, 64), (3072, 576, 32), (576, 1536, 64), (1, 256, 128), (37, 192, 64), (101, 576, 32)]
+    "n, k, group",
+    [(576, 576, 64), (3072, 576, 32), (576, 1536, 64), (1, 256, 128), (37, 192, 64), (101, 576, 32), (5, 96, 32)],
 )
-def test_ragged_and_the_default_models_shapes(n, k, group):
-    _check(n, k, group, 3)
+def test_ragged_and_the_default_models_shapes(n, k, group, act_bits):
+    _check(n, k, group, 3, act_bits=act_bits)
+
+
+def _exact_case(n: int, k: int, group: int, m: int, act_bits: int, seed: int):
+    """Codes 0..15, scales 1/2, 1 or 2, zeros = 8 s + s/2 * c (c in -1..1), integer activations |x| <= 15 with one
+    +-QMAX in every group (so each group's a = 1 and x^ = x; that element meets code 0, so it adds (z - 8 s) QMAX).
+    The kernel forms s * sum q x and (z - 8 s) * sum x per group; both are multiples of 1/4 and their sums over
+    groups stay below 2^22 (checked here), so the result is exact in fp32 in any order."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = k // group
+    codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    codes.view(n, groups, group)[:, :, 0] = 0
+    qweight = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    scales = (2.0 ** torch.randint(-1, 2, (n, groups), generator=generator)).to(torch.bfloat16).float()
+    zeros = 8 * scales + scales / 2 * torch.randint(-1, 2, (n, groups), generator=generator)
+    x = torch.randint(-15, 16, (m, k), generator=generator).float()
+    sign = torch.where(torch.rand(m, groups, generator=generator) < 0.5, -1.0, 1.0)
+    x.view(m, groups, group)[:, :, 0] = QMAX[act_bits] * sign
+    xg = x.double().reshape(m, groups, group)
+    code_part = torch.einsum("mgk,ngk->mng", xg.abs(), codes.double().reshape(n, groups, group)) * scales.double()
+    zero_part = xg.sum(-1).abs()[:, None, :] * (zeros - 8 * scales).double().abs()
+    assert (code_part + zero_part).sum(-1).max() < 2**22  # the premise: exact in fp32 whatever the order
+    w = (codes.double() - 8) * scales.double().repeat_interleave(group, 1) + zeros.double().repeat_interleave(group, 1)
+    return x, qweight, scales.to(torch.bfloat16), zeros.to(torch.bfloat16), (x.double() @ w.t()).float()
 
 
 @needs_kernel
-def test_bf16_activations_give_the_fp32_result_rounded_once():
-    _check(576, 576, 64, 4, dtype=torch.bfloat16)
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n, k, m", [(64, 1024, 1), (37, 384, 3), (8, 2048, 2)])
+def test_integer_inputs_give_the_int64_reference_bit_for_bit(act_bits, group, n, k, m):
+    x, qweight, scales, zeros, reference = _exact_case(n, k, group, m, act_bits, seed=n * k + group + act_bits)
+    y = avx2_int4.linear(x, qweight, scales, zeros, group, act_bits)
+    assert torch.equal(y, reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_bf16_activations_give_the_fp32_result_rounded_once(act_bits):
+    _check(576, 576, 64, 4, dtype=torch.bfloat16, act_bits=act_bits)
+
+
+@needs_kernel
+def test_int16_activations_err_far_less_than_int8_and_about_as_little_as_fp32():
+    """The int16 kernel's error against the fp32 reference is within 2x of tinygemm-free fp32 arithmetic's
+    (dequantize then bf16 activations in fp32), while int8 activations err several times more."""
+    qweight, scales, zeros = _layer(1024, 2048, 64)
+    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(7))
+    w = dequantize(qweight, scales, zeros, 64, torch.float32)
+    reference = x @ w.t()
+    error = {bits: (avx2_int4.linear(x, qweight, scales, zeros, 64, bits) - reference).norm() / reference.norm()
+             for bits in (16, 8)}  # fmt: skip
+    bf16_input = (x.to(torch.bfloat16).float() @ w.t() - reference).norm() / reference.norm()
+    assert error[16] < 0.05 * bf16_input  # int16 rounding is far below bf16's rounding of the same activations
+    assert error[8] > 5 * error[16]
 
 
 @needs_kernel
@@ -94,8 +159,8 @@ def test_the_fake_implementation_gives_shape_and_dtype_without_running():
     with FakeTensorMode() as mode:
         x = mode.from_tensor(torch.randn(5, 128, dtype=torch.bfloat16))
         fake = [mode.from_tensor(t) for t in (qweight, scales, zeros)]
-        y = torch.ops.edge_avx2.w4a16_linear(x, *fake, 64)
-    assert y.shape == (5, 96) and y.dtype == torch.bfloat16
+        ys = [torch.ops.edge_avx2.w4a16_linear(x, *fake, 64), torch.ops.edge_avx2.w4a8_linear(x, *fake, 64)]
+    assert all(y.shape == (5, 96) and y.dtype == torch.bfloat16 for y in ys)
 
 
 def test_without_a_compiler_the_reason_says_so_and_names_the_fallback():
