@@ -1,4 +1,5 @@
-"""The AVX2 int4 kernel (kernels/avx2_int4.py) against tinygemm and bf16 at decode: ms and GB/s of weights read.
+"""The AVX2 int4 kernels (kernels/avx2_int4.py: int16 and int8 activations) against tinygemm and bf16 at decode:
+ms and GB/s of weights read.
 
     python benchmarks/avx2_gemv.py [--rounds 30] [--rows 1,4] [--group 64] [--json]
 
@@ -25,7 +26,7 @@ import torch
 
 SHAPES = [(4096, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536)]  # N x K; the default model's four
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-KERNELS = ("avx2", "tinygemm", "bf16")
+KERNELS = ("avx2", "avx2-w4a8", "tinygemm", "bf16")
 
 
 def _builders(group: int):
@@ -34,9 +35,12 @@ def _builders(group: int):
     from kernels.tinygemm import linear as tinygemm_linear
     from kernels.tinygemm import to_tinygemm
 
-    def avx2(w):
-        q, s, z = quantize_packed(w, group)
-        return (lambda x: avx2_int4.linear(x, q, s, z, group)), q.nbytes + s.nbytes + z.nbytes
+    def avx2_kernel(act_bits):
+        def build(w):
+            q, s, z = quantize_packed(w, group)
+            return (lambda x: avx2_int4.linear(x, q, s, z, group, act_bits)), q.nbytes + s.nbytes + z.nbytes
+
+        return build
 
     def tinygemm(w):
         packed, sz = to_tinygemm(*quantize_packed(w, group), group)
@@ -46,7 +50,7 @@ def _builders(group: int):
         held = w.to(torch.bfloat16)
         return (lambda x: torch.nn.functional.linear(x, held)), held.nbytes
 
-    return {"avx2": avx2, "tinygemm": tinygemm, "bf16": bf16}
+    return {"avx2": avx2_kernel(16), "avx2-w4a8": avx2_kernel(8), "tinygemm": tinygemm, "bf16": bf16}
 
 
 def measure(rounds: int, rows: list[int], group: int) -> dict:
@@ -55,7 +59,7 @@ def measure(rounds: int, rows: list[int], group: int) -> dict:
 
     torch.set_num_threads(1)
     reason = load()
-    kernels = [k for k in KERNELS if not (k == "avx2" and reason)]
+    kernels = [k for k in KERNELS if not (k.startswith("avx2") and reason)]
     llc = last_level_cache_bytes()
     builders = _builders(group)
     results = []
@@ -114,9 +118,9 @@ def table(native: dict, avx2: dict) -> str:
         f"CPU: {_cpu_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
         f"native dispatch {native['capability']}, child {avx2['capability']}",
         "",
-        "| N x K | M | avx2 kernel ms (GB/s) | tinygemm native ms (GB/s) | tinygemm AVX2 ms (GB/s) | bf16 native ms |"
-        " bf16 AVX2 ms | avx2 kernel vs tinygemm AVX2 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| N x K | M | avx2 int16 ms (GB/s) | avx2 int8 ms (GB/s) | tinygemm native ms (GB/s) | "
+        "tinygemm AVX2 ms (GB/s) | bf16 native ms | bf16 AVX2 ms | int16 vs tinygemm AVX2 | int8 vs tinygemm AVX2 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pick(run, n, k, m, kernel):
@@ -126,11 +130,13 @@ def table(native: dict, avx2: dict) -> str:
         if r["kernel"] != "avx2":
             continue
         n, k, m = r["n"], r["k"], r["m"]
+        a8 = pick(native, n, k, m, "avx2-w4a8")
         tg, tg2 = pick(native, n, k, m, "tinygemm"), pick(avx2, n, k, m, "tinygemm")
         bf, bf2 = pick(native, n, k, m, "bf16"), pick(avx2, n, k, m, "bf16")
         lines.append(
-            f"| {n}x{k} | {m} | {r['ms']:.3f} ({r['gb_s']:.1f}) | {tg['ms']:.3f} ({tg['gb_s']:.1f}) | "
-            f"{tg2['ms']:.3f} ({tg2['gb_s']:.1f}) | {bf['ms']:.3f} | {bf2['ms']:.3f} | {tg2['ms'] / r['ms']:.2f}x |"
+            f"| {n}x{k} | {m} | {r['ms']:.3f} ({r['gb_s']:.1f}) | {a8['ms']:.3f} ({a8['gb_s']:.1f}) | "
+            f"{tg['ms']:.3f} ({tg['gb_s']:.1f}) | {tg2['ms']:.3f} ({tg2['gb_s']:.1f}) | {bf['ms']:.3f} | "
+            f"{bf2['ms']:.3f} | {tg2['ms'] / r['ms']:.2f}x | {tg2['ms'] / a8['ms']:.2f}x |"
         )
     return "\n".join(lines)
 

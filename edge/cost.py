@@ -19,7 +19,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from edge.calibration import CalibrationRecord, KernelResult
-from edge.kernel_params import avx2_decode_rows
+from edge.kernel_params import AVX2_REGISTRY, avx2_decode_rows
 from edge.kernel_registry import FORMAT_KERNEL, PREFILL_KERNELS, kernels_for
 from edge.plan import Layout, WeightPath
 from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision
@@ -152,16 +152,23 @@ def faster_prefill(record: CalibrationRecord, shapes: list[tuple[int, int]], row
     return min(costs, key=costs.__getitem__) if costs else None
 
 
-def faster_decode(record: CalibrationRecord, shapes: list[tuple[int, int]]) -> str:
-    """"avx2" when the record timed the AVX2 int4 kernel faster than tinygemm at 1 row summed over these shapes
-    (both measured at every shape), else "tinygemm"."""
-    try:
-        avx2, tinygemm = kernel_times(record, "avx2-int4"), kernel_times(record, "tinygemm")
-        avx2_ms = sum(avx2.ms(n, k, 1) for n, k in shapes)
-        tinygemm_ms = sum(tinygemm.ms(n, k, 1) for n, k in shapes)
-    except Unmeasured:
-        return "tinygemm"
-    return "avx2" if avx2_ms < tinygemm_ms else "tinygemm"
+def faster_decode(record: CalibrationRecord, shapes: list[tuple[int, int]]) -> tuple[str, bool]:
+    """(decode kernel, int8 faster): "avx2" when the record timed the AVX2 int4 kernel (int16 activations) faster
+    than tinygemm at 1 row summed over these shapes, else "tinygemm"; and whether the int8-activation AVX2 kernel
+    ("avx2-w4a8") was timed faster than that one. A kernel the record lacks is not chosen."""
+
+    def decode_ms(name: str) -> float | None:
+        try:
+            times = kernel_times(record, name)
+            return sum(times.ms(n, k, 1) for n, k in shapes)
+        except Unmeasured:
+            return None
+
+    tinygemm, avx2, w4a8 = decode_ms("tinygemm"), decode_ms("avx2-int4"), decode_ms("avx2-w4a8")
+    if tinygemm is None:
+        return "tinygemm", False
+    decode, best = ("avx2", avx2) if avx2 is not None and avx2 < tinygemm else ("tinygemm", tinygemm)
+    return decode, w4a8 is not None and w4a8 < best
 
 
 @dataclass
@@ -179,8 +186,8 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
                  decode_kernel: str = "tinygemm") -> RequestCost:  # fmt: skip
     """Raises Unmeasured when a kernel the option needs has no times in the record.
 
-    decode_kernel "avx2" (edge.kernel_params): a w4a16 path's int4 layers run batches of up to
-    avx2_decode_rows() rows on the AVX2 int4 kernel instead of tinygemm."""
+    decode_kernel "avx2" or "avx2-w4a8" (edge.kernel_params): a w4a16 path's int4 layers run batches of up to
+    avx2_decode_rows() rows on that AVX2 int4 kernel instead of tinygemm."""
     int4_kernels = {
         "decode": kernels_for(path, layout, "decode"),
         "prefill": kernels_for(path, layout, "prefill"),
@@ -197,9 +204,9 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
             names = int4_kernels[role] or int4_kernels["decode"]
             assert names, f"{path}/{layout} has no kernel for {role}"
             name = names[0]
-            if decode_kernel == "avx2" and path == "w4a16-tinygemm" and lin.format == "int4" \
+            if decode_kernel in AVX2_REGISTRY and path == "w4a16-tinygemm" and lin.format == "int4" \
                     and m <= avx2_decode_rows():
-                name = "avx2-int4"
+                name = AVX2_REGISTRY[decode_kernel]
         else:
             name = FORMAT_KERNEL[lin.format]
             if name != "bf16" and record.timed(name) is None and record.timed("bf16") is not None:

@@ -10,9 +10,13 @@ vLLM method reads them from there, so the engine runs what the plan accounted fo
     dequant_threshold   rows from which a batch dequantizes and runs a GEMM instead of tinygemm
     prefill_dtype       the dtype of that GEMM
     repack_chunk_rows   output channels repacked at a time at load (bounds the int32 transient)
-    decode_kernel       what runs batches of up to decode_rows(): "tinygemm", or "avx2" (kernels/avx2_int4.cpp,
-                        which reads the row-major copy, so every layer keeps one); "avx2" only where a calibration
-                        record timed it faster than tinygemm at 1 row on the model's shapes
+    decode_kernel       what runs batches of up to avx2_decode_rows(): "tinygemm", or one of the AVX2 int4 kernels
+                        (kernels/avx2_int4.cpp, which read the row-major copy, so every layer keeps one): "avx2"
+                        (int16 activations, tinygemm's numbers) where the CPU runs torch's AVX2 code (its tinygemm is
+                        2-4x slower there, docs/reports) or a calibration record timed it faster than tinygemm at 1
+                        row on the model's shapes; "avx2-w4a8" (int8 activations) only for the speed priority, where
+                        it is faster still and an edge-eval record of the model shows the quality floor holds
+                        (edge.planner)
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ from edge.device import DeviceProfile
 from edge.facts import fact
 
 PrefillDtype = Literal["bfloat16", "float32"]
-DecodeKernel = Literal["tinygemm", "avx2"]
-DECODE_KERNELS: tuple[DecodeKernel, ...] = ("tinygemm", "avx2")
+DecodeKernel = Literal["tinygemm", "avx2", "avx2-w4a8"]
+DECODE_KERNELS: tuple[DecodeKernel, ...] = ("tinygemm", "avx2", "avx2-w4a8")
+# The AVX2 decode kernels: the activation bits kernels/avx2_int4 rounds to, and their edge.kernel_registry names.
+AVX2_ACT_BITS: dict[str, int] = {"avx2": 16, "avx2-w4a8": 8}
+AVX2_REGISTRY: dict[str, str] = {"avx2": "avx2-int4", "avx2-w4a8": "avx2-w4a8"}
 PREFILL_DTYPES: tuple[PrefillDtype, ...] = ("bfloat16", "float32")
 # torch.backends.cpu.get_cpu_capability() -> the facts-table key of the block it packs with.
 _BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block"}
@@ -73,8 +80,8 @@ def repack_chunk_rows(*, amx: bool, block: int) -> int:
 
 
 def avx2_decode_rows() -> int:
-    """Batches of up to this many rows take the AVX2 int4 kernel when decode_kernel is "avx2"; wider ones take
-    tinygemm (measured: 1.7-2.1x tinygemm's AVX2 path at 1 row, 1.2-1.5x at 2, 0.8x at 4)."""
+    """Batches of up to this many rows take the AVX2 int4 kernel when decode_kernel names one; wider ones take
+    tinygemm (the measured crossover under AVX2 dispatch, facts table)."""
     return int(fact("avx2.avx2_int4_decode_rows").value)
 
 
@@ -88,6 +95,9 @@ class KernelParams:
     repack_chunk_rows: int
     measured: str | None = None  # how the threshold and dtype were measured, when a calibration record set them
     decode_kernel: DecodeKernel = "tinygemm"
+    # The int8-activation kernel ("avx2-w4a8") is faster than decode_kernel here: the speed priority takes it where
+    # the model's measured quality allows (edge.planner); why, for the plan's reasons.
+    int8_decode: str | None = None
 
 
 def params(*, capability: str | None, amx: bool, native_bf16: bool, block: int) -> KernelParams:
@@ -124,7 +134,12 @@ def for_device(device: DeviceProfile, record: CalibrationRecord | None = None,
         block=block or int(fact("avx2.tinygemm_block").value),
     )
     if record is None or not shapes:
-        return base
+        if capability != "AVX2":
+            return base
+        # torch's AVX2 tinygemm: the AVX2 kernels measured 3.6x (int16) and 5.6x (int8 activations) faster at 1
+        # row, 4096x4096 (facts avx2.1t.gemm.m1.*); without a compiler cpu_int4 logs why and keeps tinygemm.
+        return replace(base, decode_kernel="avx2", int8_decode="the AVX2 int8-activation kernel, faster than the "
+                       "int16 one at 1 row under AVX2 dispatch (facts table; no calibration record)")
     return measured(base, record, shapes, amx=device.has_amx)
 
 
@@ -141,7 +156,10 @@ def measured(base: KernelParams, record: CalibrationRecord, shapes: list[tuple[i
            + ("the AMX hazard's value" if amx else "the measured crossover with tinygemm" if crossover
               else "the facts table's value (dequantize never beat tinygemm up to the rows timed)")
            + f" ({record.describe()})")  # fmt: skip
-    decode = faster_decode(record, shapes)
+    decode, int8 = faster_decode(record, shapes)
     if decode == "avx2":
         how += "; decode rows on the AVX2 int4 kernel, measured faster than tinygemm at 1 row"
-    return replace(base, prefill_dtype=dtype, dequant_threshold=threshold, measured=how, decode_kernel=decode)
+    int8_decode = (f"the AVX2 int8-activation kernel, measured faster than {decode} at 1 row ({record.describe()})"
+                   if int8 else None)  # fmt: skip
+    return replace(base, prefill_dtype=dtype, dequant_threshold=threshold, measured=how, decode_kernel=decode,
+                   int8_decode=int8_decode)  # fmt: skip

@@ -59,8 +59,10 @@ KERNELS: dict[str, KernelSpec] = {
                    (Serves(_W4A16, ("direct", "dual"), "prefill"),)),
         # Serves no layout by itself: a plan picks it for decode rows with quantization_config's decode_kernel
         # (edge.kernel_params), where a record timed it faster than tinygemm at 1 row.
-        KernelSpec("avx2-int4", "this project's AVX2+FMA int4 GEMV on the row-major copy (kernels/avx2_int4.cpp)",
-                   "edge_avx2::w4a16_linear", "torch", "int4-rowmajor", False),
+        KernelSpec("avx2-int4", "this project's AVX2 int4 GEMV on the row-major copy, activations rounded to int16 "
+                   "per group (kernels/avx2_int4.cpp)", "edge_avx2::w4a16_linear", "torch", "int4-rowmajor", False),
+        KernelSpec("avx2-w4a8", "this project's AVX2 int4 GEMV on the row-major copy, activations quantized to int8 "
+                   "per group (kernels/avx2_int4.cpp)", "edge_avx2::w4a8_linear", "torch", "int4-rowmajor", True),
         KernelSpec("int8", "int8 weights per output channel, bf16 activations (the 8-bit set: head, embedding)",
                    "aten::_weight_int8pack_mm", "torch", "int8-channel", False),
         KernelSpec("vllm-wna16", "vLLM's GPTQ/AWQ kernel (what a GPTQ checkpoint gets without W4A8)",

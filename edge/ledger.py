@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from edge import rules
 from edge.export_plan import WEIGHT_BLOCK
 from edge.facts import fact
-from edge.kernel_params import KernelParams
+from edge.kernel_params import AVX2_ACT_BITS, KernelParams
 from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
 from edge.quantized_layers import EMBEDDING, LayerDecision, QuantRules, model_layers, rules_for
 from edge.shapes import LinearShape, ModelShape
@@ -221,24 +221,27 @@ def _tinygemm_weights(
             items.append(_int8(lin))
         else:
             items.append(_kept_bf16(lin, decision.why))
-    return items + _row_major_copies(packed, layout, group, block, avx2=decode_kernel == "avx2")
+    avx2 = decode_kernel in AVX2_ACT_BITS
+    return items + _row_major_copies(packed, layout, group, block, avx2=avx2, decode_kernel=decode_kernel)
 
 
 def _row_major_copies(
-    packed: Iterable[LinearShape], layout: Layout, group: int, block: int, *, avx2: bool = False
+    packed: Iterable[LinearShape], layout: Layout, group: int, block: int, *, avx2: bool = False,
+    decode_kernel: str = "avx2",
 ) -> list[MemoryItem]:
     """The row-major copies a layout keeps beside the tinygemm buffers.
 
     dual: every quantized layer, for prefill dequantize; direct: only layers whose N does not tile the host
     block (docs/FACTS.md: direct saved 615 MB of dual's 3542 MB resident on Spark); kernel-only: none.
-    avx2 (decode_kernel "avx2"): every quantized layer in any layout, the copy the AVX2 decode kernel reads.
+    avx2 (decode_kernel "avx2" or "avx2-w4a8"): every quantized layer in any layout, the copy the AVX2 decode
+    kernel reads.
     """
     if layout == "kernel-only" and not avx2:
         return []
     items = []
     for lin in packed:
         if avx2:
-            why = "AVX2 decode kernel (decode_kernel: avx2) reads the row-major copy"
+            why = f"AVX2 decode kernel (decode_kernel: {decode_kernel}) reads the row-major copy"
         elif layout == "dual":
             why = "dual layout: row-major copy for prefill dequantize"
         elif not rules.tiles_block(lin, block):

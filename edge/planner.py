@@ -7,7 +7,7 @@ option that runs and fits; every other option becomes an alternative with why no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edge import kernel_params, ledger, rules
 from edge.calibration import CalibrationRecord
@@ -227,6 +227,7 @@ def make_plan(
         max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_kld=max_kld, calibration=calibration,
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
     )  # fmt: skip
+    req, decode_reason = _int8_decode(req, gates, quality or [])
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
                            _measured(option, gates[option.path], req, quality or []))
                  for option in _options(req, gates)]  # fmt: skip
@@ -265,8 +266,36 @@ def make_plan(
         pinned=path is not None,
         forced=force and not gate.runnable,
     )  # fmt: skip
+    if decode_reason is not None and option.path == "w4a16-tinygemm":
+        plan.reasons.append(decode_reason)
     _set_threads(plan, req)
     return plan
+
+
+def _int8_decode(req: Request, gates: dict[WeightPath, Gate],
+                 records: list[QualityRecord]) -> tuple[Request, Reason | None]:  # fmt: skip
+    """The speed priority's decode on the int8-activation AVX2 kernel where it is faster (req.kernel.int8_decode)
+    and an edge-eval record of this model with it shows the quality floor holds; else the kernel stays, and the
+    reason says why. Fidelity never quantizes activations to 8 bits."""
+    kernel = req.kernel
+    if kernel.int8_decode is None or req.priority != "speed":
+        return req, None
+    trial = replace(req, kernel=replace(kernel, decode_kernel="avx2-w4a8"))
+    probe = Option("w4a16-tinygemm", "direct", None, "")  # layout does not enter the quality key
+    record = find(records, req.model.name,
+                  quality_key("w4a16-tinygemm", _qconfig(probe, gates["w4a16-tinygemm"], trial)))  # fmt: skip
+    if record is None:
+        return req, Reason(
+            text=f"decode stays on {kernel.decode_kernel}: {kernel.int8_decode}, but no edge-eval record of this model "
+            "with int8 activations shows the quality floor holds (edge-eval --plan PLAN --decode-kernel avx2-w4a8 "
+            "measures it, and the next plan reads the record)", source="derived")  # fmt: skip
+    measured = (f"int8 activations measured mean KLD {record.kld_mean:.4f} (top-1 {record.top1_agreement:.1%}, "
+                f"{record.tokens} tokens)")  # fmt: skip
+    if record.kld_mean > req.max_kld:
+        return req, Reason(text=f"decode stays on {kernel.decode_kernel}: {measured} exceeds --max-kld {req.max_kld:g}",
+                           value=record.kld_mean, unit="nats/token", source="measured by edge-eval")  # fmt: skip
+    return trial, Reason(text=f"decode rows on {kernel.int8_decode}; {measured}, within --max-kld {req.max_kld:g}",
+                         value=record.kld_mean, unit="nats/token", source="measured by edge-eval")  # fmt: skip
 
 
 def _set_threads(plan: Plan, req: Request) -> None:

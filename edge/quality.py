@@ -27,6 +27,9 @@ DEFAULT_MAX_KLD = 0.08
 # Settings of a quantization_config that change the weights' values (and so the quality).
 _NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "quantize_embedding",
                  "int8", "ignore", "lm_head")  # fmt: skip
+# Decode kernels whose arithmetic changes the numbers: int8 activations. The int16 "avx2" kernel gives tinygemm's
+# (edge-eval: KLD difference < 0.001, docs/reports/2026-11-30-avx2-kernel.md), so it shares tinygemm's records.
+_LOSSY_DECODE_KERNELS = ("avx2-w4a8",)
 
 
 class QualityRecord(BaseModel):
@@ -64,6 +67,8 @@ def quality_key(path: str, qconfig: Mapping[str, Any] | None) -> dict[str, Any]:
         if qconfig and name in qconfig:
             value = qconfig[name]
             key[name] = sorted(value) if isinstance(value, list) else value
+    if qconfig and qconfig.get("decode_kernel") in _LOSSY_DECODE_KERNELS:
+        key["decode_kernel"] = qconfig["decode_kernel"]
     return key
 
 

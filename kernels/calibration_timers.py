@@ -117,22 +117,26 @@ def _tinygemm(w: torch.Tensor, group: int) -> Weights:
     return Weights(reference, packed.nbytes + scales_and_zeros.nbytes, copy)
 
 
-def _avx2_int4(w: torch.Tensor, group: int) -> Weights:
-    """The AVX2 int4 kernel on the row-major checkpoint tensors (built on first use; absent without a compiler
-    or AVX2/FMA)."""
-    from kernels import avx2_int4
+def _avx2_kernel(act_bits: int) -> Callable[[torch.Tensor, int], Weights]:
+    """An AVX2 int4 kernel on the row-major checkpoint tensors, activations rounded to act_bits (built on first
+    use; absent without a compiler or AVX2/FMA)."""
 
-    reason = avx2_int4.load()
-    if reason:
-        raise Absent(reason)
-    qweight, scales, zeros = quantize_packed(w, group)  # [N, K/2] uint8, [N, K/g] bf16 x2
+    def build(w: torch.Tensor, group: int) -> Weights:
+        from kernels import avx2_int4
 
-    def copy() -> Run:
-        held = [t.clone() for t in (qweight, scales, zeros)]
-        return lambda x: avx2_int4.linear(x, *held, group)
+        reason = avx2_int4.load()
+        if reason:
+            raise Absent(reason)
+        qweight, scales, zeros = quantize_packed(w, group)  # [N, K/2] uint8, [N, K/g] bf16 x2
 
-    reference = dequantize(qweight, scales, zeros, group, torch.float32)
-    return Weights(reference, qweight.nbytes + scales.nbytes + zeros.nbytes, copy)
+        def copy() -> Run:
+            held = [t.clone() for t in (qweight, scales, zeros)]
+            return lambda x: avx2_int4.linear(x, *held, group, act_bits)
+
+        reference = dequantize(qweight, scales, zeros, group, torch.float32)
+        return Weights(reference, qweight.nbytes + scales.nbytes + zeros.nbytes, copy)
+
+    return build
 
 
 def _dequantized_gemm(dtype: torch.dtype) -> Callable[[torch.Tensor, int], Weights]:
@@ -276,7 +280,8 @@ def _onednn_int8(w: torch.Tensor, group: int) -> Weights:
 TIMERS: dict[str, Callable[[torch.Tensor, int], Weights]] = {
     "bf16": _bf16,
     "tinygemm": _tinygemm,
-    "avx2-int4": _avx2_int4,
+    "avx2-int4": _avx2_kernel(16),
+    "avx2-w4a8": _avx2_kernel(8),
     "dequant-bf16": _dequantized_gemm(torch.bfloat16),
     "dequant-fp32": _dequantized_gemm(torch.float32),
     "int8": _int8,

@@ -205,7 +205,9 @@ class CpuInt4Config(PluginConfig):
         self.decode_kernel = decode_kernel
         # Rows that take the AVX2 kernel; 0 (tinygemm) when it was not asked for or cannot run here (no compiler,
         # no AVX2/FMA: kernels/avx2_int4.available() logs why).
-        self.avx2_rows = kernel_params.avx2_decode_rows() if decode_kernel == "avx2" and _avx2_available() else 0
+        avx2 = decode_kernel in kernel_params.AVX2_ACT_BITS and _avx2_available()
+        self.avx2_rows = kernel_params.avx2_decode_rows() if avx2 else 0
+        self.avx2_bits = kernel_params.AVX2_ACT_BITS.get(decode_kernel, 16)  # its activations: int16 or int8
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
     def __repr__(self) -> str:
@@ -417,6 +419,7 @@ def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias:
         config.dequant_threshold,
         config.prefill_dtype == "float32",
         config.avx2_rows,
+        config.avx2_bits,
     )
     return y if bias is None else y + bias
 

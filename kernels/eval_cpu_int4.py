@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from edge.errors import InputError
+from kernels import avx2_int4
 from kernels.eval_model import prefix_of, replace_module, submodule
 from kernels.int4_ops import (
     DIRECT,
@@ -41,6 +42,9 @@ class Int4Settings:
     mode: int  # for a layer whose N tiles the host block; DIRECT falls back to DUAL per layer
     dequant_threshold: int
     fp32_prefill: bool
+    # decode_kernel "avx2"/"avx2-w4a8": every row runs that AVX2 kernel (its activation bits), so each scored
+    # position is computed as a decoded token is; None: tinygemm and the dequantize branch, as configured.
+    avx2_bits: int | None = None
 
 
 def engine_settings(qconfig: dict[str, Any]) -> Int4Settings:
@@ -48,7 +52,13 @@ def engine_settings(qconfig: dict[str, Any]) -> Int4Settings:
     from kernels.cpu_int4 import CpuInt4Config  # imports vLLM's layer classes
 
     config = CpuInt4Config.from_config(qconfig)
-    return Int4Settings(config.group_size, config.mode, config.dequant_threshold, config.prefill_dtype == "float32")
+    if config.decode_kernel != "tinygemm" and not config.avx2_rows:
+        from kernels import avx2_int4
+
+        raise InputError("quantization_config.decode_kernel", config.decode_kernel,
+                         f"a decode kernel that runs here ({avx2_int4.load()})")  # fmt: skip
+    return Int4Settings(config.group_size, config.mode, config.dequant_threshold, config.prefill_dtype == "float32",
+                        config.avx2_bits if config.avx2_rows else None)  # fmt: skip
 
 
 class Int4Linear(nn.Module):
@@ -72,7 +82,7 @@ class Int4Linear(nn.Module):
         packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, group)
         self.register_buffer("packed", packed)  # [N, K/2] uint8, host layout
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/g, N, 2] bf16
-        keep = mode == DUAL  # the engine drops the row-major copy in the other modes
+        keep = mode == DUAL or settings.avx2_bits is not None  # the engine drops it elsewhere
         self.register_buffer("qweight", qweight if keep else torch.empty(0, dtype=torch.uint8))
         self.register_buffer("scales", scales if keep else torch.empty(0, dtype=torch.bfloat16))
         self.register_buffer("zeros", zeros if keep else torch.empty(0, dtype=torch.bfloat16))
@@ -81,6 +91,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         settings = self.settings
+        if settings.avx2_bits is not None and self.qweight.numel():
+            y = avx2_int4.linear(x.to(torch.bfloat16), self.qweight, self.scales, self.zeros, self.group,
+                                 settings.avx2_bits)  # fmt: skip
+            return y if self.bias is None else y + self.bias
         y = _linear_impl(x, self.packed, self.scales_and_zeros, self.qweight, self.scales, self.zeros, self.group,
                          self.mode, settings.dequant_threshold, fp32_prefill=settings.fp32_prefill)  # fmt: skip
         return y if self.bias is None else y + self.bias
@@ -137,6 +151,10 @@ def describe(
     """What runs, for the report."""
     dtype = "fp32" if settings.fp32_prefill else "bf16"
     wide = f"dequantize + {dtype} GEMM" if settings.mode != KERNEL_ONLY else "tinygemm"
+    narrow = "tinygemm (_weight_int4pack_mm_for_cpu)"
+    if settings.avx2_bits is not None:  # every row, as each decoded token is computed
+        wide = narrow = (f"the AVX2 decode kernel, int{settings.avx2_bits} activations (edge_avx2), every row "
+                         "(each position computed as a decoded token is)")  # fmt: skip
     return {
         "kernel": "kernels.int4_ops._linear_impl / _embedding_impl (the bodies of vLLM's cpu_int4 ops)"
         + (", _int8_linear_impl / _int8_embedding_impl for the 8-bit set" if int8 else ""),
@@ -144,7 +162,7 @@ def describe(
         "group_size": settings.group,
         "dequant_threshold": settings.dequant_threshold,
         "rows_at_or_above_threshold": wide,
-        "rows_below_threshold": "tinygemm (_weight_int4pack_mm_for_cpu)",
+        "rows_below_threshold": narrow,
         "tinygemm_block": host_layout().block,
         "int4_layers": len(int4),
         "int8_layers": int8,

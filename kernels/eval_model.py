@@ -53,11 +53,12 @@ def load_source(directory: Path) -> nn.Module:
     return model.eval()
 
 
-def load_candidate(directory: Path, source_dir: Path) -> Candidate:
-    """The source's architecture with the candidate checkpoint's tensors and kernels (module docstring)."""
+def load_candidate(directory: Path, source_dir: Path, qconfig: dict[str, Any] | None = None) -> Candidate:
+    """The source's architecture with the candidate checkpoint's tensors and kernels (module docstring); qconfig:
+    the quantization_config to run it with instead of the checkpoint's (the same weights, another decode kernel)."""
     config = read_config(directory, "CANDIDATE")
     method = quant_method(config)
-    qconfig = config.get("quantization_config")
+    qconfig = config.get("quantization_config") if qconfig is None else qconfig
     model = load_source(source_dir)
     tensors = _read_tensors(Path(directory))
     quantized = _copy_plain_tensors(model, tensors)

@@ -14,6 +14,11 @@ Reported, each with its standard error (kernels/quality_metrics.py):
     confident flips     positions where the source's top-1 has p > 0.5 and the candidate's top-1 differs,
                         as a fraction of all scored tokens (and how many positions were confident)
 
+--decode-kernel avx2|avx2-w4a8|tinygemm runs a `cpu_int4` candidate with that decode kernel instead of the one its
+quantization_config names (the same weights): every row then goes through the AVX2 kernel, so each scored
+position is computed as a decoded token is, and the record's key says which kernel (int8 activations change
+the numbers; the speed plan reads that record before it decodes with them).
+
 Results are cached under $EDGE_SELECT_CACHE_DIR/quality/, keyed by the source and candidate files, the
 candidate's quantization_config, the text, the token count and chunk length (and the torch build and CPU
 capability, which decide the kernels' arithmetic); a repeated run answers from the cache and says so. A report
@@ -86,12 +91,16 @@ def evaluate(
     threads: int | None = None,
     progress: bool = True,
     use_cache: bool = True,
+    decode_kernel: str | None = None,
 ) -> QualityReport:
-    """Score CANDIDATE against SOURCE on `text` (None: the default prose); InputError on bad input."""
+    """Score CANDIDATE against SOURCE on `text` (None: the default prose); InputError on bad input.
+    decode_kernel: run a cpu_int4 candidate with this decode kernel (module docstring)."""
     source_dir, candidate = Path(source_dir).resolve(), Path(candidate).resolve()
     source_config = read_config(source_dir, "SOURCE")
     candidate_config = read_config(candidate, "CANDIDATE")
     method = quant_method(candidate_config)
+    if decode_kernel is not None:
+        candidate_config = _with_decode_kernel(candidate_config, method, decode_kernel)
     check_same_shapes(source_config, candidate_config)
     eval_text.check_request(tokens, chunk_len, source_config.get("max_position_embeddings"))
     threads = (os.cpu_count() or 1) if threads is None else threads
@@ -110,10 +119,23 @@ def evaluate(
             store(key, report.to_json())
         report.cached = True
         return report
-    report = _measure(source_dir, candidate, method, body, tokens, chunk_len, threads, progress, key)
+    report = _measure(source_dir, candidate, method, body, tokens, chunk_len, threads, progress, key, qconfig)
     report.record = quality_record(report, qconfig) if recorded else None
     store(key, report.to_json())
     return report
+
+
+def _with_decode_kernel(config: dict[str, Any], method: str, decode_kernel: str) -> dict[str, Any]:
+    from edge.kernel_params import DECODE_KERNELS
+
+    if decode_kernel not in DECODE_KERNELS:
+        raise InputError("--decode-kernel", decode_kernel, f"one of {', '.join(DECODE_KERNELS)}")
+    if method != "cpu_int4":
+        raise InputError("--decode-kernel", decode_kernel, f"a cpu_int4 candidate (this one is {method})")
+    qconfig = {**config["quantization_config"], "decode_kernel": decode_kernel}
+    if decode_kernel == "tinygemm":
+        del qconfig["decode_kernel"]  # the default, as edge.engine_config writes it
+    return {**config, "quantization_config": qconfig}
 
 
 def quality_record(report: QualityReport, qconfig: dict[str, Any] | None) -> dict[str, Any]:
@@ -144,6 +166,7 @@ def _measure(
     threads: int,
     progress: bool,
     key: str,
+    qconfig: dict[str, Any] | None = None,
 ) -> QualityReport:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
@@ -159,7 +182,7 @@ def _measure(
     ids, bos = eval_text.tokenize(tokenizer, body.content)
     windows = eval_text.make_windows(ids, tokens, chunk_len, bos, text=body.path.name)  # [C, L+1]
     source = load_source(source_dir)
-    candidate = load_candidate(candidate_dir, source_dir)
+    candidate = load_candidate(candidate_dir, source_dir, qconfig)
     stats = score(source, candidate.model, windows, progress=progress)
     wall = time.monotonic() - start
     return QualityReport(
@@ -264,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens to score (default %(default)s)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="chunk length (default %(default)s)")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    parser.add_argument("--decode-kernel", metavar="KERNEL",
+                        help="run a cpu_int4 candidate with this decode kernel (avx2, avx2-w4a8, tinygemm) on every "
+                        "row instead of the one its quantization_config names")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--no-cache", action="store_true", help="measure even when a cached result exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -275,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             if candidate is None:
                 raise InputError("CANDIDATE", None, "a converted checkpoint directory, or --plan PLAN.json")
             report = evaluate(args.source, candidate, args.text, tokens=args.tokens, chunk_len=args.chunk,
-                              threads=args.threads, progress=not args.quiet, use_cache=not args.no_cache)  # fmt: skip
+                              threads=args.threads, progress=not args.quiet, use_cache=not args.no_cache,
+                              decode_kernel=args.decode_kernel)  # fmt: skip
     except InputError as error:
         print(f"edge-eval: {error}", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ def _linear_impl(
     dequant_threshold: int,
     fp32_prefill: bool = False,
     avx2_rows: int = 0,
+    avx2_bits: int = 16,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] bf16. packed uint8 [N, K/2] (host layout), scales_and_zeros bf16 [K/g, N, 2];
     qweight uint8 [N, K/2] row-major + scales, zeros [N, K/g] in DUAL mode or with avx2_rows > 0, else empty.
@@ -48,14 +49,15 @@ def _linear_impl(
     fp32_prefill: the wide-batch GEMM runs in fp32 instead of bf16 (the plan's prefill_dtype,
     edge.kernel_params; a keyword with a default so the op's schema stays readable).
     avx2_rows: batches of up to this many rows run the AVX2 int4 kernel on the row-major copy
-    (quantization_config's decode_kernel "avx2", kernels/avx2_int4.py); 0: never."""
+    (quantization_config's decode_kernel "avx2" or "avx2-w4a8", kernels/avx2_int4.py); 0: never.
+    avx2_bits: that kernel's activations, 16 (int16) or 8 (int8)."""
     n = scales_and_zeros.shape[1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
     rows = x2.shape[0]
     if rows == 0:
         return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
     if rows <= avx2_rows:
-        y = avx2_int4.linear(x2, qweight, scales, zeros, group)  # [M, N] bf16; loads the op in this process
+        y = avx2_int4.linear(x2, qweight, scales, zeros, group, avx2_bits)  # [M, N] bf16; loads the op here
     elif mode == KERNEL_ONLY or rows < dequant_threshold:
         y = linear(x2, packed, scales_and_zeros, group)  # [M, N]
     else:
@@ -80,6 +82,7 @@ def _linear_fake(
     dequant_threshold: int,
     fp32_prefill: bool = False,
     avx2_rows: int = 0,
+    avx2_bits: int = 16,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
 
@@ -160,10 +163,12 @@ def int4_linear(
     dequant_threshold: int,
     fp32_prefill: bool = False,
     avx2_rows: int = 0,
+    avx2_bits: int = 16,
 ) -> torch.Tensor:
     """The registered op (what Dynamo records), typed for callers."""
     return torch.ops.vllm.cpu_int4_linear(
-        x, packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold, fp32_prefill, avx2_rows
+        x, packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold, fp32_prefill, avx2_rows,
+        avx2_bits,
     )
 
 

@@ -1,35 +1,48 @@
-"""The AVX2 int4 decode kernel as a plan's choice: edge.cost.faster_decode, the quantization_config field
-edge.kernel_params owns (`decode_kernel`), and the ledger's row-major copies the kernel reads."""
+"""The AVX2 int4 decode kernels as a plan's choice: edge.cost.faster_decode, the quantization_config field
+edge.kernel_params owns (`decode_kernel`), the ledger's row-major copies the kernels read, and the speed plan's
+int8-activation kernel, taken only where an edge-eval record of the model shows the quality floor holds."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from edge.calibration import CalibrationRecord, KernelResult, KernelTime
 from edge.cost import faster_decode
 from edge.planner import make_plan
+from edge.quality import QualityRecord, quality_key
 
 DATA = Path(__file__).parent / "data"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
-def _avx2_record_with_avx2_kernel(speedup: float) -> CalibrationRecord:
-    """The AVX2 host's record, plus the AVX2 kernel timed at tinygemm's times / speedup."""
+def _avx2_record_with_avx2_kernel(speedup: float, int8_speedup: float | None = None) -> CalibrationRecord:
+    """The AVX2 host's record, plus the AVX2 kernels timed at tinygemm's times / speedup (int8: / int8_speedup)."""
     record = CalibrationRecord.model_validate_json((DATA / "calibration_epyc_avx2.json").read_text())
     tinygemm = record.timed("tinygemm")
-    times = [KernelTime(n=t.n, k=t.k, m=t.m, ms=t.ms / speedup) for t in tinygemm.times]
-    return record.model_copy(update={"kernels": [*record.kernels, KernelResult(kernel="avx2-int4", status="ok",
-                                                                               times=times)]})  # fmt: skip
+    added = []
+    for name, factor in (("avx2-int4", speedup), ("avx2-w4a8", int8_speedup)):
+        if factor is not None:
+            times = [KernelTime(n=t.n, k=t.k, m=t.m, ms=t.ms / factor) for t in tinygemm.times]
+            added.append(KernelResult(kernel=name, status="ok", times=times))
+    return record.model_copy(update={"kernels": [*record.kernels, *added]})
 
 
 def test_the_avx2_kernel_decodes_where_the_record_timed_it_faster_at_one_row():
-    assert faster_decode(_avx2_record_with_avx2_kernel(2.0), SHAPES) == "avx2"
-    assert faster_decode(_avx2_record_with_avx2_kernel(0.5), SHAPES) == "tinygemm"
+    assert faster_decode(_avx2_record_with_avx2_kernel(2.0), SHAPES) == ("avx2", False)
+    assert faster_decode(_avx2_record_with_avx2_kernel(0.5), SHAPES) == ("tinygemm", False)
+
+
+def test_the_int8_kernel_counts_as_faster_only_against_the_best_int16_choice():
+    assert faster_decode(_avx2_record_with_avx2_kernel(2.0, 3.0), SHAPES) == ("avx2", True)
+    assert faster_decode(_avx2_record_with_avx2_kernel(2.0, 1.5), SHAPES) == ("avx2", False)
+    assert faster_decode(_avx2_record_with_avx2_kernel(0.5, 1.5), SHAPES) == ("tinygemm", True)
 
 
 def test_a_record_without_the_avx2_kernel_keeps_tinygemm():
     record = CalibrationRecord.model_validate_json((DATA / "calibration_epyc_avx2.json").read_text())
-    assert faster_decode(record, SHAPES) == "tinygemm"
+    assert faster_decode(record, SHAPES) == ("tinygemm", False)
 
 
 def test_a_plan_that_picks_it_writes_decode_kernel_and_books_the_row_major_copies(avx2_host, smollm2):
@@ -51,3 +64,40 @@ def test_the_cost_model_counts_decode_steps_at_the_avx2_kernels_times_when_the_p
     plan = make_plan(avx2_host, smollm2, calibration=record, path="w4a16-tinygemm", layout="direct")
     cost = next(r.text for r in plan.reasons if "decode steps of" in r.text)
     assert "avx2-int4" in cost
+
+
+def _int8_record(model: str, plan, kld: float) -> QualityRecord:
+    """An edge-eval record of `plan`'s weights run with the int8-activation decode kernel."""
+    key = quality_key("w4a16-tinygemm", {**plan.quantization_config, "decode_kernel": "avx2-w4a8"})
+    return QualityRecord(model=model, key=key, kld_mean=kld, kld_mean_se=0.0001, top1_agreement=0.95,
+                         top1_agreement_se=0.002, ppl_ratio=1.01, ppl_ratio_se=0.001, confident_flip_rate=0.01,
+                         confident_flip_rate_se=0.001, tokens=16384)  # fmt: skip
+
+
+def test_an_avx2_host_without_a_record_decodes_on_the_int16_kernel(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2, priority="speed", path="w4a16-tinygemm", layout="direct")
+    assert plan.quantization_config["decode_kernel"] == "avx2"
+    why = next(r.text for r in plan.reasons if r.text.startswith("decode stays on avx2"))
+    assert "no edge-eval record of this model with int8 activations" in why
+
+
+def test_speed_takes_int8_activations_only_within_the_quality_floor_and_fidelity_never(avx2_host, smollm2):
+    w4a16 = {"path": "w4a16-tinygemm", "layout": "direct"}
+    base = make_plan(avx2_host, smollm2, priority="speed", **w4a16)
+    good, bad = _int8_record(smollm2.name, base, 0.01), _int8_record(smollm2.name, base, 0.2)
+    plan = make_plan(avx2_host, smollm2, priority="speed", quality=[good], **w4a16)
+    assert plan.quantization_config["decode_kernel"] == "avx2-w4a8"
+    assert plan.quality.status == "measured" and plan.quality.record.kld_mean == pytest.approx(0.01)
+    assert any(r.text.startswith("decode rows on the AVX2 int8-activation kernel") for r in plan.reasons)
+    assert "AVX2 decode kernel (decode_kernel: avx2-w4a8) reads the row-major copy" in plan.model_dump_json()
+    lossy = make_plan(avx2_host, smollm2, priority="speed", quality=[bad], **w4a16)
+    assert lossy.quantization_config["decode_kernel"] == "avx2"
+    assert any("exceeds --max-kld 0.08" in r.text for r in lossy.reasons)
+    fidelity = make_plan(avx2_host, smollm2, priority="fidelity", quality=[good], **w4a16)
+    assert fidelity.quantization_config.get("decode_kernel") == "avx2"
+
+
+def test_only_the_int8_kernel_enters_the_quality_key():
+    config = {"quant_method": "cpu_int4", "bits": 4, "group_size": 32}
+    assert quality_key("w4a16-tinygemm", {**config, "decode_kernel": "avx2"}) == quality_key("w4a16-tinygemm", config)
+    assert quality_key("w4a16-tinygemm", {**config, "decode_kernel": "avx2-w4a8"})["decode_kernel"] == "avx2-w4a8"

@@ -185,10 +185,13 @@ def test_the_cpu_int4_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_t
     for rows in (1, 2, 3):
         x = torch.randn(rows, 576).to(torch.bfloat16)
         y = _linear_impl(x, packed, scales_and_zeros, qweight, scales, zeros, 64, DIRECT, 128, False, 2)
+        y8 = _linear_impl(x, packed, scales_and_zeros, qweight, scales, zeros, 64, DIRECT, 128, False, 2, 8)
         if rows <= 2:
             assert torch.equal(y, avx2_int4.linear(x, qweight, scales, zeros, 64))
+            assert torch.equal(y8, avx2_int4.linear(x, qweight, scales, zeros, 64, 8))
         else:
             assert torch.equal(y, tinygemm_linear(x, packed, scales_and_zeros, 64))
+            assert torch.equal(y8, y)
 
 
 @needs_kernel
@@ -198,7 +201,9 @@ def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name
     from kernels.cpu_int4 import CpuInt4Config, quantization_config
 
     config = CpuInt4Config.from_config(quantization_config("direct", decode_kernel="avx2"))
-    assert (config.decode_kernel, config.avx2_rows) == ("avx2", avx2_decode_rows())
+    assert (config.decode_kernel, config.avx2_rows, config.avx2_bits) == ("avx2", avx2_decode_rows(), 16)
+    int8 = CpuInt4Config.from_config(quantization_config("direct", decode_kernel="avx2-w4a8"))
+    assert (int8.avx2_rows, int8.avx2_bits) == (avx2_decode_rows(), 8)
     assert config.to_dict()["decode_kernel"] == "avx2"
     assert CpuInt4Config.from_config(quantization_config("direct")).avx2_rows == 0
     with pytest.raises(InputError, match="decode_kernel"):

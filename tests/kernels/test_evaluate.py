@@ -257,6 +257,43 @@ def test_int4_linear_matches_the_dequantized_weights(tiny):
         assert torch.allclose(y, expected, rtol=0.02, atol=0.02), (threshold, (y - expected).abs().max())
 
 
+def test_a_decode_kernel_runs_every_row_through_the_avx2_kernel_and_keys_only_int8(tiny, tmp_path, cache):
+    """--decode-kernel: the same weights, every row on the AVX2 kernel; int16 activations give tinygemm's numbers
+    (to the int16 rounding), int8 activations other numbers (on this random model about as close: its loss is the
+    weights'; the default model's is measured in the report), and only the int8 run's record says which kernel."""
+    from kernels import avx2_int4
+    from kernels.cpu_int4 import quantization_config
+    from kernels.eval_cpu_int4 import Int4Linear
+    from kernels.eval_model import load_candidate
+
+    if (reason := avx2_int4.load()) is not None:
+        pytest.skip(f"AVX2 int4 kernel unavailable here: {reason}")
+    qconfig = quantization_config("direct", group_size=32, int8=())
+    candidate = _convert(tiny, tmp_path / "int4", qconfig, "w4a16-tinygemm")
+    reports = {kernel: _evaluate(tiny, candidate, decode_kernel=kernel) for kernel in ("tinygemm", "avx2", "avx2-w4a8")}
+    kld = {kernel: report.metrics["mean_kld"]["value"] for kernel, report in reports.items()}
+    assert abs(kld["avx2"] - kld["tinygemm"]) < 0.05 * kld["tinygemm"]
+    assert kld["avx2-w4a8"] != kld["avx2"] and math.isfinite(kld["avx2-w4a8"])
+    assert "int8 activations" in reports["avx2-w4a8"].kernel["rows_below_threshold"]
+    assert "decode_kernel" not in reports["avx2"].record["key"]
+    assert reports["avx2-w4a8"].record["key"]["decode_kernel"] == "avx2-w4a8"
+    layer = next(m for m in load_candidate(candidate, tiny, {**qconfig, "decode_kernel": "avx2-w4a8"}).model.modules()
+                 if isinstance(m, Int4Linear))  # fmt: skip
+    x = torch.randn(2, 9, layer.qweight.shape[1] * 2).to(torch.bfloat16)  # 18 rows: past any decode batch
+    assert torch.equal(layer(x), avx2_int4.linear(x, layer.qweight, layer.scales, layer.zeros, 32, 8))
+
+
+def test_a_decode_kernel_for_another_method_or_an_unknown_one_is_refused(tiny, tmp_path, cache):
+    from edge.errors import InputError
+    from kernels.cpu_int4 import quantization_config
+
+    with pytest.raises(InputError, match="--decode-kernel.*a cpu_int4 candidate"):
+        _evaluate(tiny, _convert(tiny, tmp_path / "bf16", None, "bf16"), decode_kernel="avx2")
+    candidate = _convert(tiny, tmp_path / "int4", quantization_config("direct", group_size=32), "w4a16-tinygemm")
+    with pytest.raises(InputError, match="--decode-kernel.*avx3"):
+        _evaluate(tiny, candidate, decode_kernel="avx3")
+
+
 def test_gptq_export_runs_vllms_cpu_kernel_or_says_it_ran_the_reference(tiny, tmp_path, cache):
     from kernels.eval_gptq import REFERENCE, vllm_has_op
     from kernels.gptq import gptq_quantization_config
