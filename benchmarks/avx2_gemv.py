@@ -10,6 +10,7 @@ on the shared cores barely move it), kernels interleaved call by call within eac
 calls each; every call reads the next of enough weight copies to exceed 2x the last-level cache, so weights come
 from memory as in serving. GB/s = bytes of the kernel's weight format (codes + scales + zeros; bf16: 2 bytes a
 weight) / median time. The read bandwidth is kernels.calibration_timers.read_bandwidth_gb_s (a float32 sum, 1 thread).
+EDGE_AVX2_VNNI=0 measures the AVX2 kernels' plain AVX2 build on a CPU with AVX-VNNI (an AVX2-only box has none).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def measure(rounds: int, rows: list[int], group: int) -> dict:
         del runs
     return {
         "capability": torch.backends.cpu.get_cpu_capability(),
-        "avx2_kernel": reason or "built",
+        "avx2_kernel": reason or ("built, AVX-VNNI" if torch.ops.edge_avx2.uses_vnni() else "built, plain AVX2"),
         "read_bandwidth_gb_s": round(read_bandwidth_gb_s(llc, 1), 1),
         "llc_bytes": llc,
         "results": results,
@@ -116,7 +117,7 @@ def table(native: dict, avx2: dict) -> str:
     """Markdown: one line per shape and M; ms and GB/s per kernel under each dispatch."""
     lines = [
         f"CPU: {_cpu_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
-        f"native dispatch {native['capability']}, child {avx2['capability']}",
+        f"native dispatch {native['capability']}, child {avx2['capability']}; AVX2 kernels: {native['avx2_kernel']}",
         "",
         "| N x K | M | avx2 int16 ms (GB/s) | avx2 int8 ms (GB/s) | tinygemm native ms (GB/s) | "
         "tinygemm AVX2 ms (GB/s) | bf16 native ms | bf16 AVX2 ms | int16 vs tinygemm AVX2 | int8 vs tinygemm AVX2 |",

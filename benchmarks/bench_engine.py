@@ -1,7 +1,16 @@
 """vLLM engine benchmark: bf16 vs cpu_int4 direct / dual / kernel-only (vs W4A8 where the host runs it), side by
-side, interleaved passes.
+side, interleaved passes; optionally the decode kernels of cpu_int4 direct side by side and llama.cpp on the same
+model's GGUF.
 
     .venv/bin/python -m benchmarks.bench_engine --models default,random-1b --passes 2
+    .venv/bin/python -m benchmarks.bench_engine --models default \
+        --variants direct-tinygemm,direct-avx2,direct-avx2-w4a8,llama.cpp --passes 2
+
+direct-tinygemm / direct-avx2 / direct-avx2-w4a8: the speed plan's direct checkpoint with quantization_config's
+decode_kernel set to tinygemm, the AVX2 int16-activation kernel or the int8-activation one (kernels/avx2_int4.cpp).
+llama.cpp: benchmarks/llama_cpp_decode.py at the same thread count on the default model's Q4_1 GGUF (the source
+the default model is built from), measured as the engine is: decode after a 6-token prompt, a 512-token prefill,
+best of 2; it needs the separate llama-cpp-python venv that module names (skipped with the reason without it).
 
 Each (model, variant, pass) is one fresh child process (`--child`) that starts vLLM (compiled, not eager),
 measures, and prints one JSON line; this driver (no torch import) samples RssAnon summed over the child's
@@ -44,6 +53,9 @@ AOT_MARKERS = {
 }
 # bf16 with kernels/compile_cache.py's fix switched off: the same cache, so pass 2 compares warm starts.
 NOFIX = "bf16-nofix"
+# The direct checkpoint with each decode kernel (edge.kernel_params.DECODE_KERNELS).
+DECODE_VARIANTS = {"direct-tinygemm": "tinygemm", "direct-avx2": "avx2", "direct-avx2-w4a8": "avx2-w4a8"}
+LLAMA = "llama.cpp"
 KV_BYTES = 128 << 20
 PREFILL_TOKENS = 512
 DECODE_TOKENS = 64
@@ -122,6 +134,17 @@ def prepare(models: list[str]) -> dict[tuple[str, str], str]:
             qconfig = make_plan(device, shape, path="w4a16-tinygemm", layout=layout).quantization_config
             dst = CACHE / "bench" / f"{src.name}-{layout}"
             dirs[(name, layout)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
+        direct = make_plan(device, shape, path="w4a16-tinygemm", layout="direct").quantization_config
+        for variant, kernel in DECODE_VARIANTS.items():
+            qconfig = {key: value for key, value in direct.items() if key != "decode_kernel"}
+            if kernel != "tinygemm":
+                qconfig["decode_kernel"] = kernel
+            dst = CACHE / "bench" / f"{src.name}-{variant}"
+            dirs[(name, variant)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
+        if name == "default":
+            from kernels.default_model import source_gguf
+
+            dirs[(name, LLAMA)] = str(source_gguf())
         w4a8 = make_plan(device, shape, path="w4a8-gptq", force=True)
         if not w4a8.forced:  # forced: the gate refuses W4A8 here (AVX2: no int4_scaled_mm_cpu)
             dst = CACHE / "bench" / f"{src.name}-{W4A8}"
@@ -130,7 +153,24 @@ def prepare(models: list[str]) -> dict[tuple[str, str], str]:
 
 
 def weights_bytes(model_dir: str) -> int:
-    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    path = Path(model_dir)
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def run_llama(gguf: str) -> dict:
+    """llama.cpp on the GGUF, measured as the engine child measures vLLM (see the module docstring)."""
+    from benchmarks.llama_cpp_decode import DEFAULT_PYTHON, LlamaCppMissing, measure
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    try:
+        decode = measure(str(DEFAULT_PYTHON), Path(gguf), threads, 6, DECODE_TOKENS, 2)
+        prefill = measure(str(DEFAULT_PYTHON), Path(gguf), threads, PREFILL_TOKENS, 1, 2)
+    except LlamaCppMissing as missing:
+        return {"returncode": 1, "error": str(missing)}
+    best = [max(p[phase] for p in run["runs"]) for run, phase in ((decode, "decode_tok_s"),
+                                                                   (prefill, "prefill_tok_s"))]  # fmt: skip
+    return {"returncode": 0, "decode": best[0], "prefill": best[1], "threads": threads,
+            "system_info": decode.get("system_info"), "rss_peak": 0}  # fmt: skip
 
 
 # --- child side (starts vLLM) -------------------------------------------------------------------------------
@@ -194,9 +234,9 @@ def report(results: list[dict], dirs: dict, models: list[str], header: str) -> s
                   "| compile cache by pass |",
                   "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         bf16_greedy = next((r.get("greedy") for r in results if r["model"] == name and r["variant"] == "bf16"), None)
-        for variant in (*VARIANTS, NOFIX):
+        for variant in (*VARIANTS, NOFIX, *DECODE_VARIANTS, LLAMA):
             runs = [r for r in results if r["model"] == name and r["variant"] == variant and r["returncode"] == 0]
-            if not runs and variant in (NOFIX, W4A8):
+            if not runs and variant in (NOFIX, W4A8, *DECODE_VARIANTS, LLAMA):
                 continue
             if not runs:
                 lines.append(f"| {variant} | | (no successful run) | | | | | | | |")
@@ -293,7 +333,10 @@ def main() -> None:
                     print(f"{variant}: not runnable on this host (its gate refuses it), skipped", file=sys.stderr)
                     continue
                 print(f"[{time.strftime('%H:%M:%S')}] {name} {variant} pass {pass_}", file=sys.stderr, flush=True)
-                result = run_child(dirs[(name, variant)], variant, cache_root, args.work / f"{stamp}.log")
+                if variant == LLAMA:
+                    result = run_llama(dirs[(name, variant)])
+                else:
+                    result = run_child(dirs[(name, variant)], variant, cache_root, args.work / f"{stamp}.log")
                 result.update(model=name, variant=variant, **{"pass": pass_})
                 result.pop("events", None)
                 results.append(result)

@@ -19,6 +19,14 @@
 // vectors. Parallel over output channels (at::parallel_for), rows in blocks of 2: a block decodes each code once;
 // the weights ~8 KB ahead are prefetched.
 // Compiled with -mavx2 -mfma -mf16c only, so one binary runs on every AVX2 CPU.
+//
+// The kernel body (between #else and #endif below) is compiled twice from this one file, which includes itself:
+// once for AVX2 (vpmaddwd, vpmaddubsw) and once under `#pragma GCC target("avxvnni")` (vpdpwssd, vpdpbusd); the
+// call picks the second where the CPU has AVX-VNNI (Alder Lake and later, Zen 5) unless EDGE_AVX2_VNNI=0. Both give
+// the same integer sums, so the same results.
+
+#ifndef EDGE_AVX2_INT4_BODY
+#define EDGE_AVX2_INT4_BODY
 
 #include <immintrin.h>
 #include <torch/library.h>
@@ -31,8 +39,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <cstdlib>
 
 namespace {
+
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -74,6 +84,158 @@ inline __m256i loadu(const T* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// The activations of one call: xe/xo [M, K/2] quantized codes, a [M, G] their scales, xs [M, G] = a * sum xq.
+template <typename Q>
+struct Acts {
+  const Q* xe;
+  const Q* xo;
+  const float* a;
+  const float* xs;
+};
+
+// Quantize x [M, K] per row and group into codes of QMAX, de-interleaved; fills xe, xo, a, xs.
+template <typename Q, typename T>
+void quantize_acts(const T* xp, int64_t m, int64_t k, int64_t group, int qmax, Q* xe, Q* xo, float* a, float* xs) {
+  const int64_t groups = k / group, half_k = k / 2;
+  std::vector<float> row(static_cast<size_t>(group));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < group; ++i) {
+        row[i] = static_cast<float>(xp[r * k + g * group + i]);
+        amax = std::max(amax, std::fabs(row[i]));
+      }
+      const float scale = amax / static_cast<float>(qmax);
+      const float inverse = amax > 0.f ? static_cast<float>(qmax) / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < group / 2; ++j) {
+        const int32_t even = static_cast<int32_t>(std::nearbyint(row[2 * j] * inverse));
+        const int32_t odd = static_cast<int32_t>(std::nearbyint(row[2 * j + 1] * inverse));
+        xe[r * half_k + g * group / 2 + j] = static_cast<Q>(even);
+        xo[r * half_k + g * group / 2 + j] = static_cast<Q>(odd);
+        sum += even + odd;
+      }
+      a[r * groups + g] = scale;
+      xs[r * groups + g] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+}  // namespace
+
+namespace isa_plain {
+#define EDGE_AVX2_VNNI 0
+#include __FILE__
+#undef EDGE_AVX2_VNNI
+}  // namespace isa_plain
+
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+namespace isa_vnni {
+#define EDGE_AVX2_VNNI 1
+#include __FILE__
+#undef EDGE_AVX2_VNNI
+}  // namespace isa_vnni
+#pragma GCC pop_options
+
+namespace {
+
+template <typename Q>
+using Channels = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Acts<Q>&, float*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t);
+
+// AVX-VNNI (vpdpwssd, vpdpbusd) where the CPU has it, unless EDGE_AVX2_VNNI=0: the same integer sums either way.
+bool use_vnni() {
+  static const bool use = [] {
+    const char* env = std::getenv("EDGE_AVX2_VNNI");
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avxvnni") && !(env && std::strcmp(env, "0") == 0);
+  }();
+  return use;
+}
+
+template <typename Q>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
+                  int64_t group, int qmax, Channels<Q> plain, Channels<Q> vnni) {
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, "group: expected 32, 64 or 128, got ", group);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte,
+              "qweight: expected uint8 [N, K/2], got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t n = qweight.size(0);
+  const int64_t k = qweight.size(1) * 2;
+  TORCH_CHECK(k % group == 0, "qweight: expected K divisible by group ", group, ", got K=", k);
+  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
+  const int64_t groups = k / group;
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(0) == n && t->size(1) == groups,
+                "scales/zeros: expected bf16 [", n, ", ", groups, "], got ", t->scalar_type(), " ", t->sizes());
+  }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
+              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();  // [M, K]
+  const int64_t m = x2.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());  // [M, N] in x's dtype
+  if (m == 0 || n == 0) {
+    return out.reshape(out_shape);
+  }
+  // One scratch allocation, filled here rather than by ATen ops (each op costs microseconds, as much as a 576x576
+  // GEMV): codes even/odd [M, K/2] each, then scales and sums [M, G] each, then y [M, N] fp32. The code planes are
+  // padded by 32 bytes so the last 32-byte load of a row stays inside.
+  std::vector<Q> codes(static_cast<size_t>(m * k + 64));
+  std::vector<float> scratch(static_cast<size_t>(2 * m * groups + m * n));
+  Q* xe_w = codes.data();
+  Q* xo_w = xe_w + m * (k / 2);
+  float* a_w = scratch.data();
+  float* xs_w = a_w + m * groups;
+  float* yp = xs_w + m * groups;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x2.scalar_type(), "edge_avx2_quantize", [&] {
+    quantize_acts<Q>(x2.data_ptr<scalar_t>(), m, k, group, qmax, xe_w, xo_w, a_w, xs_w);
+  });
+  const Acts<Q> acts{xe_w, xo_w, a_w, xs_w};
+  at::Tensor qw = qweight.contiguous();
+  at::Tensor sc = scales.contiguous();
+  at::Tensor ze = zeros.contiguous();
+  const uint8_t* wp = qw.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k / 2));  // ~16 KB of weights a task
+  const Channels<Q> run = use_vnni() ? vnni : plain;
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run(wp, sp, zp, acts, yp, group, begin, end, m, n, k); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "edge_avx2_out", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
+  });
+  return out.reshape(out_shape);
+}
+
+at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& zeros, int64_t group) {
+  return linear<int16_t>(x, qweight, scales, zeros, group, 32767, isa_plain::channels_a16, isa_vnni::channels_a16);
+}
+
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group) {
+  return linear<int8_t>(x, qweight, scales, zeros, group, 127, isa_plain::channels_a8, isa_vnni::channels_a8);
+}
+
+
+bool vnni_in_use() { return use_vnni(); }
+}  // namespace
+
+TORCH_LIBRARY(edge_avx2, m) {
+  m.def("w4a16_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("w4a8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("uses_vnni() -> bool", &vnni_in_use);
+}
+
+TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
+  m.impl("w4a16_linear", &w4a16_linear);
+  m.impl("w4a8_linear", &w4a8_linear);
+}
+
+#else  // ---- the body: included twice above, inside namespace isa_plain and namespace isa_vnni ----
+
 // ---- int16 activations: 16 bytes (32 codes) a step ----
 // acc[r][i] = the int32 lanes of sum_k q_k xq[r, k] over group i of NG groups from byte `off` of the channel's row.
 template <int MB, int GROUP, int NG>
@@ -87,9 +249,15 @@ inline void dots_a16(const uint8_t* w, const int16_t* xe, const int16_t* xo, int
       const __m256i lo = _mm256_and_si256(wide, mask);  // q[2j]
       const __m256i hi = _mm256_srli_epi16(wide, 4);    // q[2j+1]
       for (int r = 0; r < MB; ++r) {
+#if EDGE_AVX2_VNNI
+        __m256i p = c == 0 ? _mm256_setzero_si256() : acc[r][i];
+        p = _mm256_dpwssd_avx_epi32(p, lo, loadu(xe + r * half_k + at));
+        acc[r][i] = _mm256_dpwssd_avx_epi32(p, hi, loadu(xo + r * half_k + at));
+#else
         const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, loadu(xe + r * half_k + at)),
                                            _mm256_madd_epi16(hi, loadu(xo + r * half_k + at)));
         acc[r][i] = c == 0 ? p : _mm256_add_epi32(acc[r][i], p);
+#endif
       }
     }
   }
@@ -118,6 +286,17 @@ inline __m256i pairs_a8(__m256i lo, __m256i hi, const int8_t* xe, const int8_t* 
   return _mm256_add_epi16(_mm256_maddubs_epi16(lo, loadu(xe + at)), _mm256_maddubs_epi16(hi, loadu(xo + at)));
 }
 
+// acc + the int32 sums of 4 adjacent products, for 32 bytes from `at`, both nibbles: vpdpbusd with AVX-VNNI, else
+// vpmaddubsw pairs, a 16-bit add and a vpmaddwd by ones.
+inline __m256i sums_a8(__m256i lo, __m256i hi, const int8_t* xe, const int8_t* xo, int64_t at, __m256i acc) {
+#if EDGE_AVX2_VNNI
+  acc = _mm256_dpbusd_avx_epi32(acc, lo, loadu(xe + at));
+  return _mm256_dpbusd_avx_epi32(acc, hi, loadu(xo + at));
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs_a8(lo, hi, xe, xo, at), _mm256_set1_epi16(1)));
+#endif
+}
+
 template <int MB, int GROUP>
 struct A8 {
   using Q = int8_t;
@@ -129,7 +308,7 @@ struct A8 {
     hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
   }
   static inline void dots8(const uint8_t* w, const Q* xe, const Q* xo, int64_t half_k, int64_t off, __m256i* out) {
-    const __m256i ones = _mm256_set1_epi16(1);
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     if constexpr (GROUP == 32) {
       // A 32-byte step covers two groups, one per 128-bit half: after vpmaddwd lanes 0-3 are group 2c, 4-7 2c+1.
       __m256i acc[MB][4];
@@ -137,7 +316,7 @@ struct A8 {
         __m256i lo, hi;
         split(w + off + 32 * c, lo, hi);
         for (int r = 0; r < MB; ++r)
-          acc[r][c] = _mm256_madd_epi16(pairs_a8(lo, hi, xe + r * half_k, xo + r * half_k, off + 32 * c), ones);
+          acc[r][c] = sums_a8(lo, hi, xe + r * half_k, xo + r * half_k, off + 32 * c, _mm256_setzero_si256());
       }
       const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
       for (int r = 0; r < MB; ++r) {
@@ -147,9 +326,18 @@ struct A8 {
         out[r] = _mm256_permutevar8x32_epi32(a, order);
       }
     } else {
-      // 16-bit sums stay below 2*15*127 * GROUP/32 <= 15240 for GROUP <= 128: one vpmaddwd per group.
       __m256i acc[MB][8];
       for (int i = 0; i < 8; ++i) {
+#if EDGE_AVX2_VNNI
+        for (int r = 0; r < MB; ++r) acc[r][i] = _mm256_setzero_si256();
+        for (int c = 0; c < GROUP / 64; ++c) {
+          const int64_t at = off + i * (GROUP / 2) + 32 * c;
+          __m256i lo, hi;
+          split(w + at, lo, hi);
+          for (int r = 0; r < MB; ++r) acc[r][i] = sums_a8(lo, hi, xe + r * half_k, xo + r * half_k, at, acc[r][i]);
+        }
+#else
+        // 16-bit sums stay below 2*15*127 * GROUP/32 <= 15240 for GROUP <= 128: one vpmaddwd per group.
         __m256i sum16[MB];
         for (int c = 0; c < GROUP / 64; ++c) {
           const int64_t at = off + i * (GROUP / 2) + 32 * c;
@@ -161,6 +349,7 @@ struct A8 {
           }
         }
         for (int r = 0; r < MB; ++r) acc[r][i] = _mm256_madd_epi16(sum16[r], ones);
+#endif
       }
       for (int r = 0; r < MB; ++r) out[r] = hsum8_epi32(acc[r]);
     }
@@ -187,15 +376,6 @@ struct A8 {
       out[r] = _mm_cvtsi128_si32(s);
     }
   }
-};
-
-// The activations of one call: xe/xo [M, K/2] quantized codes, a [M, G] their scales, xs [M, G] = a * sum xq.
-template <typename Q>
-struct Acts {
-  const Q* xe;
-  const Q* xo;
-  const float* a;
-  const float* xs;
 };
 
 // Output channel `col` for MB activation rows from `m0`; writes y[m0 .. m0+MB, col].
@@ -258,113 +438,24 @@ void channels(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const A
   }
 }
 
-// Quantize x [M, K] per row and group into codes of QMAX, de-interleaved; fills xe, xo, a, xs.
-template <typename Q, typename T>
-void quantize_acts(const T* xp, int64_t m, int64_t k, int64_t group, int qmax, Q* xe, Q* xo, float* a, float* xs) {
-  const int64_t groups = k / group, half_k = k / 2;
-  std::vector<float> row(static_cast<size_t>(group));
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < group; ++i) {
-        row[i] = static_cast<float>(xp[r * k + g * group + i]);
-        amax = std::max(amax, std::fabs(row[i]));
-      }
-      const float scale = amax / static_cast<float>(qmax);
-      const float inverse = amax > 0.f ? static_cast<float>(qmax) / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t j = 0; j < group / 2; ++j) {
-        const int32_t even = static_cast<int32_t>(std::nearbyint(row[2 * j] * inverse));
-        const int32_t odd = static_cast<int32_t>(std::nearbyint(row[2 * j + 1] * inverse));
-        xe[r * half_k + g * group / 2 + j] = static_cast<Q>(even);
-        xo[r * half_k + g * group / 2 + j] = static_cast<Q>(odd);
-        sum += even + odd;
-      }
-      a[r * groups + g] = scale;
-      xs[r * groups + g] = scale * static_cast<float>(sum);
-    }
+
+// Output channels [begin, end) of y [M, N] for every row: the entry points the dispatch calls.
+void channels_a16(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<int16_t>& x, float* yp,
+                  int64_t group, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  switch (group) {
+    case 32: channels<A16, 32>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
+    case 64: channels<A16, 64>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
+    default: channels<A16, 128>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
   }
 }
 
-template <template <int, int> class Kind>
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
-                  int64_t group) {
-  using Q = typename Kind<1, 32>::Q;
-  TORCH_CHECK(group == 32 || group == 64 || group == 128, "group: expected 32, 64 or 128, got ", group);
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte,
-              "qweight: expected uint8 [N, K/2], got ", qweight.scalar_type(), " ", qweight.sizes());
-  const int64_t n = qweight.size(0);
-  const int64_t k = qweight.size(1) * 2;
-  TORCH_CHECK(k % group == 0, "qweight: expected K divisible by group ", group, ", got K=", k);
-  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
-  const int64_t groups = k / group;
-  for (const at::Tensor* t : {&scales, &zeros}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(0) == n && t->size(1) == groups,
-                "scales/zeros: expected bf16 [", n, ", ", groups, "], got ", t->scalar_type(), " ", t->sizes());
+void channels_a8(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<int8_t>& x, float* yp,
+                 int64_t group, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  switch (group) {
+    case 32: channels<A8, 32>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
+    case 64: channels<A8, 64>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
+    default: channels<A8, 128>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
   }
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
-              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();  // [M, K]
-  const int64_t m = x2.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());  // [M, N] in x's dtype
-  if (m == 0 || n == 0) {
-    return out.reshape(out_shape);
-  }
-  // One scratch allocation, filled here rather than by ATen ops (each op costs microseconds, as much as a 576x576
-  // GEMV): codes even/odd [M, K/2] each, then scales and sums [M, G] each, then y [M, N] fp32. The code planes are
-  // padded by 32 bytes so the last 32-byte load of a row stays inside.
-  std::vector<Q> codes(static_cast<size_t>(m * k + 64));
-  std::vector<float> scratch(static_cast<size_t>(2 * m * groups + m * n));
-  Q* xe_w = codes.data();
-  Q* xo_w = xe_w + m * (k / 2);
-  float* a_w = scratch.data();
-  float* xs_w = a_w + m * groups;
-  float* yp = xs_w + m * groups;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x2.scalar_type(), "edge_avx2_quantize", [&] {
-    quantize_acts<Q>(x2.data_ptr<scalar_t>(), m, k, group, Kind<1, 32>::QMAX, xe_w, xo_w, a_w, xs_w);
-  });
-  const Acts<Q> acts{xe_w, xo_w, a_w, xs_w};
-  at::Tensor qw = qweight.contiguous();
-  at::Tensor sc = scales.contiguous();
-  at::Tensor ze = zeros.contiguous();
-  const uint8_t* wp = qw.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
-  const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k / 2));  // ~16 KB of weights a task
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    switch (group) {
-      case 32: channels<Kind, 32>(wp, sp, zp, acts, yp, begin, end, m, n, k); break;
-      case 64: channels<Kind, 64>(wp, sp, zp, acts, yp, begin, end, m, n, k); break;
-      default: channels<Kind, 128>(wp, sp, zp, acts, yp, begin, end, m, n, k); break;
-    }
-  });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "edge_avx2_out", [&] {
-    scalar_t* op = out.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
-  });
-  return out.reshape(out_shape);
 }
 
-at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor& zeros, int64_t group) {
-  return linear<A16>(x, qweight, scales, zeros, group);
-}
-
-at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& zeros, int64_t group) {
-  return linear<A8>(x, qweight, scales, zeros, group);
-}
-
-}  // namespace
-
-TORCH_LIBRARY(edge_avx2, m) {
-  m.def("w4a16_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
-  m.def("w4a8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
-  m.impl("w4a16_linear", &w4a16_linear);
-  m.impl("w4a8_linear", &w4a8_linear);
-}
+#endif  // EDGE_AVX2_INT4_BODY

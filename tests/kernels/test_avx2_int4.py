@@ -208,3 +208,40 @@ def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name
     assert CpuInt4Config.from_config(quantization_config("direct")).avx2_rows == 0
     with pytest.raises(InputError, match="decode_kernel"):
         CpuInt4Config.from_config({**quantization_config("direct"), "decode_kernel": "avx3"})
+
+
+_PLAIN_SCRIPT = """
+import sys, torch
+from kernels import avx2_int4
+from tests.kernels.test_avx2_int4 import _vnni_cases
+assert avx2_int4.load() is None and not torch.ops.edge_avx2.uses_vnni()
+torch.save([avx2_int4.linear(*case) for case in _vnni_cases()], sys.argv[1])
+"""
+
+
+def _vnni_cases():
+    cases = []
+    for group, m, bits in [(32, 1, 16), (64, 2, 16), (128, 3, 16), (32, 1, 8), (64, 4, 8), (128, 5, 8)]:
+        qweight, scales, zeros = _layer(200, 1024, group, seed=group + m)
+        x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        cases.append((x, qweight, scales, zeros, group, bits))
+    return cases
+
+
+@needs_kernel
+def test_the_avx_vnni_build_gives_the_plain_avx2_builds_results_bit_for_bit(tmp_path):
+    """Where the CPU has AVX-VNNI the op runs vpdpwssd/vpdpbusd; EDGE_AVX2_VNNI=0 (a child process: the choice is
+    made once) runs the plain AVX2 instructions. The integer sums are the same, so the outputs are identical."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not torch.ops.edge_avx2.uses_vnni():
+        pytest.skip("this CPU has no AVX-VNNI: the plain AVX2 build is the only one that runs here")
+    out = tmp_path / "plain.pt"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "EDGE_AVX2_VNNI": "0", "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", _PLAIN_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=600)
+    plain = torch.load(out)
+    for case, expected in zip(_vnni_cases(), plain, strict=True):
+        assert torch.equal(avx2_int4.linear(*case), expected), case[4:]
