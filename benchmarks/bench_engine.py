@@ -103,8 +103,13 @@ def run_child(model: str, variant: str, cache_root: Path, log: Path) -> dict:
     return result
 
 
-def prepare(models: list[str]) -> dict[tuple[str, str], str]:
-    """Model dirs per (model, variant): bf16 sources and their cpu_int4 conversions (cached)."""
+def prepare(models: list[str], variants: list[str] | None = None) -> dict[tuple[str, str], str]:
+    """Model dirs per (model, variant): bf16 sources and their cpu_int4 conversions (cached); only the variants
+    asked for (None: all)."""
+
+    def wanted(variant: str) -> bool:
+        return variants is None or variant in variants
+
     from edge.model_reader import read_model
     from edge.planner import make_plan
     from edge.probe import probe
@@ -129,24 +134,24 @@ def prepare(models: list[str]) -> dict[tuple[str, str], str]:
     for name, src in sources.items():
         dirs[(name, "bf16")] = dirs[(name, NOFIX)] = str(src)
         device, shape = probe(), read_model(src)
-        for layout in VARIANTS[1:4]:
+        for layout in (v for v in VARIANTS[1:4] if wanted(v)):
             # what a speed plan for this host writes for that layout (group, source codes, 8-bit set, kernel values)
             qconfig = make_plan(device, shape, path="w4a16-tinygemm", layout=layout).quantization_config
             dst = CACHE / "bench" / f"{src.name}-{layout}"
             dirs[(name, layout)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
         direct = make_plan(device, shape, path="w4a16-tinygemm", layout="direct").quantization_config
-        for variant, kernel in DECODE_VARIANTS.items():
+        for variant, kernel in ((v, k) for v, k in DECODE_VARIANTS.items() if wanted(v)):
             qconfig = {key: value for key, value in direct.items() if key != "decode_kernel"}
             if kernel != "tinygemm":
                 qconfig["decode_kernel"] = kernel
             dst = CACHE / "bench" / f"{src.name}-{variant}"
             dirs[(name, variant)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
-        if name == "default":
+        if name == "default" and wanted(LLAMA):
             from kernels.default_model import source_gguf
 
             dirs[(name, LLAMA)] = str(source_gguf())
         w4a8 = make_plan(device, shape, path="w4a8-gptq", force=True)
-        if not w4a8.forced:  # forced: the gate refuses W4A8 here (AVX2: no int4_scaled_mm_cpu)
+        if not w4a8.forced and wanted(W4A8):  # forced: the gate refuses W4A8 here (AVX2: no int4_scaled_mm_cpu)
             dst = CACHE / "bench" / f"{src.name}-{W4A8}"
             dirs[(name, W4A8)] = str(convert(src, dst, w4a8.quantization_config, path="w4a8-gptq", force=True))
     return dirs
@@ -279,7 +284,7 @@ def write_report(stamps: list[str], work: Path, out: Path) -> None:
     models = list(dict.fromkeys(r["model"] for r in results))
     dirs: dict[tuple[str, str], str] = {}
     for name in models:
-        dirs.update(prepare([name]))
+        dirs.update(prepare([name], list({r["variant"] for r in results if r["model"] == name})))
     raws = ", ".join(str(work / f"{stamp}.json") for stamp in stamps)
     header = f"# Engine benchmark, {date.today()}\n\nvLLM 0.28 CPU, {host()}, vLLM runs 1 thread. Raw results: {raws}."
     out.write_text(report(results, dirs, models, header))
@@ -321,9 +326,9 @@ def main() -> None:
     done = {(r["model"], r["variant"], r["pass"]) for r in results if r.get("returncode") == 0}
     report_models = list(dict.fromkeys([*(r["model"] for r in results), *models]))
     for earlier in set(report_models) - set(models):
-        dirs.update(prepare([earlier]))  # already converted: the converter only checks its manifest
+        dirs.update(prepare([earlier], variants))  # already converted: the converter only checks its manifest
     for name in models:
-        dirs.update(prepare([name]))  # per model: the first model's runs need not wait for the next one's
+        dirs.update(prepare([name], variants))  # per model: the first model's runs need not wait for the next one's
         cache_root = args.work / f"{stamp}-{name}-vllm-cache"  # one per model, empty at pass 1
         for pass_ in range(1, args.passes + 1):
             for variant in variants:

@@ -1,12 +1,13 @@
-"""Real vLLM (eager) serves the default model's `cpu_int4` conversion with the AVX2 int4 decode kernel selected
-(`decode_kernel: avx2`), and greedy-generates what the same weights generate through tinygemm.
+"""Real vLLM (eager) serves the default model's `cpu_int4` conversion with the AVX2 int4 decode kernels selected
+(`decode_kernel: avx2`, int16 activations, and `avx2-w4a8`, int8), and greedy-generates what the same weights
+generate through tinygemm (int8: the first token of most prompts; its quality is edge-eval's to measure).
 
-One subprocess (this file run as a script) starts vLLM twice, one engine at a time: the direct conversion with
-tinygemm for decode rows, then the same conversion with decode_kernel "avx2". max_num_seqs=1 so every decode step
-is one row (the rows the AVX2 kernel takes); prompts of a few tokens take tinygemm in both (3+ rows, below the
-dequant threshold). The two kernels sum in different orders in fp32 (tinygemm dequantizes each weight, the AVX2
-kernel applies scale and zero once per group), so a near-tied logit may flip late in a sequence: the test asks
-for the same first generated tokens and a long agreeing prefix.
+One subprocess (this file run as a script) starts vLLM three times, one engine at a time: the direct conversion
+with tinygemm for decode rows, then the same conversion with each AVX2 decode kernel. max_num_seqs=1 so every
+decode step is one row; the prompts (under 8 tokens) also take the AVX2 kernel (avx2.avx2_int4_decode_rows).
+The int16 kernel rounds activations below bf16's own rounding and sums in another order
+(integers per group, scale and zero once per group), so a near-tied logit may flip late in a sequence: the test
+asks for the same first generated tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def checkpoints(cache: Path) -> dict[str, Path]:
 
     bf16 = ensure_default_model()
     models = {}
-    for kernel in ("tinygemm", "avx2"):
+    for kernel in ("tinygemm", "avx2", "avx2-w4a8"):
         qconfig = quantization_config("direct", group_size=64, quantize_embedding=True, decode_kernel=kernel)
         models[kernel] = convert(bf16, cache / f"smollm2-direct-{kernel}", qconfig, path="w4a16-tinygemm")
     return models
@@ -86,8 +87,8 @@ def served(tmp_path_factory) -> dict:
 pytestmark = pytest.mark.slow
 
 
-def test_both_load_as_cpu_int4(served):
-    assert served["tinygemm"]["quantization"] == served["avx2"]["quantization"] == "cpu_int4"
+def test_all_load_as_cpu_int4(served):
+    assert {served[kernel]["quantization"] for kernel in ("tinygemm", "avx2", "avx2-w4a8")} == {"cpu_int4"}
 
 
 def test_the_avx2_decode_kernel_generates_tinygemms_first_greedy_tokens(served):
@@ -95,8 +96,14 @@ def test_the_avx2_decode_kernel_generates_tinygemms_first_greedy_tokens(served):
         assert ours[:FIRST_TOKENS] == theirs[:FIRST_TOKENS], (served["avx2"]["text"], served["tinygemm"]["text"])
 
 
-def test_it_still_answers_paris(served):
+def test_they_still_answer_paris(served):
     assert served["avx2"]["text"][0].startswith(" Paris")
+    assert served["avx2-w4a8"]["text"][0].startswith(" Paris")
+
+
+def test_int8_activations_keep_the_first_token_of_most_prompts(served):
+    pairs = zip(served["avx2-w4a8"]["tokens"], served["tinygemm"]["tokens"], strict=True)
+    assert sum(ours[0] == theirs[0] for ours, theirs in pairs) >= len(PROMPTS) - 1, served["avx2-w4a8"]["text"]
 
 
 if __name__ == "__main__":
