@@ -239,7 +239,8 @@ def report(results: list[dict], dirs: dict, models: list[str], header: str) -> s
                   "| compile cache by pass |",
                   "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         bf16_greedy = next((r.get("greedy") for r in results if r["model"] == name and r["variant"] == "bf16"), None)
-        for variant in (*VARIANTS, NOFIX, *DECODE_VARIANTS, LLAMA):
+        asked = {r["variant"] for r in results if r["model"] == name}
+        for variant in (v for v in (*VARIANTS, NOFIX, *DECODE_VARIANTS, LLAMA) if v in asked):
             runs = [r for r in results if r["model"] == name and r["variant"] == variant and r["returncode"] == 0]
             if not runs and variant in (NOFIX, W4A8, *DECODE_VARIANTS, LLAMA):
                 continue
@@ -247,8 +248,8 @@ def report(results: list[dict], dirs: dict, models: list[str], header: str) -> s
                 lines.append(f"| {variant} | | (no successful run) | | | | | | | |")
                 continue
             # bf16-nofix always finds the cache bf16 just filled: every one of its starts is a warm start.
-            cold = [r["start_s"] for r in runs if r["pass"] == 1 and variant != NOFIX]
-            warm = [r["start_s"] for r in runs if r["pass"] > 1 or variant == NOFIX]
+            cold = [r.get("start_s") for r in runs if r["pass"] == 1 and variant != NOFIX]
+            warm = [r.get("start_s") for r in runs if r["pass"] > 1 or variant == NOFIX]
             greedy = runs[-1].get("greedy") or []
             same = 0
             for a, b in zip(greedy, bf16_greedy or [], strict=False):
@@ -263,7 +264,7 @@ def report(results: list[dict], dirs: dict, models: list[str], header: str) -> s
                 f"| {variant} | {weights_bytes(dirs[(name, variant)]) / 1e6:.0f} "
                 f"| {fmt(median([r['decode'] for r in runs]))} | {fmt(median([r['prefill'] for r in runs]), 0)} "
                 f"| {fmt(median(cold))} | {fmt(median(warm))} "
-                f"| {fmt(median([r['rss_peak'] / 2**20 for r in runs]), 0)} "
+                f"| {fmt(median([r['rss_peak'] / 2**20 for r in runs if r.get('rss_peak')]), 0)} "
                 f"| {fmt(median([r['rss_settled'] / 2**20 for r in runs if r.get('rss_settled')]), 0)} "
                 f"| {same if bf16_greedy else ''} | {', '.join(r.get('aot', '?') for r in runs)} |"
             )

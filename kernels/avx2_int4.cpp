@@ -440,22 +440,24 @@ void channels(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const A
 
 
 // Output channels [begin, end) of y [M, N] for every row: the entry points the dispatch calls.
+template <template <int, int> class Kind, typename Q>
+void channels_any_group(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<Q>& x, float* yp,
+                        int64_t group, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  switch (group) {
+    case 32: channels<Kind, 32>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
+    case 64: channels<Kind, 64>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
+    default: channels<Kind, 128>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
+  }
+}
+
 void channels_a16(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<int16_t>& x, float* yp,
                   int64_t group, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
-  switch (group) {
-    case 32: channels<A16, 32>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
-    case 64: channels<A16, 64>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
-    default: channels<A16, 128>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
-  }
+  channels_any_group<A16>(wp, sp, zp, x, yp, group, begin, end, m, n, k);
 }
 
 void channels_a8(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<int8_t>& x, float* yp,
                  int64_t group, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
-  switch (group) {
-    case 32: channels<A8, 32>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
-    case 64: channels<A8, 64>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
-    default: channels<A8, 128>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
-  }
+  channels_any_group<A8>(wp, sp, zp, x, yp, group, begin, end, m, n, k);
 }
 
 #endif  // EDGE_AVX2_INT4_BODY
