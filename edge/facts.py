@@ -98,21 +98,21 @@ FACTS: dict[str, MeasuredFact] = {
               "in a second run) and from 256 at 4096x4096 (0.74-0.86); bf16 dequantize never beats tinygemm here"),
         _fact("avx2.repack_chunk_rows", 512, "rows", "here", "avx2", "2026-11-29",
               "repack time flat from 256 rows to whole at 1 thread; 512 rows: 5.8 MiB transient at 11008x4096"),
-        _fact("avx2.avx2_int4_decode_rows", 8, "rows", "here", "avx2", "2026-11-30",
-              "the AVX2 int4 kernels (kernels/avx2_int4.cpp) vs tinygemm under AVX2 dispatch, 1 thread, g64, rotated "
-              "weights, AMD EPYC Zen 5 with ATEN_CPU_CAPABILITY=avx2: int16 activations 2.2-3.6x faster at 1 row, "
-              "1.1-1.4x at 4, 1.1-1.3x at 8; int8 2.9-5.6x at 1, 1.6-2.2x at 8 (benchmarks/avx2_gemv.py, "
-              "docs/reports/2026-11-30-avx2-kernel.md)"),
+        _fact("avx2.avx2_int4_decode_rows", 4, "rows", "here", "avx2", "2026-11-30",
+              "the AVX2 int4 kernels (kernels/avx2_int4.cpp, plain AVX2 build) vs tinygemm under AVX2 dispatch, 1 "
+              "thread, rotated weights, AMD EPYC Zen 5 with ATEN_CPU_CAPABILITY=avx2: int16 activations 2.1-3.5x "
+              "faster at 1 row, 1.1-1.4x at 4 (group 64) and 0.93-1.05x at 4 (group 32); int8 1.4-2.2x at 4 "
+              "(benchmarks/avx2_gemv.py, docs/reports/2026-11-30-avx2-kernel.md)"),
         # The AVX2 kernels on the AVX2 host's scale: its tinygemm median (avx2.1t.gemm.m1.int4_ms) / the speedup the
-        # same binary measured over tinygemm's AVX2 path (ATEN_CPU_CAPABILITY=avx2) on the Zen 5 host, 4096x4096 g64.
-        _fact("avx2.1t.gemm.m1.avx2_int16_ms", round(2.80 / 3.56, 3), "ms", "derived", "avx2", "2026-11-30",
-              "AVX2 int4 kernel, int16 activations, 1 row: 3.56x tinygemm AVX2 (0.479 vs 1.702 ms on Zen 5)"),
-        _fact("avx2.1t.gemm.m4.avx2_int16_ms", round(2.80 / 1.33, 3), "ms", "derived", "avx2", "2026-11-30",
-              "AVX2 int4 kernel, int16 activations, 4 rows: 1.33x tinygemm AVX2 (1.361 vs 1.810 ms on Zen 5)"),
-        _fact("avx2.1t.gemm.m1.avx2_int8_ms", round(2.80 / 5.64, 3), "ms", "derived", "avx2", "2026-11-30",
-              "AVX2 int4 kernel, int8 activations, 1 row: 5.64x tinygemm AVX2 (0.302 vs 1.702 ms on Zen 5)"),
-        _fact("avx2.1t.gemm.m4.avx2_int8_ms", round(2.80 / 2.12, 3), "ms", "derived", "avx2", "2026-11-30",
-              "AVX2 int4 kernel, int8 activations, 4 rows: 2.12x tinygemm AVX2 (0.855 vs 1.810 ms on Zen 5)"),
+        # same binary (plain AVX2, EDGE_AVX2_VNNI=0) measured over tinygemm's AVX2 path on Zen 5, 4096x4096 g64.
+        _fact("avx2.1t.gemm.m1.avx2_int16_ms", round(2.80 / 3.51, 3), "ms", "derived", "avx2", "2026-11-30",
+              "AVX2 int4 kernel, int16 activations, 1 row: 3.51x tinygemm AVX2 (0.492 vs 1.728 ms on Zen 5)"),
+        _fact("avx2.1t.gemm.m4.avx2_int16_ms", round(2.80 / 1.44, 3), "ms", "derived", "avx2", "2026-11-30",
+              "AVX2 int4 kernel, int16 activations, 4 rows: 1.44x tinygemm AVX2 (1.260 vs 1.819 ms on Zen 5)"),
+        _fact("avx2.1t.gemm.m1.avx2_int8_ms", round(2.80 / 5.21, 3), "ms", "derived", "avx2", "2026-11-30",
+              "AVX2 int4 kernel, int8 activations, 1 row: 5.21x tinygemm AVX2 (0.332 vs 1.728 ms on Zen 5)"),
+        _fact("avx2.1t.gemm.m4.avx2_int8_ms", round(2.80 / 2.24, 3), "ms", "derived", "avx2", "2026-11-30",
+              "AVX2 int4 kernel, int8 activations, 4 rows: 2.24x tinygemm AVX2 (0.812 vs 1.819 ms on Zen 5)"),
         _fact("avx512.dequant_threshold", 128, "rows", "here", "avx512", "2026-11-30",
               "AMD EPYC Zen 5 (AVX512-BF16, no AMX), 1 thread: dequantize to bf16 + bf16 GEMM beats tinygemm from "
               "128 rows at SmolLM2 shapes (0.76-0.86) and from 256 at 4096x4096 (0.84); fp32 dequantize is 2-3x "

@@ -136,7 +136,7 @@ def for_device(device: DeviceProfile, record: CalibrationRecord | None = None,
     if record is None or not shapes:
         if capability != "AVX2":
             return base
-        # torch's AVX2 tinygemm: the AVX2 kernels measured 3.6x (int16) and 5.6x (int8 activations) faster at 1
+        # torch's AVX2 tinygemm: the AVX2 kernels measured 3.5x (int16) and 5.2x (int8 activations) faster at 1
         # row, 4096x4096 (facts avx2.1t.gemm.m1.*); without a compiler cpu_int4 logs why and keeps tinygemm.
         return replace(base, decode_kernel="avx2", int8_decode="the AVX2 int8-activation kernel, faster than the "
                        "int16 one at 1 row under AVX2 dispatch (facts table; no calibration record)")

@@ -4,7 +4,7 @@ generate through tinygemm (int8: the first token of most prompts; its quality is
 
 One subprocess (this file run as a script) starts vLLM three times, one engine at a time: the direct conversion
 with tinygemm for decode rows, then the same conversion with each AVX2 decode kernel. max_num_seqs=1 so every
-decode step is one row; the prompts (under 8 tokens) also take the AVX2 kernel (avx2.avx2_int4_decode_rows).
+decode step is one row; prompts wider than avx2.avx2_int4_decode_rows (4) take tinygemm in all three.
 The int16 kernel rounds activations below bf16's own rounding and sums in another order
 (integers per group, scale and zero once per group), so a near-tied logit may flip late in a sequence: the test
 asks for the same first generated tokens.
