@@ -221,21 +221,19 @@ def _tinygemm_weights(
             items.append(_int8(lin))
         else:
             items.append(_kept_bf16(lin, decision.why))
-    avx2 = decode_kernel in AVX2_ACT_BITS
-    return items + _row_major_copies(packed, layout, group, block, avx2=avx2, decode_kernel=decode_kernel)
+    return items + _row_major_copies(packed, layout, group, block, decode_kernel=decode_kernel)
 
 
 def _row_major_copies(
-    packed: Iterable[LinearShape], layout: Layout, group: int, block: int, *, avx2: bool = False,
-    decode_kernel: str = "avx2",
+    packed: Iterable[LinearShape], layout: Layout, group: int, block: int, *, decode_kernel: str = "tinygemm"
 ) -> list[MemoryItem]:
     """The row-major copies a layout keeps beside the tinygemm buffers.
 
     dual: every quantized layer, for prefill dequantize; direct: only layers whose N does not tile the host
     block (docs/FACTS.md: direct saved 615 MB of dual's 3542 MB resident on Spark); kernel-only: none.
-    avx2 (decode_kernel "avx2" or "avx2-w4a8"): every quantized layer in any layout, the copy the AVX2 decode
-    kernel reads.
+    decode_kernel "avx2" or "avx2-w4a8": every quantized layer in any layout, the copy the AVX2 decode kernel reads.
     """
+    avx2 = decode_kernel in AVX2_ACT_BITS
     if layout == "kernel-only" and not avx2:
         return []
     items = []

@@ -53,8 +53,6 @@ def engine_settings(qconfig: dict[str, Any]) -> Int4Settings:
 
     config = CpuInt4Config.from_config(qconfig)
     if config.decode_kernel != "tinygemm" and not config.avx2_rows:
-        from kernels import avx2_int4
-
         raise InputError("quantization_config.decode_kernel", config.decode_kernel,
                          f"a decode kernel that runs here ({avx2_int4.load()})")  # fmt: skip
     return Int4Settings(config.group_size, config.mode, config.dequant_threshold, config.prefill_dtype == "float32",
