@@ -93,7 +93,8 @@ struct Acts {
   const float* xs;
 };
 
-// Quantize x [M, K] per row and group into codes of QMAX, de-interleaved; fills xe, xo, a, xs.
+// Quantize x [M, K] per row and group into codes of QMAX, de-interleaved into xe and xo (xo null: in order into xe);
+// fills a and xs.
 template <typename Q, typename T>
 void quantize_acts(const T* xp, int64_t m, int64_t k, int64_t group, int qmax, Q* xe, Q* xo, float* a, float* xs) {
   const int64_t groups = k / group, half_k = k / 2;
@@ -111,8 +112,13 @@ void quantize_acts(const T* xp, int64_t m, int64_t k, int64_t group, int qmax, Q
       for (int64_t j = 0; j < group / 2; ++j) {
         const int32_t even = static_cast<int32_t>(std::nearbyint(row[2 * j] * inverse));
         const int32_t odd = static_cast<int32_t>(std::nearbyint(row[2 * j + 1] * inverse));
-        xe[r * half_k + g * group / 2 + j] = static_cast<Q>(even);
-        xo[r * half_k + g * group / 2 + j] = static_cast<Q>(odd);
+        if (xo != nullptr) {
+          xe[r * half_k + g * group / 2 + j] = static_cast<Q>(even);
+          xo[r * half_k + g * group / 2 + j] = static_cast<Q>(odd);
+        } else {  // in order, one plane [M, K] (the int8 weights' kernel)
+          xe[r * k + g * group + 2 * j] = static_cast<Q>(even);
+          xe[r * k + g * group + 2 * j + 1] = static_cast<Q>(odd);
+        }
         sum += even + odd;
       }
       a[r * groups + g] = scale;
@@ -219,6 +225,40 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return linear<int8_t>(x, qweight, scales, zeros, group, 127, isa_plain::channels_a8, isa_vnni::channels_a8);
 }
 
+// The 8-bit set's layers (embedding-tied head): int8 weights per channel, int16 activations per group of 32.
+at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar,
+              "qweight: expected int8 [N, K], got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(k % 32 == 0, "qweight: expected K divisible by 32, got K=", k);
+  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == n,
+              "scales: expected bf16 [", n, "], got ", scales.scalar_type(), " ", scales.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
+              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0), groups = k / 32;
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return out.to(x.scalar_type()).reshape(out_shape);
+  std::vector<int16_t> xq(static_cast<size_t>(m * k));
+  std::vector<float> a(static_cast<size_t>(2 * m * groups));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x2.scalar_type(), "edge_avx2_quantize8", [&] {
+    quantize_acts<int16_t>(x2.data_ptr<scalar_t>(), m, k, 32, 32767, xq.data(), nullptr, a.data(), a.data() + m * groups);
+  });
+  at::Tensor qw = qweight.contiguous(), sc = scales.contiguous();
+  const int8_t* wp = qw.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  float* yp = out.data_ptr<float>();
+  const auto run = use_vnni() ? isa_vnni::channels_int8 : isa_plain::channels_int8;
+  const int64_t grain = std::max<int64_t>(1, 16384 / k);
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    run(wp, sp, xq.data(), a.data(), yp, begin, end, m, n, k);
+  });
+  return out.to(x.scalar_type()).reshape(out_shape);
+}
+
 
 bool vnni_in_use() { return use_vnni(); }
 }  // namespace
@@ -226,12 +266,14 @@ bool vnni_in_use() { return use_vnni(); }
 TORCH_LIBRARY(edge_avx2, m) {
   m.def("w4a16_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def("w4a8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("w8a16_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
 }
 
 TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("w4a16_linear", &w4a16_linear);
   m.impl("w4a8_linear", &w4a8_linear);
+  m.impl("w8a16_linear", &w8a16_linear);
 }
 
 #else  // ---- the body: included twice above, inside namespace isa_plain and namespace isa_vnni ----
@@ -438,6 +480,47 @@ void channels(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const A
   }
 }
 
+
+// ---- int8 weights per output channel (kernels/int8.py: qweight int8 [N, K], scales bf16 [N]), int16 activations
+// in order, per group of 32: y[m, n] = s_n * sum_g a[m, g] * sum_{k in g} w[n, k] xq[m, k].
+template <int MB>
+void int8_channel(const int8_t* qweight, const uint16_t* scales, const int16_t* xq, const float* a, float* y,
+                  int64_t col, int64_t m0, int64_t n, int64_t k) {
+  const int64_t groups = k / 32;
+  const int8_t* row = qweight + col * k;
+  __m256 acc[MB];
+  for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g + 16)));
+    for (int r = 0; r < MB; ++r) {
+      const int16_t* x = xq + (m0 + r) * k + 32 * g;
+#if EDGE_AVX2_VNNI
+      const __m256i p = _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), w0, loadu(x)), w1,
+                                                loadu(x + 16));
+#else
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, loadu(x)), _mm256_madd_epi16(w1, loadu(x + 16)));
+#endif
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a[(m0 + r) * groups + g]), acc[r]);
+    }
+  }
+  const float s = bf16_to_float(scales[col]);
+  for (int r = 0; r < MB; ++r) y[(m0 + r) * n + col] = hsum_ps(acc[r]) * s;
+}
+
+void channels_int8(const int8_t* wp, const uint16_t* sp, const int16_t* xq, const float* a, float* yp,
+                   int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  const int64_t ahead = std::max<int64_t>(1, (8192 + k - 1) / k);  // ~8 KB ahead, as channels()
+  for (int64_t c = begin; c < end; ++c) {
+    if (c + ahead < end) {
+      const char* next = reinterpret_cast<const char*>(wp + (c + ahead) * k);
+      for (int64_t off = 0; off < k; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    }
+    int64_t m0 = 0;
+    for (; m0 + 2 <= m; m0 += 2) int8_channel<2>(wp, sp, xq, a, yp, c, m0, n, k);
+    if (m0 < m) int8_channel<1>(wp, sp, xq, a, yp, c, m0, n, k);
+  }
+}
 
 // Output channels [begin, end) of y [M, N] for every row: the entry points the dispatch calls.
 template <template <int, int> class Kind, typename Q>

@@ -66,7 +66,7 @@ def missing_prerequisite(cpu_flags: set[str], compiler: str | None) -> str | Non
 @lru_cache(maxsize=1)
 def load() -> str | None:
     """Build (or load the cached build of) the extension and register its op; None when it runs here, else why not."""
-    if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "w4a8_linear"):
+    if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "w8a16_linear"):
         return None
     reason = missing_prerequisite(_cpu_flags(), _compiler())
     if reason:
@@ -105,6 +105,10 @@ def _register_fake() -> None:
     for op in ACT_BITS.values():
         torch.library.register_fake(f"{OP_NAMESPACE}::{op}")(_fake)
 
+    @torch.library.register_fake(f"{OP_NAMESPACE}::w8a16_linear")
+    def _fake_int8(x, qweight, scales):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
 
 def linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, act_bits: int = 16
@@ -115,3 +119,12 @@ def linear(
     if reason:
         raise RuntimeError(reason)
     return getattr(torch.ops.edge_avx2, ACT_BITS[act_bits])(x, qweight, scales, zeros, group)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y = x @ (qweight * scales[:, None]).T for the 8-bit set's layers (kernels/int8.py: int8 [N, K], bf16 [N],
+    K a multiple of 32), activations rounded to int16 per group of 32; [..., K] -> [..., N] in x's dtype."""
+    reason = load()
+    if reason:
+        raise RuntimeError(reason)
+    return torch.ops.edge_avx2.w8a16_linear(x, qweight, scales)

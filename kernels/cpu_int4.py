@@ -437,7 +437,9 @@ class _Int8Weights(_Weights):
         pass  # PyTorch's int8 weight-only GEMM reads the checkpoint layout as is
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = int8_linear(x, layer.qweight, layer.scales, self.config.dequant_threshold)
+        # The AVX2 decode kernels' rows also take the AVX2 int8 kernel (cpu_w4a8's config has none: 0).
+        y = int8_linear(x, layer.qweight, layer.scales, self.config.dequant_threshold,
+                        getattr(self.config, "avx2_rows", 0))  # fmt: skip
         return y if bias is None else y + bias
 
 

@@ -125,8 +125,12 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)  # [N] bf16
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.dequant_threshold = settings.dequant_threshold
+        self.avx2 = settings.avx2_bits is not None  # every row on the AVX2 int8 kernel, as Int4Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.avx2 and self.qweight.shape[1] % 32 == 0:
+            y = avx2_int4.int8_linear(x.to(torch.bfloat16), self.qweight, self.scales)
+            return y if self.bias is None else y + self.bias
         y = _int8_linear_impl(x, self.qweight, self.scales, self.dequant_threshold)
         return y if self.bias is None else y + self.bias
 

@@ -105,13 +105,17 @@ def _embedding_fake(
 
 
 def _int8_linear_impl(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] bf16 for an int8 layer (kernels/int8.py): qweight int8 [N, K], scales bf16 [N].
-    Narrow batches run PyTorch's int8 weight-only GEMM; from dequant_threshold rows, dequantize and run bf16."""
+    Narrow batches run PyTorch's int8 weight-only GEMM; from dequant_threshold rows, dequantize and run bf16.
+    avx2_rows: batches of up to this many rows (K a multiple of 32) run the AVX2 int8 kernel (int16 activations,
+    kernels/avx2_int4.py) where a decode_kernel names an AVX2 kernel; 0: never."""
     n = qweight.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
-    if x2.shape[0] < dequant_threshold:
+    if x2.shape[0] <= avx2_rows and x2.shape[1] % 32 == 0:
+        y = avx2_int4.int8_linear(x2, qweight, scales)  # [M, N] bf16
+    elif x2.shape[0] < dequant_threshold:
         # torch 2.13's AVX-512 kernel crashes (SIGSEGV) on int8 weights not 64-byte aligned, as tensors read
         # straight from a safetensors file are (8-byte); vLLM's own parameters are aligned, so this never copies there.
         if qweight.data_ptr() % 64:
@@ -122,7 +126,9 @@ def _int8_linear_impl(
     return y.view(*x.shape[:-1], n)
 
 
-def _int8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int):
+def _int8_linear_fake(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
+):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.bfloat16)
 
 
@@ -178,8 +184,10 @@ def int4_embedding(
     return torch.ops.vllm.cpu_int4_embedding(ids, qweight, scales, zeros, group)
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int) -> torch.Tensor:
-    return torch.ops.vllm.cpu_int8_linear(x, qweight, scales, dequant_threshold)
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
+) -> torch.Tensor:
+    return torch.ops.vllm.cpu_int8_linear(x, qweight, scales, dequant_threshold, avx2_rows)
 
 
 def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

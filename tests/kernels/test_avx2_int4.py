@@ -245,3 +245,43 @@ def test_the_avx_vnni_build_gives_the_plain_avx2_builds_results_bit_for_bit(tmp_
     plain = torch.load(out)
     for case, expected in zip(_vnni_cases(), plain, strict=True):
         assert torch.equal(avx2_int4.linear(*case), expected), case[4:]
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k, m", [(64, 576, 1), (37, 1024, 3), (9, 96, 2)])
+def test_the_int8_weights_kernel_gives_the_int64_reference_bit_for_bit_on_integer_inputs(n, k, m):
+    """Power-of-two scales, integer activations with one +-32767 per group of 32 (a = 1): exact in fp32."""
+    generator = torch.Generator().manual_seed(n + k + m)
+    qweight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    qweight.view(n, k // 32, 32)[:, :, 0] = 0  # the +-32767 element meets a zero weight: sums stay small
+    scales = (2.0 ** torch.randint(-2, 2, (n,), generator=generator)).to(torch.bfloat16)
+    x = torch.randint(-15, 16, (m, k), generator=generator).float()
+    x.view(m, k // 32, 32)[:, :, 0] = 32767.0
+    assert (x.double().abs() @ qweight.double().abs().t()).max() < 2**22
+    reference = ((x.double() @ qweight.double().t()) * scales.double()).float()
+    assert torch.equal(avx2_int4.int8_linear(x, qweight, scales), reference)
+
+
+@needs_kernel
+def test_the_int8_weights_kernel_matches_the_dequantized_product_within_the_int16_rounding():
+    generator = torch.Generator().manual_seed(3)
+    qweight = torch.randint(-127, 128, (300, 576), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(300, generator=generator) * 0.01).to(torch.bfloat16)
+    x = torch.randn(4, 576, generator=generator)
+    w = qweight.float() * scales.float()[:, None]
+    bound = _rounding_bound(x, w, 32, 16) + RELATIVE * (x.abs() @ w.abs().t()) + 1e-6
+    assert ((avx2_int4.int8_linear(x, qweight, scales) - x @ w.t()).abs() <= bound).all()
+
+
+@needs_kernel
+def test_the_int8_op_sends_up_to_avx2_rows_to_the_kernel():
+    from kernels.int4_ops import _int8_linear_impl
+
+    qweight = torch.randint(-127, 128, (256, 576), dtype=torch.int8)
+    scales = (torch.rand(256) * 0.01).to(torch.bfloat16)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 576).to(torch.bfloat16)
+        y = _int8_linear_impl(x, qweight, scales, 128, 2)
+        narrow = rows <= 2
+        expected = avx2_int4.int8_linear(x, qweight, scales) if narrow else _int8_linear_impl(x, qweight, scales, 128)
+        assert torch.equal(y, expected)
