@@ -1,4 +1,5 @@
-// int4 GEMV/GEMM for a few rows on AVX2 (x86-64-v3): edge_avx2::w4a16_linear and edge_avx2::w4a8_linear.
+// int4 GEMV/GEMM for a few rows on AVX2 (x86-64-v3): edge_avx2::w4a16_linear and edge_avx2::w4a8_linear (and
+// edge_avx2::int4_linear, the cpu_int4 layer op that puts them in front of the Python op for decode rows).
 //
 // Weights are the checkpoint's own row-major format (kernels/int4.py), read as they are, no repack:
 //   qweight uint8 [N, K/2]   byte j of row n: k=2j in the low nibble, k=2j+1 in the high nibble
@@ -30,6 +31,7 @@
 
 #include <immintrin.h>
 #include <torch/library.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -261,6 +263,26 @@ at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 
 bool vnni_in_use() { return use_vnni(); }
+
+// A cpu_int4 layer whose decode_kernel names an AVX2 kernel (kernels/int4_ops.py, _linear_impl's arguments): rows
+// as a decode step passes them, [M <= avx2_rows, K] bf16, run the kernel without leaving C++; any other batch goes
+// to the Python op vllm::cpu_int4_linear (tinygemm or dequantize + GEMM). A decode step makes ~120 of these calls,
+// and the round trip through Python that this skips costs ~2.6 us each (a 576x576 GEMV's arithmetic is ~6 us).
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                       const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+                       int64_t mode, int64_t dequant_threshold, bool fp32_prefill, int64_t avx2_rows,
+                       int64_t avx2_bits) {
+  if (x.dim() == 2 && x.size(0) > 0 && x.size(0) <= avx2_rows && x.scalar_type() == at::kBFloat16) {
+    return avx2_bits == 8 ? w4a8_linear(x, qweight, scales, zeros, group)
+                          : w4a16_linear(x, qweight, scales, zeros, group);
+  }
+  static const c10::OperatorHandle wide =
+      c10::Dispatcher::singleton().findSchemaOrThrow("vllm::cpu_int4_linear", "");
+  std::vector<c10::IValue> stack{x, packed, scales_and_zeros, qweight, scales, zeros, group, mode,
+                                 dequant_threshold, fp32_prefill, avx2_rows, avx2_bits};
+  wide.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 }  // namespace
 
 TORCH_LIBRARY(edge_avx2, m) {
@@ -268,12 +290,16 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("w4a8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def("w8a16_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
+        "Tensor zeros, int group, int mode, int dequant_threshold, bool fp32_prefill, int avx2_rows, "
+        "int avx2_bits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("w4a16_linear", &w4a16_linear);
   m.impl("w4a8_linear", &w4a8_linear);
   m.impl("w8a16_linear", &w8a16_linear);
+  m.impl("int4_linear", &int4_linear);
 }
 
 #else  // ---- the body: included twice above, inside namespace isa_plain and namespace isa_vnni ----

