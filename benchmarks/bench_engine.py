@@ -6,6 +6,10 @@ model's GGUF.
     .venv/bin/python -m benchmarks.bench_engine --models default \
         --variants direct-tinygemm,direct-avx2,direct-avx2-w4a8,llama.cpp --passes 2
 
+VARIANT+1proc (e.g. direct-avx2-w4a8+1proc): that variant's checkpoint with the engine core and worker in the
+measuring process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as llama-cpp-python runs; plain variants run vLLM's three
+processes (front end, engine core, worker: how `vllm serve` runs on CPU), which hand every decode step on.
+
 direct-tinygemm / direct-avx2 / direct-avx2-w4a8: the speed plan's direct checkpoint with quantization_config's
 decode_kernel set to tinygemm, the AVX2 int16-activation kernel or the int8-activation one (kernels/avx2_int4.cpp).
 llama.cpp: benchmarks/llama_cpp_decode.py at the same thread count on the default model's Q4_1 GGUF (the source
@@ -56,6 +60,10 @@ NOFIX = "bf16-nofix"
 # The direct checkpoint with each decode kernel (edge.kernel_params.DECODE_KERNELS).
 DECODE_VARIANTS = {"direct-tinygemm": "tinygemm", "direct-avx2": "avx2", "direct-avx2-w4a8": "avx2-w4a8"}
 LLAMA = "llama.cpp"
+# Any vLLM variant with this suffix: the same checkpoint, with the engine core and its worker in the LLM's own
+# process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as llama-cpp-python runs; without it vLLM runs a front end, an
+# engine core and a worker process that hand each step on (the only way `vllm serve` runs on CPU).
+ONE_PROCESS = "+1proc"
 KV_BYTES = 128 << 20
 PREFILL_TOKENS = 512
 DECODE_TOKENS = 64
@@ -66,6 +74,8 @@ DECODE_TOKENS = 64
 
 def run_child(model: str, variant: str, cache_root: Path, log: Path) -> dict:
     env = {**os.environ, "VLLM_CACHE_ROOT": str(cache_root)}
+    if variant.endswith(ONE_PROCESS):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if variant == NOFIX:
         env["EDGE_SELECT_COMPILE_CACHE_FIX"] = "0"
     with open(log, "a") as log_file:
@@ -108,7 +118,7 @@ def prepare(models: list[str], variants: list[str] | None = None) -> dict[tuple[
     asked for (None: all)."""
 
     def wanted(variant: str) -> bool:
-        return variants is None or variant in variants
+        return variants is None or variant in variants or variant + ONE_PROCESS in variants
 
     from edge.model_reader import read_model
     from edge.planner import make_plan
@@ -154,6 +164,9 @@ def prepare(models: list[str], variants: list[str] | None = None) -> dict[tuple[
         if not w4a8.forced and wanted(W4A8):  # forced: the gate refuses W4A8 here (AVX2: no int4_scaled_mm_cpu)
             dst = CACHE / "bench" / f"{src.name}-{W4A8}"
             dirs[(name, W4A8)] = str(convert(src, dst, w4a8.quantization_config, path="w4a8-gptq", force=True))
+        for (model, variant), directory in list(dirs.items()):
+            if model == name and variant != LLAMA:
+                dirs[(name, variant + ONE_PROCESS)] = directory
     return dirs
 
 
@@ -240,9 +253,10 @@ def report(results: list[dict], dirs: dict, models: list[str], header: str) -> s
                   "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         bf16_greedy = next((r.get("greedy") for r in results if r["model"] == name and r["variant"] == "bf16"), None)
         asked = {r["variant"] for r in results if r["model"] == name}
-        for variant in (v for v in (*VARIANTS, NOFIX, *DECODE_VARIANTS, LLAMA) if v in asked):
+        order = [v + suffix for v in (*VARIANTS, NOFIX, *DECODE_VARIANTS) for suffix in ("", ONE_PROCESS)] + [LLAMA]
+        for variant in (v for v in order if v in asked):
             runs = [r for r in results if r["model"] == name and r["variant"] == variant and r["returncode"] == 0]
-            if not runs and variant in (NOFIX, W4A8, *DECODE_VARIANTS, LLAMA):
+            if not runs and variant.removesuffix(ONE_PROCESS) in (NOFIX, W4A8, *DECODE_VARIANTS, LLAMA):
                 continue
             if not runs:
                 lines.append(f"| {variant} | | (no successful run) | | | | | | | |")
