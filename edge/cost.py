@@ -19,7 +19,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from edge.calibration import CalibrationRecord, KernelResult
-from edge.kernel_params import AVX2_REGISTRY, avx2_decode_rows
+from edge.kernel_params import AVX2_INT8_K_MULTIPLE, AVX2_INT8_REGISTRY, AVX2_REGISTRY, avx2_decode_rows
 from edge.kernel_registry import FORMAT_KERNEL, PREFILL_KERNELS, kernels_for
 from edge.plan import Layout, WeightPath
 from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision
@@ -187,7 +187,8 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
     """Raises Unmeasured when a kernel the option needs has no times in the record.
 
     decode_kernel "avx2" or "avx2-w4a8" (edge.kernel_params): a w4a16 path's int4 layers run batches of up to
-    avx2_decode_rows() rows on that AVX2 int4 kernel instead of tinygemm."""
+    avx2_decode_rows() rows on that AVX2 int4 kernel instead of tinygemm, and its 8-bit set's layers on the AVX2
+    int8-weight kernel instead of PyTorch's."""
     int4_kernels = {
         "decode": kernels_for(path, layout, "decode"),
         "prefill": kernels_for(path, layout, "prefill"),
@@ -212,6 +213,12 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
                     name = names[0]
         else:
             name = FORMAT_KERNEL[lin.format]
+            if decode_kernel in AVX2_REGISTRY and path == "w4a16-tinygemm" and lin.format == "int8" \
+                    and m <= avx2_decode_rows() and lin.k % AVX2_INT8_K_MULTIPLE == 0:
+                if record.timed(AVX2_INT8_REGISTRY) is not None:
+                    name = AVX2_INT8_REGISTRY
+                else:  # a record from before the kernel existed: no faster than PyTorch's int8 kernel
+                    substituted.add(f"{AVX2_INT8_REGISTRY} counted at {name}'s times (not timed)")
             if name != "bf16" and record.timed(name) is None and record.timed("bf16") is not None:
                 substituted.add(f"{name} counted at bf16's times (not timed)")  # a wider weight: no faster
                 name = "bf16"

@@ -113,6 +113,15 @@ FACTS: dict[str, MeasuredFact] = {
               "AVX2 int4 kernel, int8 activations, 1 row: 5.21x tinygemm AVX2 (0.332 vs 1.728 ms on Zen 5)"),
         _fact("avx2.1t.gemm.m4.avx2_int8_ms", round(2.80 / 2.24, 3), "ms", "derived", "avx2", "2026-11-30",
               "AVX2 int4 kernel, int8 activations, 4 rows: 2.24x tinygemm AVX2 (0.812 vs 1.819 ms on Zen 5)"),
+        # The 8-bit head (49152x576, int8 per channel) on the same scale: Zen 5 under AVX2 dispatch, 1 thread, 1 row,
+        # two runs of `python -m kernels.calibration_timers KERNEL --shapes 49152x576,4096x4096 --rows 1,4`
+        # (tinygemm 4096x4096 1.673 ms in the same runs), times 2.80 / 1.673.
+        _fact("avx2.1t.int8.m1_ms", round(2.80 * 2.92 / 1.673, 3), "ms", "derived", "avx2", "2026-12-01",
+              "int8 per-channel head, 49152x576, 1 row, PyTorch's _weight_int8pack_mm under AVX2 dispatch: 2.85-2.99 "
+              "ms on Zen 5 (tinygemm 4096x4096 1.673 ms there)"),
+        _fact("avx2.1t.int8.avx2_m1_ms", round(2.80 * 0.817 / 1.673, 3), "ms", "derived", "avx2", "2026-12-01",
+              "the same head on this project's AVX2 int8-weight kernel (edge_avx2::w8a16_linear, plain AVX2 build): "
+              "0.78-0.85 ms on Zen 5, 3.5-3.7x PyTorch's"),
         _fact("avx512.dequant_threshold", 128, "rows", "here", "avx512", "2026-11-30",
               "AMD EPYC Zen 5 (AVX512-BF16, no AMX), 1 thread: dequantize to bf16 + bf16 GEMM beats tinygemm from "
               "128 rows at SmolLM2 shapes (0.76-0.86) and from 256 at 4096x4096 (0.84); fp32 dequantize is 2-3x "

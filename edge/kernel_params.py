@@ -34,6 +34,10 @@ DECODE_KERNELS: tuple[DecodeKernel, ...] = ("tinygemm", "avx2", "avx2-w4a8")
 # The AVX2 decode kernels: the activation bits kernels/avx2_int4 rounds to, and their edge.kernel_registry names.
 AVX2_ACT_BITS: dict[str, int] = {"avx2": 16, "avx2-w4a8": 8}
 AVX2_REGISTRY: dict[str, str] = {"avx2": "avx2-int4", "avx2-w4a8": "avx2-w4a8"}
+# With either AVX2 decode kernel, the 8-bit set's decode rows run the AVX2 int8-weight kernel (edge_avx2::w8a16_linear,
+# registry "avx2-int8"), which rounds activations to int16 in groups of this many: layers whose K it divides.
+AVX2_INT8_REGISTRY = "avx2-int8"
+AVX2_INT8_K_MULTIPLE = 32
 PREFILL_DTYPES: tuple[PrefillDtype, ...] = ("bfloat16", "float32")
 # torch.backends.cpu.get_cpu_capability() -> the facts-table key of the block it packs with.
 _BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block"}

@@ -65,6 +65,10 @@ KERNELS: dict[str, KernelSpec] = {
                    "per group (kernels/avx2_int4.cpp)", "edge_avx2::w4a8_linear", "torch", "int4-rowmajor", True),
         KernelSpec("int8", "int8 weights per output channel, bf16 activations (the 8-bit set: head, embedding)",
                    "aten::_weight_int8pack_mm", "torch", "int8-channel", False),
+        # The 8-bit set's decode rows where decode_kernel names an AVX2 kernel (edge.kernel_params).
+        KernelSpec("avx2-int8", "this project's AVX2 GEMV for the 8-bit set's int8 weights per channel, activations "
+                   "rounded to int16 per group of 32 (kernels/avx2_int4.cpp)", "edge_avx2::w8a16_linear", "torch",
+                   "int8-channel", False),
         KernelSpec("vllm-wna16", "vLLM's GPTQ/AWQ kernel (what a GPTQ checkpoint gets without W4A8)",
                    "_C::cpu_gemm_wna16", "vllm", "int4-gptq", False),
         KernelSpec("vllm-w4a8", "vLLM's int4 x int8 kernel (activations quantized to int8 per row)",

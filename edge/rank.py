@@ -62,6 +62,7 @@ _FACT_TIMES: dict[str, list[tuple[int, int, int, str]]] = {
     "dequant-bf16": [(4096, 4096, 512, "1t.dequant_bf16.m512_ms")],
     "dequant-fp32": [(4096, 4096, 512, "1t.dequant_fp32.m512_ms")],
     "int8": [(49152, 576, 1, "1t.int8.m1_ms")],
+    "avx2-int8": [(49152, 576, 1, "1t.int8.avx2_m1_ms")],
     "vllm-w4a8": [(4096, 4096, 1, "1t.gemm.m1.w4a8_ms"), (4096, 4096, 512, "1t.gemm.m512.w4a8_ms")],
     "avx2-int4": [(4096, 4096, 1, "1t.gemm.m1.avx2_int16_ms"), (4096, 4096, 4, "1t.gemm.m4.avx2_int16_ms")],
     "avx2-w4a8": [(4096, 4096, 1, "1t.gemm.m1.avx2_int8_ms"), (4096, 4096, 4, "1t.gemm.m4.avx2_int8_ms")],

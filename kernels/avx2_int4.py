@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -114,7 +114,7 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
 
 
-@lru_cache(maxsize=None)
+@cache
 def op(name: str) -> torch._ops.OpOverload:
     """The loaded op's overload (w4a16_linear, w4a8_linear or w8a16_linear), looked up once: the decode step
     calls it ~120 times, and torch.ops' attribute lookups cost about as much as a 576x576 GEMV's arithmetic."""

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from edge.kernel_params import AVX2_INT8_K_MULTIPLE
 from edge.kernel_registry import KERNELS
 from kernels.gptq import dequantize_gptq, gptq_tensors
 from kernels.int4 import dequantize, quantize_packed
@@ -176,6 +177,22 @@ def _int8(w: torch.Tensor, group: int) -> Weights:
     return Weights(dequantize_int8(qweight, scales, torch.float32), qweight.nbytes + scales.nbytes, copy)
 
 
+def _avx2_int8(w: torch.Tensor, group: int) -> Weights:
+    """The AVX2 int8-weight kernel on the 8-bit set's format (built on first use; absent as _avx2_kernel)."""
+    from kernels import avx2_int4
+
+    reason = avx2_int4.load()
+    if reason:
+        raise Absent(reason)
+    qweight, scales = quantize_int8(w)  # [N, K] int8, [N] bf16
+
+    def copy() -> Run:
+        held = qweight.clone()
+        return lambda x: avx2_int4.int8_linear(x, held, scales)
+
+    return Weights(dequantize_int8(qweight, scales, torch.float32), qweight.nbytes + scales.nbytes, copy)
+
+
 def _vllm_ops(*names: str):
     """vLLM's op wrappers, after vLLM loaded its native library; Absent naming the library and the missing op."""
     try:
@@ -285,6 +302,7 @@ TIMERS: dict[str, Callable[[torch.Tensor, int], Weights]] = {
     "dequant-bf16": _dequantized_gemm(torch.bfloat16),
     "dequant-fp32": _dequantized_gemm(torch.float32),
     "int8": _int8,
+    "avx2-int8": _avx2_int8,
     "vllm-wna16": _vllm_wna16,
     "vllm-w4a8": _vllm_w4a8,
     "onednn-int8": _onednn_int8,
@@ -302,6 +320,8 @@ def _cannot_hold(kernel: str, n: int, k: int, group: int) -> str | None:
         return f"{n}x{k}: tinygemm packs N in multiples of 16 and K in whole groups of {group}"
     if fmt == "int4-rowmajor" and k % group:
         return f"{n}x{k}: K in whole groups of {group}"
+    if kernel == "avx2-int8" and k % AVX2_INT8_K_MULTIPLE:
+        return f"{n}x{k}: the AVX2 int8 kernel rounds activations in groups of {AVX2_INT8_K_MULTIPLE} along K"
     if fmt == "int4-gptq" and (n % 32 or k % 32 or k % group):
         return f"{n}x{k}: vLLM's GPTQ kernels need N and K multiples of 32 and K in whole groups of {group}"
     return None

@@ -36,7 +36,8 @@ _NUMERIC_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "
 # This project's files whose code runs in a candidate's forward pass (kernels/eval_*.py build the model from them).
 _KERNELS_DIR = Path(__file__).resolve().parent
 _NUMERIC_SOURCES = ("avx2_int4.cpp", "avx2_int4.py", "int4_ops.py", "int8.py", "tinygemm.py", "layout.py",
-                    "eval_cpu_int4.py", "eval_cpu_w4a8.py", "eval_gptq.py", "eval_model.py", "eval_score.py")  # fmt: skip
+                    "eval_cpu_int4.py", "eval_cpu_w4a8.py", "eval_gptq.py", "eval_model.py",
+                    "eval_score.py")  # fmt: skip
 
 
 def quality_dir() -> Path:

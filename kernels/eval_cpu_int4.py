@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from edge.errors import InputError
+from edge.kernel_params import AVX2_INT8_K_MULTIPLE
 from kernels import avx2_int4
 from kernels.eval_model import prefix_of, replace_module, submodule
 from kernels.int4_ops import (
@@ -128,7 +129,7 @@ class Int8Linear(nn.Module):
         self.avx2 = settings.avx2_bits is not None  # every row on the AVX2 int8 kernel, as Int4Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.avx2 and self.qweight.shape[1] % 32 == 0:
+        if self.avx2 and self.qweight.shape[1] % AVX2_INT8_K_MULTIPLE == 0:
             y = avx2_int4.int8_linear(x.to(torch.bfloat16), self.qweight, self.scales)
             return y if self.bias is None else y + self.bias
         y = _int8_linear_impl(x, self.qweight, self.scales, self.dequant_threshold)

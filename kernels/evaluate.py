@@ -22,7 +22,8 @@ the numbers; the speed plan reads that record before it decodes with them).
 Results are cached under $EDGE_SELECT_CACHE_DIR/quality/, keyed by the source and candidate files, the
 candidate's quantization_config, the text, the token count and chunk length (and the torch build, the CPU
 capability torch dispatches to and this project's kernel code, which decide the arithmetic); a repeated run
-answers from the cache and says so. A report on the default text carries a `record` (edge.quality.QualityRecord) that the planner reads to weigh quality.
+answers from the cache and says so. A report on the default text carries a `record` (edge.quality.QualityRecord)
+that the planner reads to weigh quality.
 
 Exit codes: 0 measured (or cached), 2 bad input (the message names the field and the value).
 """

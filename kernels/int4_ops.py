@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from edge.kernel_params import AVX2_INT8_K_MULTIPLE
 from kernels import avx2_int4
 from kernels.int4 import apply_scales, dequantize, unpack_nibbles
 from kernels.int8 import dequantize_int8
@@ -113,13 +114,14 @@ def _int8_linear_impl(
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] bf16 for an int8 layer (kernels/int8.py): qweight int8 [N, K], scales bf16 [N].
     Narrow batches run PyTorch's int8 weight-only GEMM; from dequant_threshold rows, dequantize and run bf16.
-    avx2_rows: batches of up to this many rows (K a multiple of 32) run the AVX2 int8 kernel (int16 activations,
-    kernels/avx2_int4.py) where a decode_kernel names an AVX2 kernel; 0: never."""
-    if 0 < x.shape[0] <= avx2_rows and x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0:
+    avx2_rows: batches of up to this many rows (K a multiple of AVX2_INT8_K_MULTIPLE) run the AVX2 int8 kernel
+    (int16 activations, kernels/avx2_int4.py) where a decode_kernel names an AVX2 kernel; 0: never."""
+    k_fits = x.shape[-1] % AVX2_INT8_K_MULTIPLE == 0
+    if 0 < x.shape[0] <= avx2_rows and x.dim() == 2 and x.dtype == torch.bfloat16 and k_fits:
         return avx2_int4.op("w8a16_linear")(x, qweight, scales)  # decode rows as vLLM passes them, as above
     n = qweight.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
-    if x2.shape[0] <= avx2_rows and x2.shape[1] % 32 == 0:
+    if x2.shape[0] <= avx2_rows and k_fits:
         y = avx2_int4.int8_linear(x2, qweight, scales)  # [M, N] bf16
     elif x2.shape[0] < dequant_threshold:
         # torch 2.13's AVX-512 kernel crashes (SIGSEGV) on int8 weights not 64-byte aligned, as tensors read

@@ -66,6 +66,32 @@ def test_the_cost_model_counts_decode_steps_at_the_avx2_kernels_times_when_the_p
     assert "avx2-int4" in cost
 
 
+def test_with_an_avx2_decode_kernel_the_8_bit_head_decodes_on_the_avx2_int8_kernel():
+    """The head (int8 per channel, K % 32 == 0) at its timed AVX2 times; a record without that kernel counts it at
+    PyTorch's int8 times and says so; tinygemm decode keeps PyTorch's kernel."""
+    from edge.cost import HEAD, EngineLinear, request_cost
+
+    linears = [EngineLinear("model.layers.0.mlp.down_proj", 576, 1536, 30, "int4"),
+               EngineLinear(HEAD, 49152, 576, 1, "int8")]
+    costs = {"dequant_threshold": 128, "prefill_dtype": "float32"}
+    avx2 = _avx2_record_with_avx2_kernel(2.0)
+    bf16 = avx2.timed("bf16")  # the fixture has no int8 times: both int8 kernels at fractions of bf16's
+
+    def at(name: str, factor: float) -> KernelResult:
+        return KernelResult(kernel=name, status="ok",
+                            times=[KernelTime(n=t.n, k=t.k, m=t.m, ms=t.ms / factor) for t in bf16.times])  # fmt: skip
+
+    record = avx2.model_copy(update={"kernels": [*avx2.kernels, at("int8", 2)]})
+    timed = avx2.model_copy(update={"kernels": [*avx2.kernels, at("int8", 2), at("avx2-int8", 6)]})
+    with_kernel = request_cost(timed, linears, "w4a16-tinygemm", "direct", decode_kernel="avx2", **costs)
+    assert "avx2-int8" in with_kernel.kernels and "int8" not in with_kernel.kernels
+    without = request_cost(record, linears, "w4a16-tinygemm", "direct", decode_kernel="avx2", **costs)
+    assert "avx2-int8 counted at int8's times (not timed)" in without.substituted and "int8" in without.kernels
+    assert without.decode_step_ms > with_kernel.decode_step_ms
+    tinygemm = request_cost(timed, linears, "w4a16-tinygemm", "direct", **costs)
+    assert "avx2-int8" not in tinygemm.kernels and "int8" in tinygemm.kernels
+
+
 def _int8_record(model: str, plan, kld: float) -> QualityRecord:
     """An edge-eval record of `plan`'s weights run with the int8-activation decode kernel."""
     key = quality_key("w4a16-tinygemm", {**plan.quantization_config, "decode_kernel": "avx2-w4a8"})
