@@ -52,10 +52,6 @@ def _linear_impl(
     avx2_rows: batches of up to this many rows run the AVX2 int4 kernel on the row-major copy
     (quantization_config's decode_kernel "avx2" or "avx2-w4a8", kernels/avx2_int4.py); 0: never.
     avx2_bits: that kernel's activations, 16 (int16) or 8 (int8)."""
-    if 0 < x.shape[0] <= avx2_rows and x.dim() == 2 and x.dtype == torch.bfloat16:
-        # A decode step's rows as vLLM passes them, [M, K] bf16: straight to the kernel (it makes x contiguous).
-        # This path runs ~120 times a step; each Python tensor call it skips saves about a microsecond.
-        return avx2_int4.op(avx2_int4.ACT_BITS[avx2_bits])(x, qweight, scales, zeros, group)  # [M, N] bf16
     n = scales_and_zeros.shape[1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
     rows = x2.shape[0]
@@ -116,12 +112,9 @@ def _int8_linear_impl(
     Narrow batches run PyTorch's int8 weight-only GEMM; from dequant_threshold rows, dequantize and run bf16.
     avx2_rows: batches of up to this many rows (K a multiple of AVX2_INT8_K_MULTIPLE) run the AVX2 int8 kernel
     (int16 activations, kernels/avx2_int4.py) where a decode_kernel names an AVX2 kernel; 0: never."""
-    k_fits = x.shape[-1] % AVX2_INT8_K_MULTIPLE == 0
-    if 0 < x.shape[0] <= avx2_rows and x.dim() == 2 and x.dtype == torch.bfloat16 and k_fits:
-        return avx2_int4.op("w8a16_linear")(x, qweight, scales)  # decode rows as vLLM passes them, as above
     n = qweight.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
-    if x2.shape[0] <= avx2_rows and k_fits:
+    if x2.shape[0] <= avx2_rows and x2.shape[1] % AVX2_INT8_K_MULTIPLE == 0:
         y = avx2_int4.int8_linear(x2, qweight, scales)  # [M, N] bf16
     elif x2.shape[0] < dequant_threshold:
         # torch 2.13's AVX-512 kernel crashes (SIGSEGV) on int8 weights not 64-byte aligned, as tensors read
