@@ -267,7 +267,7 @@ bool vnni_in_use() { return use_vnni(); }
 // A cpu_int4 layer whose decode_kernel names an AVX2 kernel (kernels/int4_ops.py, _linear_impl's arguments): rows
 // as a decode step passes them, [M <= avx2_rows, K] bf16, run the kernel without leaving C++; any other batch goes
 // to the Python op vllm::cpu_int4_linear (tinygemm or dequantize + GEMM). A decode step makes ~120 of these calls,
-// and the round trip through Python that this skips costs ~2.6 us each (a 576x576 GEMV's arithmetic is ~6 us).
+// and the round trip through Python that this skips costs ~5 us each (benchmarks/op_call_cost.py).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                        const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                        int64_t mode, int64_t dequant_threshold, bool fp32_prefill, int64_t avx2_rows,
