@@ -82,11 +82,16 @@ def test_default_path_imports_neither_torch_nor_vllm():
     assert result.stdout.strip() == "[]"
 
 
-def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path):
-    """edge-eval writes records under the cache's quality/ (kernels/evaluate.py); edge-select reads them."""
+@pytest.mark.parametrize(
+    "device", [[], ["--device", str(DATA / "cpuinfo_host_epyc_avx2.txt")]], ids=["this-host", "zen3-avx2-cpuinfo"]
+)
+def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path, device):
+    """edge-eval writes records under the cache's quality/ (kernels/evaluate.py); edge-select reads them. A record
+    over the floor moves the plan off the measured configuration: to another path or layout, or, on an AVX2 CPU,
+    to another decode kernel (`avx2-w4a8` -> `avx2`), whichever this device's ranking offers next."""
     from edge.quality import QualityRecord, quality_key
 
-    plan = Plan.model_validate_json(edge_select("--json").stdout)
+    plan = Plan.model_validate_json(edge_select("--json", *device).stdout)
     record = QualityRecord(
         model=plan.model.name, key=quality_key(plan.path, plan.quantization_config), kld_mean=0.25, kld_mean_se=0.01,
         top1_agreement=0.7, top1_agreement_se=0.01, ppl_ratio=1.3, ppl_ratio_se=0.01, confident_flip_rate=0.02,
@@ -96,10 +101,12 @@ def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path):
     quality.mkdir(parents=True)
     (quality / "one.json").write_text(json.dumps({"record": record.model_dump()}))
     (quality / "not-a-record.json").write_text("{}")
-    measured = Plan.model_validate_json(edge_select("--json", "--max-kld", "0.5", "--path", plan.path).stdout)
+    measured = Plan.model_validate_json(
+        edge_select("--json", "--max-kld", "0.5", "--path", plan.path, *device).stdout)
     assert measured.quality.status == "measured" and measured.quality.record.kld_mean == 0.25
-    floored = Plan.model_validate_json(edge_select("--json").stdout)  # 0.25 > the default floor of 0.08
-    assert floored.path != plan.path or floored.layout != plan.layout
+    floored = Plan.model_validate_json(edge_select("--json", *device).stdout)  # 0.25 > the default floor of 0.08
+    assert quality_key(floored.path, floored.quantization_config) != record.key
+    assert floored.quality.record is None or floored.quality.record.kld_mean <= 0.08
 
 
 @pytest.mark.heavy

@@ -274,8 +274,11 @@ def host_record(**fields) -> CalibrationRecord:
     here = probe()
     assert here.cpu_model.value, "the probe names this host's CPU model"
     runtime = here.runtime
+    # Every runtime fact the probe states, so the record matches this host whatever torch dispatches to here
+    # (AVX2 on a Zen 3, AVX512 on a Zen 5; edge.calibration.matches compares each one the device states).
     values = dict(measured_at="2026-11-29T12:00:00+00:00", torch_version=runtime.torch_version.value,
-                  vllm_version=runtime.vllm_version.value, native_library=runtime.vllm_native_library.value)
+                  vllm_version=runtime.vllm_version.value, native_library=runtime.vllm_native_library.value,
+                  torch_capability=runtime.torch_cpu_capability.value)
     return record_for(here, isa_class=here.isa_class, **{**values, **fields})  # fmt: skip
 
 
