@@ -5,7 +5,7 @@ model (576x576, group 32, int8 activations, 1 row, weights cache-hot so the call
 
 Doors, from the kernel outwards:
     kernel op             torch.ops.edge_avx2.w4a8_linear.default: the kernel alone, as C++ calls it
-    python op             torch.ops.vllm.cpu_int4_linear (kernels/int4_ops.py _linear_impl, a Python op): what a
+    python op             torch.ops.vllm.cpu_int4_linear (kernels/int4_ops.py int4_linear_impl, a Python op): what a
                           layer without avx2_rows calls, and what wide batches reach
     c++ front op          torch.ops.edge_avx2.int4_linear.default: what a layer with avx2_rows calls
                           (kernels/int4_ops.int4_linear); decode rows never enter Python

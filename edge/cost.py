@@ -19,10 +19,17 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from edge.calibration import CalibrationRecord, KernelResult
-from edge.kernel_params import AVX2_INT8_K_MULTIPLE, AVX2_INT8_REGISTRY, AVX2_REGISTRY, avx2_decode_rows
-from edge.kernel_registry import FORMAT_KERNEL, PREFILL_KERNELS, kernels_for
-from edge.plan import Layout, WeightPath
+from edge.kernel_registry import (
+    DECODE_KERNELS,
+    DEFAULT_DECODE_KERNEL,
+    FORMAT_KERNEL,
+    PREFILL_KERNELS,
+    decode_rows,
+    eight_bit_kernel,
+    kernels_for,
+)
 from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision
+from edge.weight_paths import Layout, WeightPath
 
 PROMPT_TOKENS = 512
 NEW_TOKENS = 128
@@ -152,23 +159,25 @@ def faster_prefill(record: CalibrationRecord, shapes: list[tuple[int, int]], row
     return min(costs, key=costs.__getitem__) if costs else None
 
 
-def faster_decode(record: CalibrationRecord, shapes: list[tuple[int, int]]) -> tuple[str, bool]:
-    """(decode kernel, int8 faster): "avx2" when the record timed the AVX2 int4 kernel (int16 activations) faster
-    than tinygemm at 1 row summed over these shapes, else "tinygemm"; and whether the int8-activation AVX2 kernel
-    ("avx2-w4a8") was timed faster than that one. A kernel the record lacks is not chosen."""
+def faster_decode(record: CalibrationRecord, shapes: list[tuple[int, int]]) -> tuple[str, str | None]:
+    """(decode kernel, lossy one faster): the lossless decode kernel (edge.kernel_registry.DECODE_KERNELS) the
+    record timed fastest at 1 row summed over these shapes (tinygemm on a tie), and the fastest lossy one (int8
+    activations) timed faster than that, or None. A kernel the record lacks is not chosen."""
 
-    def decode_ms(name: str) -> float | None:
+    def decode_ms(choice: str) -> float | None:
         try:
-            times = kernel_times(record, name)
+            times = kernel_times(record, DECODE_KERNELS[choice].name)
             return sum(times.ms(n, k, 1) for n, k in shapes)
         except Unmeasured:
             return None
 
-    tinygemm, avx2, w4a8 = decode_ms("tinygemm"), decode_ms("avx2-int4"), decode_ms("avx2-w4a8")
-    if tinygemm is None:
-        return "tinygemm", False
-    decode, best = ("avx2", avx2) if avx2 is not None and avx2 < tinygemm else ("tinygemm", tinygemm)
-    return decode, w4a8 is not None and w4a8 < best
+    timed = {choice: ms for choice in DECODE_KERNELS if (ms := decode_ms(choice)) is not None}
+    if DEFAULT_DECODE_KERNEL not in timed:
+        return DEFAULT_DECODE_KERNEL, None
+    lossless = {c: ms for c, ms in timed.items() if not DECODE_KERNELS[c].lossy}
+    decode = min(lossless, key=lossless.__getitem__)  # the first of equals: tinygemm is listed first
+    lossy = {c: ms for c, ms in timed.items() if DECODE_KERNELS[c].lossy and ms < lossless[decode]}
+    return decode, min(lossy, key=lossy.__getitem__) if lossy else None
 
 
 @dataclass
@@ -183,12 +192,12 @@ class RequestCost:
 
 def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: WeightPath, layout: Layout | None,
                  *, dequant_threshold: int, prefill_dtype: str, batch: int = 1,
-                 decode_kernel: str = "tinygemm") -> RequestCost:  # fmt: skip
+                 decode_kernel: str = DEFAULT_DECODE_KERNEL) -> RequestCost:  # fmt: skip
     """Raises Unmeasured when a kernel the option needs has no times in the record.
 
-    decode_kernel "avx2" or "avx2-w4a8" (edge.kernel_params): a w4a16 path's int4 layers run batches of up to
-    avx2_decode_rows() rows on that AVX2 int4 kernel instead of tinygemm, and its 8-bit set's layers on the AVX2
-    int8-weight kernel instead of PyTorch's."""
+    decode_kernel other than tinygemm (edge.kernel_registry.DECODE_KERNELS): a w4a16 path's int4 layers run batches
+    of up to its decode_rows() on that kernel instead of tinygemm, and its 8-bit set's layers on the kernel its
+    choice names for them (the AVX2 int8-weight kernel instead of PyTorch's)."""
     int4_kernels = {
         "decode": kernels_for(path, layout, "decode"),
         "prefill": kernels_for(path, layout, "prefill"),
@@ -198,6 +207,8 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
     times: dict[str, KernelTimes] = {}
     spent: dict[str, float] = {}
     substituted: set[str] = set()
+    decode_spec = DECODE_KERNELS[decode_kernel]
+    rows = decode_rows(decode_kernel) if path == "w4a16-tinygemm" else None  # the rows its decode kernel takes
 
     def run(lin: EngineLinear, m: int) -> float:
         if lin.format == "int4" or (path == "bf16" and lin.format == "bf16"):
@@ -205,20 +216,19 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
             names = int4_kernels[role] or int4_kernels["decode"]
             assert names, f"{path}/{layout} has no kernel for {role}"
             name = names[0]
-            if decode_kernel in AVX2_REGISTRY and path == "w4a16-tinygemm" and lin.format == "int4" \
-                    and m <= avx2_decode_rows():
-                name = AVX2_REGISTRY[decode_kernel]
+            if rows and lin.format == "int4" and m <= rows:
+                name = decode_spec.name
                 if record.timed(name) is None:  # a record from before the kernel existed: no faster than tinygemm
                     substituted.add(f"{name} counted at {names[0]}'s times (not timed)")
                     name = names[0]
         else:
             name = FORMAT_KERNEL[lin.format]
-            if decode_kernel in AVX2_REGISTRY and path == "w4a16-tinygemm" and lin.format == "int8" \
-                    and m <= avx2_decode_rows() and lin.k % AVX2_INT8_K_MULTIPLE == 0:
-                if record.timed(AVX2_INT8_REGISTRY) is not None:
-                    name = AVX2_INT8_REGISTRY
+            eight_bit = eight_bit_kernel(decode_kernel, lin.k) if rows and lin.format == "int8" and m <= rows else name
+            if eight_bit != name:
+                if record.timed(eight_bit) is not None:
+                    name = eight_bit
                 else:  # a record from before the kernel existed: no faster than PyTorch's int8 kernel
-                    substituted.add(f"{AVX2_INT8_REGISTRY} counted at {name}'s times (not timed)")
+                    substituted.add(f"{eight_bit} counted at {name}'s times (not timed)")
             if name != "bf16" and record.timed(name) is None and record.timed("bf16") is not None:
                 substituted.add(f"{name} counted at bf16's times (not timed)")  # a wider weight: no faster
                 name = "bf16"

@@ -8,9 +8,11 @@ from typing import Any
 
 from edge.device import DeviceProfile
 from edge.kernel_params import KernelParams
+from edge.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.plan import Layout, VllmConfig, WeightPath
-from edge.quantized_layers import LayerDecision, kept_bf16, w4a8_method
+from edge.quantized_layers import LayerDecision, kept_bf16
 from edge.shapes import ModelShape
+from edge.weight_paths import quant_method
 
 # vLLM reserves one core for its front end on x86 by default (docs/FACTS.md: on a 2-core box it then runs one
 # compute thread). On boxes this small, the GEMMs get every core instead.
@@ -30,7 +32,7 @@ def quantization_config(
     """What the converter writes into config.json and the engine reads back: the plan's decisions, never
     recomputed downstream (the layers from edge.quantized_layers, the kernel values from edge.kernel_params).
 
-    amx: whether the device has AMX tiles, which decides who serves w4a8-gptq (edge.quantized_layers.w4a8_method):
+    amx: whether the device has AMX tiles, which decides who serves w4a8-gptq (edge.weight_paths.quant_method):
     vLLM's own GPTQ method there, the plugin's cpu_w4a8 elsewhere; the layers must come from rules_for with the
     same flag."""
     if path == "w4a16-tinygemm":
@@ -50,7 +52,7 @@ def quantization_config(
             "tinygemm_block": kernel.block,
             "repack_chunk_rows": kernel.repack_chunk_rows,
             # only where a record timed the AVX2 kernel faster: a tinygemm plan's config stays as it was
-            **({"decode_kernel": kernel.decode_kernel} if kernel.decode_kernel != "tinygemm" else {}),
+            **({"decode_kernel": kernel.decode_kernel} if kernel.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
             "quantize_embedding": model.tie_word_embeddings,
             # the converter takes the 4-bit codes from the source's own grid (edge-source.json), not re-rounding
             "codes_from_source": model.source_grid == group_size,
@@ -60,7 +62,7 @@ def quantization_config(
             "int8": [layer.name for layer in layers if layer.format == "int8"],
             "ignore": kept_bf16(layers),
         }
-    if path == "w4a8-gptq" and w4a8_method(amx) == "cpu_w4a8":
+    if path == "w4a8-gptq" and quant_method(path, amx=amx) == "cpu_w4a8":
         assert group_size is not None
         return {
             "quant_method": "cpu_w4a8",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from edge import rules
 from edge.calibration import CalibrationRecord
 from edge.device import DeviceProfile
+from edge.kernel_registry import kernels_for
 from edge.plan import WeightPath
 from edge.shapes import ModelShape
 
@@ -66,7 +67,7 @@ def gate_w4a16(device: DeviceProfile, model: ModelShape) -> Gate:
 # vLLM's W4A8 kernel (docs/FACTS.md): int4_scaled_mm_cpu lives in `_C`, the library vLLM loads where AVX-512 comes
 # with AVX512-BF16, and is built for AVX512-BF16 + AVX512-VNNI; `_C_AVX512` and `_C_AVX2` have no such op.
 W4A8_OP = "int4_scaled_mm_cpu"
-W4A8_KERNEL = "vllm-w4a8"  # its edge.kernel_registry entry, as calibration records name it
+W4A8_KERNEL = kernels_for("w4a8-gptq", None, "all")[0]  # its edge.kernel_registry entry, as records name it
 DERIVED_NOTE = "derived from ISA flags; no calibration record confirms the op runs"
 
 

@@ -10,13 +10,12 @@ vLLM method reads them from there, so the engine runs what the plan accounted fo
     dequant_threshold   rows from which a batch dequantizes and runs a GEMM instead of tinygemm
     prefill_dtype       the dtype of that GEMM
     repack_chunk_rows   output channels repacked at a time at load (bounds the int32 transient)
-    decode_kernel       what runs batches of up to avx2_decode_rows(): "tinygemm", or one of the AVX2 int4 kernels
-                        (kernels/avx2_int4.cpp, which read the row-major copy, so every layer keeps one): "avx2"
-                        (int16 activations, tinygemm's numbers) where the CPU runs torch's AVX2 code (its tinygemm is
-                        2-4x slower there, docs/reports) or a calibration record timed it faster than tinygemm at 1
-                        row on the model's shapes; "avx2-w4a8" (int8 activations) only for the speed priority, where
-                        it is faster still and an edge-eval record of the model shows the quality floor holds
-                        (edge.planner)
+    decode_kernel       what runs the decode rows (edge.kernel_registry.DECODE_KERNELS): tinygemm, or a kernel
+                        that is the default at the device's torch capability (the AVX2 int4 kernel under AVX2
+                        dispatch, where torch's tinygemm is 2-4x slower, docs/reports) or that a calibration record
+                        timed faster than tinygemm at 1 row on the model's shapes; a lossy one (int8 activations)
+                        only for the speed priority, where it is faster still and an edge-eval record of the model
+                        shows the quality floor holds (edge.planner)
 """
 
 from __future__ import annotations
@@ -27,17 +26,15 @@ from typing import Literal
 from edge.calibration import CalibrationRecord
 from edge.device import DeviceProfile
 from edge.facts import fact
+from edge.kernel_registry import (
+    DECODE_KERNELS,
+    DEFAULT_DECODE_KERNEL,
+    PREFILL_KERNELS,
+    default_decode_kernel,
+    offered_lossy_decode_kernel,
+)
 
 PrefillDtype = Literal["bfloat16", "float32"]
-DecodeKernel = Literal["tinygemm", "avx2", "avx2-w4a8"]
-DECODE_KERNELS: tuple[DecodeKernel, ...] = ("tinygemm", "avx2", "avx2-w4a8")
-# The AVX2 decode kernels: the activation bits kernels/avx2_int4 rounds to, and their edge.kernel_registry names.
-AVX2_ACT_BITS: dict[str, int] = {"avx2": 16, "avx2-w4a8": 8}
-AVX2_REGISTRY: dict[str, str] = {"avx2": "avx2-int4", "avx2-w4a8": "avx2-w4a8"}
-# With either AVX2 decode kernel, the 8-bit set's decode rows run the AVX2 int8-weight kernel (edge_avx2::w8a16_linear,
-# registry "avx2-int8"), which rounds activations to int16 in groups of this many: layers whose K it divides.
-AVX2_INT8_REGISTRY = "avx2-int8"
-AVX2_INT8_K_MULTIPLE = 32
 PREFILL_DTYPES: tuple[PrefillDtype, ...] = ("bfloat16", "float32")
 # torch.backends.cpu.get_cpu_capability() -> the facts-table key of the block it packs with.
 _BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block"}
@@ -83,12 +80,6 @@ def repack_chunk_rows(*, amx: bool, block: int) -> int:
     return max(block, rows - rows % block)
 
 
-def avx2_decode_rows() -> int:
-    """Batches of up to this many rows take the AVX2 int4 kernel when decode_kernel names one; wider ones take
-    tinygemm (the measured crossover under AVX2 dispatch, facts table)."""
-    return int(fact("avx2.avx2_int4_decode_rows").value)
-
-
 @dataclass(frozen=True)
 class KernelParams:
     """The values for one host, as the plan writes them into quantization_config."""
@@ -98,10 +89,11 @@ class KernelParams:
     prefill_dtype: PrefillDtype
     repack_chunk_rows: int
     measured: str | None = None  # how the threshold and dtype were measured, when a calibration record set them
-    decode_kernel: DecodeKernel = "tinygemm"
-    # The int8-activation kernel ("avx2-w4a8") is faster than decode_kernel here: the speed priority takes it where
-    # the model's measured quality allows (edge.planner); why, for the plan's reasons.
-    int8_decode: str | None = None
+    decode_kernel: str = DEFAULT_DECODE_KERNEL
+    # A lossy decode kernel (int8 activations) faster than decode_kernel here: the speed priority takes it where the
+    # model's measured quality allows (edge.planner); and why, for the plan's reasons.
+    lossy_decode: str | None = None
+    lossy_decode_why: str | None = None
 
 
 def params(*, capability: str | None, amx: bool, native_bf16: bool, block: int) -> KernelParams:
@@ -138,12 +130,12 @@ def for_device(device: DeviceProfile, record: CalibrationRecord | None = None,
         block=block or int(fact("avx2.tinygemm_block").value),
     )
     if record is None or not shapes:
-        if capability != "AVX2":
-            return base
         # torch's AVX2 tinygemm: the AVX2 kernels measured 3.5x (int16) and 5.2x (int8 activations) faster at 1
         # row, 4096x4096 (facts avx2.1t.gemm.m1.*); without a compiler cpu_int4 logs why and keeps tinygemm.
-        return replace(base, decode_kernel="avx2", int8_decode="the AVX2 int8-activation kernel, faster than the "
-                       "int16 one at 1 row under AVX2 dispatch (facts table; no calibration record)")
+        decode, lossy = default_decode_kernel(capability), offered_lossy_decode_kernel(capability)
+        why = (f"{DECODE_KERNELS[lossy].decode.label}, faster than {DECODE_KERNELS[decode].decode.label} at 1 row "
+               f"under {capability} dispatch (facts table; no calibration record)") if lossy else None  # fmt: skip
+        return replace(base, decode_kernel=decode, lossy_decode=lossy, lossy_decode_why=why)
     return measured(base, record, shapes, amx=device.has_amx)
 
 
@@ -151,7 +143,6 @@ def measured(base: KernelParams, record: CalibrationRecord, shapes: list[tuple[i
              amx: bool) -> KernelParams:  # fmt: skip
     """`base` with the record's measured prefill dtype and crossover (when it measured them)."""
     from edge.cost import faster_decode, faster_prefill, measured_threshold
-    from edge.kernel_registry import PREFILL_KERNELS
 
     dtype = faster_prefill(record, shapes) or base.prefill_dtype
     crossover = measured_threshold(record, shapes, PREFILL_KERNELS[dtype])
@@ -160,10 +151,10 @@ def measured(base: KernelParams, record: CalibrationRecord, shapes: list[tuple[i
            + ("the AMX hazard's value" if amx else "the measured crossover with tinygemm" if crossover
               else "the facts table's value (dequantize never beat tinygemm up to the rows timed)")
            + f" ({record.describe()})")  # fmt: skip
-    decode, int8 = faster_decode(record, shapes)
-    if decode == "avx2":
-        how += "; decode rows on the AVX2 int4 kernel, measured faster than tinygemm at 1 row"
-    int8_decode = (f"the AVX2 int8-activation kernel, measured faster than {decode} at 1 row ({record.describe()})"
-                   if int8 else None)  # fmt: skip
+    decode, lossy = faster_decode(record, shapes)
+    if decode != DEFAULT_DECODE_KERNEL:
+        how += f"; decode rows on {DECODE_KERNELS[decode].decode.label}, measured faster than tinygemm at 1 row"
+    why = (f"{DECODE_KERNELS[lossy].decode.label}, measured faster than {decode} at 1 row ({record.describe()})"
+           if lossy else None)  # fmt: skip
     return replace(base, prefill_dtype=dtype, dequant_threshold=threshold, measured=how, decode_kernel=decode,
-                   int8_decode=int8_decode)  # fmt: skip
+                   lossy_decode=lossy, lossy_decode_why=why)  # fmt: skip

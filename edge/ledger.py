@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from edge import rules
 from edge.export_plan import WEIGHT_BLOCK
 from edge.facts import fact
-from edge.kernel_params import AVX2_ACT_BITS, KernelParams
+from edge.kernel_params import KernelParams
+from edge.kernel_registry import DEFAULT_DECODE_KERNEL, reads_row_major
 from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
 from edge.quantized_layers import EMBEDDING, LayerDecision, QuantRules, model_layers, rules_for
 from edge.shapes import LinearShape, ModelShape
@@ -186,7 +187,7 @@ def _kept_bf16(lin: LinearShape, why: str) -> MemoryItem:
 
 def _tinygemm_weights(
     model: ModelShape, layers: dict[str, LayerDecision], layout: Layout, group: int, block: int,
-    decode_kernel: str = "tinygemm",
+    decode_kernel: str = DEFAULT_DECODE_KERNEL,
 ) -> list[MemoryItem]:  # fmt: skip
     """int4 tinygemm buffers, bf16 for the layers kept bf16, and the row-major copies the layout keeps.
 
@@ -225,7 +226,7 @@ def _tinygemm_weights(
 
 
 def _row_major_copies(
-    packed: Iterable[LinearShape], layout: Layout, group: int, block: int, *, decode_kernel: str = "tinygemm"
+    packed: Iterable[LinearShape], layout: Layout, group: int, block: int, *, decode_kernel: str = DEFAULT_DECODE_KERNEL
 ) -> list[MemoryItem]:
     """The row-major copies a layout keeps beside the tinygemm buffers.
 
@@ -233,7 +234,7 @@ def _row_major_copies(
     block (docs/FACTS.md: direct saved 615 MB of dual's 3542 MB resident on Spark); kernel-only: none.
     decode_kernel "avx2" or "avx2-w4a8": every quantized layer in any layout, the copy the AVX2 decode kernel reads.
     """
-    avx2 = decode_kernel in AVX2_ACT_BITS
+    avx2 = reads_row_major(decode_kernel)
     if layout == "kernel-only" and not avx2:
         return []
     items = []

@@ -15,14 +15,12 @@ from edge.export_plan import ExportSection
 from edge.quality import PlanQuality
 from edge.quantized_layers import LayerDecision
 from edge.shapes import ModelShape
+from edge.weight_paths import LAYOUTS, WEIGHT_PATHS, Layout, WeightPath
 
 SCHEMA_VERSION = "4"  # 4: export; 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
 
-WeightPath = Literal["w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only"]
-Layout = Literal["direct", "dual", "kernel-only"]
+__all__ = ["LAYOUTS", "WEIGHT_PATHS", "Layout", "WeightPath"]  # the path types, from edge.weight_paths
 Priority = Literal["fidelity", "speed"]
-WEIGHT_PATHS: tuple[WeightPath, ...] = ("w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only")
-LAYOUTS: tuple[Layout, ...] = ("direct", "dual", "kernel-only")
 PRIORITIES: tuple[Priority, ...] = ("fidelity", "speed")
 
 

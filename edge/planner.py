@@ -18,6 +18,7 @@ from edge.errors import InputError
 from edge.export_plan import export_section
 from edge.facts import fact
 from edge.gates import Gate, all_gates
+from edge.kernel_registry import kernels_for
 from edge.plan import (
     LAYOUTS,
     PRIORITIES,
@@ -33,10 +34,11 @@ from edge.plan import (
     format_bytes,
 )
 from edge.quality import DEFAULT_MAX_KLD, PlanQuality, QualityRecord, find, quality_key
-from edge.quantized_layers import EMBEDDING, QUANTIZED_PATHS, LayerDecision, model_layers, rules_for
+from edge.quantized_layers import EMBEDDING, LayerDecision, model_layers, rules_for
 from edge.rank import Option, RankInput, rank
 from edge.shapes import ModelShape
 from edge.verified import verification
+from edge.weight_paths import QUANTIZED_PATHS
 
 DEFAULT_MAX_MODEL_LEN = 2048  # an edge deployment's context; capped by the model's own maximum
 DEFAULT_MAX_NUM_SEQS = 4
@@ -227,7 +229,7 @@ def make_plan(
         max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_kld=max_kld, calibration=calibration,
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
     )  # fmt: skip
-    req, decode_reason = _int8_decode(req, gates, quality or [])
+    req, decode_reason = _lossy_decode(req, gates, quality or [])
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
                            _measured(option, gates[option.path], req, quality or []))
                  for option in _options(req, gates)]  # fmt: skip
@@ -272,29 +274,29 @@ def make_plan(
     return plan
 
 
-def _int8_decode(req: Request, gates: dict[WeightPath, Gate],
-                 records: list[QualityRecord]) -> tuple[Request, Reason | None]:  # fmt: skip
-    """The speed priority's decode on the int8-activation AVX2 kernel where it is faster (req.kernel.int8_decode)
-    and an edge-eval record of this model with it shows the quality floor holds; else the kernel stays, and the
-    reason says why. Fidelity never quantizes activations to 8 bits."""
+def _lossy_decode(req: Request, gates: dict[WeightPath, Gate],
+                  records: list[QualityRecord]) -> tuple[Request, Reason | None]:  # fmt: skip
+    """The speed priority's decode on a lossy decode kernel (int8 activations) where it is faster
+    (req.kernel.lossy_decode) and an edge-eval record of this model with it shows the quality floor holds; else the
+    kernel stays, and the reason says why. Fidelity never quantizes activations to 8 bits."""
     kernel = req.kernel
-    if kernel.int8_decode is None or req.priority != "speed":
+    if kernel.lossy_decode is None or req.priority != "speed":
         return req, None
-    trial = replace(req, kernel=replace(kernel, decode_kernel="avx2-w4a8"))
+    trial = replace(req, kernel=replace(kernel, decode_kernel=kernel.lossy_decode))
     probe = Option("w4a16-tinygemm", "direct", None, "")  # layout does not enter the quality key
     record = find(records, req.model.name,
                   quality_key("w4a16-tinygemm", _qconfig(probe, gates["w4a16-tinygemm"], trial)))  # fmt: skip
     if record is None:
         return req, Reason(
-            text=f"decode stays on {kernel.decode_kernel}: {kernel.int8_decode}, but no edge-eval record of this model "
-            "with int8 activations shows the quality floor holds (edge-eval --plan PLAN --decode-kernel avx2-w4a8 "
-            "measures it, and the next plan reads the record)", source="derived")  # fmt: skip
+            text=f"decode stays on {kernel.decode_kernel}: {kernel.lossy_decode_why}, but no edge-eval record of this "
+            "model with int8 activations shows the quality floor holds (edge-eval --plan PLAN --decode-kernel "
+            f"{kernel.lossy_decode} measures it, and the next plan reads the record)", source="derived")  # fmt: skip
     measured = (f"int8 activations measured mean KLD {record.kld_mean:.4f} (top-1 {record.top1_agreement:.1%}, "
                 f"{record.tokens} tokens)")  # fmt: skip
     if record.kld_mean > req.max_kld:
         return req, Reason(text=f"decode stays on {kernel.decode_kernel}: {measured} exceeds --max-kld {req.max_kld:g}",
                            value=record.kld_mean, unit="nats/token", source="measured by edge-eval")  # fmt: skip
-    return trial, Reason(text=f"decode rows on {kernel.int8_decode}; {measured}, within --max-kld {req.max_kld:g}",
+    return trial, Reason(text=f"decode rows on {kernel.lossy_decode_why}; {measured}, within --max-kld {req.max_kld:g}",
                          value=record.kld_mean, unit="nats/token", source="measured by edge-eval")  # fmt: skip
 
 
@@ -303,8 +305,8 @@ def _set_threads(plan: Plan, req: Request) -> None:
     cores = req.device.compute_cores
     if plan.vllm is None or req.calibration is None or not cores:
         return
-    kernel = "bf16" if plan.path == "bf16" else "vllm-w4a8" if plan.path == "w4a8-gptq" else "tinygemm"
-    choice = thread_choice(req.calibration, kernel, cores)
+    decode = kernels_for(plan.path, plan.layout, "decode")  # the kernel of its decode rows (edge.kernel_registry)
+    choice = thread_choice(req.calibration, decode[0], cores) if decode else None
     if choice is None:
         return
     if choice.threads > 1:

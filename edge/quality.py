@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from edge.kernel_registry import lossy_decode_kernels
+
 # The speed priority trades quality only within this mean KL divergence (per token, nats) unless told otherwise.
 # llama.cpp's plain 4-bit round-to-nearest formats (Q4_0/Q4_1, group 32) sit at 0.072 on Llama-3-8B and its
 # Q4_K_M at 0.031 (tools/perplexity README, docs/FACTS.md): a floor just above the plain 4-bit grid lets what
@@ -27,9 +29,6 @@ DEFAULT_MAX_KLD = 0.08
 # Settings of a quantization_config that change the weights' values (and so the quality).
 _NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "quantize_embedding",
                  "int8", "ignore", "lm_head")  # fmt: skip
-# Decode kernels whose arithmetic changes the numbers: int8 activations. The int16 "avx2" kernel gives tinygemm's
-# (edge-eval: KLD difference < 0.001, docs/reports/2026-11-30-avx2-kernel.md), so it shares tinygemm's records.
-_LOSSY_DECODE_KERNELS = ("avx2-w4a8",)
 
 
 class QualityRecord(BaseModel):
@@ -67,7 +66,9 @@ def quality_key(path: str, qconfig: Mapping[str, Any] | None) -> dict[str, Any]:
         if qconfig and name in qconfig:
             value = qconfig[name]
             key[name] = sorted(value) if isinstance(value, list) else value
-    if qconfig and qconfig.get("decode_kernel") in _LOSSY_DECODE_KERNELS:
+    # decode kernels whose arithmetic changes the numbers (edge.kernel_registry: int8 activations) key their own
+    # records; a lossless one (the int16 AVX2 kernel) shares tinygemm's
+    if qconfig and qconfig.get("decode_kernel") in lossy_decode_kernels():
         key["decode_kernel"] = qconfig["decode_kernel"]
     return key
 

@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from edge import rules
 from edge.errors import InputError
 from edge.shapes import ModelShape
+from edge.weight_paths import EIGHT_BIT_METHODS, QUANTIZED_PATHS, quant_method
 
 Format = Literal["int4", "int8", "bf16"]
 HEAD = "lm_head"
@@ -58,16 +59,6 @@ SHARDS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 FUSED: dict[str, str] = {shard: fused for fused, shards in SHARDS.items() for shard in shards}
-QUANTIZED_PATHS = ("w4a16-tinygemm", "w4a8-gptq")
-# The vLLM quantization method a w4a8-gptq checkpoint selects: vLLM's own GPTQ method turns its W4A8 kernel on only
-# where AMX tiles are (vllm/model_executor/kernels/linear/mixed_precision/cpu.py); elsewhere the plugin's cpu_w4a8
-# (kernels/cpu_w4a8.py) calls the same op. Only the plugin's methods run the 8-bit set.
-W4A8_METHODS = {True: "gptq", False: "cpu_w4a8"}  # by: the device has AMX tiles
-EIGHT_BIT_METHODS = ("cpu_int4", "cpu_w4a8")
-
-
-def w4a8_method(amx: bool) -> str:
-    return W4A8_METHODS[amx]
 
 
 class LayerDecision(BaseModel):
@@ -239,7 +230,7 @@ def rules_for(
     cpu_w4a8), give the embedding and the head HEAD_FORMAT[priority] (the 8-bit set for speed; bf16, listed in
     `ignore`, for fidelity); fidelity also keeps SENSITIVE_SET at 8 bits unless the source's own grid holds them
     already (a GPTQ checkpoint never takes codes from the source). w4a8 on AMX is vLLM's own GPTQ method."""
-    method = {"w4a16-tinygemm": "cpu_int4", "w4a8-gptq": w4a8_method(amx)}.get(path)
+    method = quant_method(path, amx=amx)
     eight_bit = method in EIGHT_BIT_METHODS
     head_format = HEAD_FORMAT[priority] if eight_bit else None
     own_grid = bool(model.source_grid) and path == "w4a16-tinygemm"

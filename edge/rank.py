@@ -17,14 +17,17 @@ from edge.calibration import CalibrationRecord, KernelResult, KernelTime
 from edge.cost import NEW_TOKENS, PROMPT_TOKENS, RequestCost, Unmeasured, engine_linears, request_cost
 from edge.facts import fact
 from edge.kernel_params import KernelParams
+from edge.kernel_registry import KERNELS
 from edge.plan import Layout, Priority, Reason, WeightPath
 from edge.quantized_layers import model_layers, rules_for
 from edge.shapes import ModelShape
+from edge.weight_paths import PATHS, fidelity_rank
 
 REFERENCE_SHAPE = (4096, 4096)  # edge-calibrate times it for every model: records compare across models
-W4A16_LAYOUTS: tuple[Layout, ...] = ("direct", "dual", "kernel-only")  # equal cost sorts the leanest first
+# The options a record ranks: every path vLLM serves, in each of its layouts (equal cost sorts the leanest first).
 _PATHS: list[tuple[WeightPath, Layout | None]] = [
-    ("bf16", None), *(("w4a16-tinygemm", layout) for layout in W4A16_LAYOUTS), ("w4a8-gptq", None)]  # fmt: skip
+    (name, layout) for name in sorted(PATHS, key=fidelity_rank) if PATHS[name].served_by_vllm
+    for layout in (PATHS[name].layouts or (None,))]  # fmt: skip
 
 
 @dataclass
@@ -55,31 +58,19 @@ class RankInput:
     batch: int = 1  # sequences decoding together (max_num_seqs): a second cost, reported; ranking is per user
 
 
-# The facts table's kernel times by ISA class: kernel -> (N, K, M, fact key suffix).
-_FACT_TIMES: dict[str, list[tuple[int, int, int, str]]] = {
-    "bf16": [(4096, 4096, 1, "1t.gemm.m1.bf16_ms"), (4096, 4096, 512, "1t.gemm.m512.bf16_ms")],
-    "tinygemm": [(4096, 4096, 1, "1t.gemm.m1.int4_ms"), (4096, 4096, 512, "1t.gemm.m512.int4_ms")],
-    "dequant-bf16": [(4096, 4096, 512, "1t.dequant_bf16.m512_ms")],
-    "dequant-fp32": [(4096, 4096, 512, "1t.dequant_fp32.m512_ms")],
-    "int8": [(49152, 576, 1, "1t.int8.m1_ms")],
-    "avx2-int8": [(49152, 576, 1, "1t.int8.avx2_m1_ms")],
-    "vllm-w4a8": [(4096, 4096, 1, "1t.gemm.m1.w4a8_ms"), (4096, 4096, 512, "1t.gemm.m512.w4a8_ms")],
-    "avx2-int4": [(4096, 4096, 1, "1t.gemm.m1.avx2_int16_ms"), (4096, 4096, 4, "1t.gemm.m4.avx2_int16_ms")],
-    "avx2-w4a8": [(4096, 4096, 1, "1t.gemm.m1.avx2_int8_ms"), (4096, 4096, 4, "1t.gemm.m4.avx2_int8_ms")],
-}
-
-
 def facts_record(prefix: str) -> tuple[CalibrationRecord, list[str]]:
     """The facts table's GEMM medians for `prefix` ("avx2", "avx512") as a record, and the fact keys used."""
     from edge.facts import FACTS
 
     kernels, keys = [], []
-    for name, points in _FACT_TIMES.items():
+    for name, spec in KERNELS.items():
+        if not spec.facts:
+            continue
         times = []
-        for n, k, m, suffix in points:
-            key = f"{prefix}.{suffix}"
+        for point in spec.facts:
+            key = f"{prefix}.{point.suffix}"
             if key in FACTS:
-                times.append(KernelTime(n=n, k=k, m=m, ms=FACTS[key].value))
+                times.append(KernelTime(n=point.n, k=point.k, m=point.m, ms=FACTS[key].value))
                 keys.append(key)
         kernels.append(KernelResult(kernel=name, status="ok" if times else "failed", times=times,
                                     reason=None if times else f"not in the facts table for {prefix}"))  # fmt: skip
@@ -152,7 +143,7 @@ def _notes(cost: RequestCost) -> list[str]:
 
 
 def _serves(key: str, kernels: dict[str, float]) -> bool:
-    return any(key.endswith(suffix) for name in kernels for *_, suffix in _FACT_TIMES.get(name, []))
+    return any(key.endswith(point.suffix) for name in kernels for point in KERNELS[name].facts)
 
 
 def _amx_options() -> list[Option]:
@@ -221,14 +212,9 @@ def speed_options(inp: RankInput) -> list[Option]:
     return sorted(options, key=lambda o: o.request_cost if o.request_cost is not None else float("inf"))
 
 
-# Fidelity: bf16 is the reference; W4A16 keeps bf16 activations (+12.5% perplexity on the reference model);
-# W4A8 quantizes activations (+27.2%) and is never chosen for fidelity (docs/FACTS.md: agents lost completion).
-FIDELITY_ORDER: dict[WeightPath, int] = {"bf16": 0, "w4a16-tinygemm": 1, "export-only": 2, "w4a8-gptq": 9}
-
-
 def rank(inp: RankInput, priority: Priority) -> list[Option]:
     """Every option, best first for the priority; fidelity puts W4A8 last and the planner never picks it."""
     options = speed_options(inp)
     if priority == "fidelity":
-        options.sort(key=lambda o: FIDELITY_ORDER[o.path])  # stable: speed order within a path
+        options.sort(key=lambda o: fidelity_rank(o.path))  # stable: speed order within a path
     return options

@@ -264,7 +264,7 @@ at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 bool vnni_in_use() { return use_vnni(); }
 
-// A cpu_int4 layer whose decode_kernel names an AVX2 kernel (kernels/int4_ops.py, _linear_impl's arguments): rows
+// A cpu_int4 layer whose decode_kernel names an AVX2 kernel (kernels/int4_ops.py, int4_linear_impl's arguments): rows
 // as a decode step passes them, [M <= avx2_rows, K] bf16, run the kernel without leaving C++; any other batch goes
 // to the Python op vllm::cpu_int4_linear (tinygemm or dequantize + GEMM). A decode step makes ~120 of these calls,
 // and the round trip through Python that this skips costs ~5 us each (benchmarks/op_call_cost.py).

@@ -24,11 +24,14 @@ from pathlib import Path
 
 import torch
 
+from edge.kernel_registry import KERNELS
 from edge.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("avx2_int4.cpp")
+# w8a16_linear rounds activations to int16 in groups of this many along K: layers whose K it divides take it.
+INT8_K_MULTIPLE: int = KERNELS["avx2-int8"].k_multiple
 EXTENSION = "edge_avx2_int4"
 OP_NAMESPACE = "edge_avx2"
 GROUP_SIZES = (32, 64, 128)

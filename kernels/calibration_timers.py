@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 
-from edge.kernel_params import AVX2_INT8_K_MULTIPLE
 from edge.kernel_registry import KERNELS
 from kernels.gptq import dequantize_gptq, gptq_tensors
 from kernels.int4 import dequantize, quantize_packed
@@ -141,7 +140,7 @@ def _avx2_kernel(act_bits: int) -> Callable[[torch.Tensor, int], Weights]:
 
 
 def _dequantized_gemm(dtype: torch.dtype) -> Callable[[torch.Tensor, int], Weights]:
-    """The wide-batch branch of kernels.int4_ops._linear_impl: dequantize to `dtype`, GEMM, back to bf16; straight
+    """The wide-batch branch of kernels.int4_ops.int4_linear_impl: dequantize to `dtype`, GEMM, back to bf16; straight
     from the tinygemm buffer when N tiles the host block (DIRECT), else from the row-major copy (DUAL)."""
 
     def build(w: torch.Tensor, group: int) -> Weights:
@@ -297,8 +296,8 @@ def _onednn_int8(w: torch.Tensor, group: int) -> Weights:
 TIMERS: dict[str, Callable[[torch.Tensor, int], Weights]] = {
     "bf16": _bf16,
     "tinygemm": _tinygemm,
-    "avx2-int4": _avx2_kernel(16),
-    "avx2-w4a8": _avx2_kernel(8),
+    "avx2-int4": _avx2_kernel(KERNELS["avx2-int4"].activation_bits),
+    "avx2-w4a8": _avx2_kernel(KERNELS["avx2-w4a8"].activation_bits),
     "dequant-bf16": _dequantized_gemm(torch.bfloat16),
     "dequant-fp32": _dequantized_gemm(torch.float32),
     "int8": _int8,
@@ -320,8 +319,9 @@ def _cannot_hold(kernel: str, n: int, k: int, group: int) -> str | None:
         return f"{n}x{k}: tinygemm packs N in multiples of 16 and K in whole groups of {group}"
     if fmt == "int4-rowmajor" and k % group:
         return f"{n}x{k}: K in whole groups of {group}"
-    if kernel == "avx2-int8" and k % AVX2_INT8_K_MULTIPLE:
-        return f"{n}x{k}: the AVX2 int8 kernel rounds activations in groups of {AVX2_INT8_K_MULTIPLE} along K"
+    multiple = KERNELS[kernel].k_multiple
+    if multiple and k % multiple:
+        return f"{n}x{k}: {kernel} rounds activations in groups of {multiple} along K"
     if fmt == "int4-gptq" and (n % 32 or k % 32 or k % group):
         return f"{n}x{k}: vLLM's GPTQ kernels need N and K multiples of 32 and K in whole groups of {group}"
     return None

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge.errors import InputError
-from edge.quantized_layers import EMBEDDING, W4A8_METHODS, QuantRules
+from edge.quantized_layers import EMBEDDING, QuantRules
+from edge.weight_paths import quant_methods
 from kernels.checkpoint import (
     INDEX_FILE,
     ShardedWriter,
@@ -252,7 +253,7 @@ def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
             from kernels import gptq
         except ImportError:
             raise InputError("path", path, "a built path (kernels/gptq.py is not available yet)") from None
-        methods = sorted(W4A8_METHODS.values())  # gptq (vLLM's own, AMX hosts), cpu_w4a8 (the plugin's)
+        methods = quant_methods(path)  # gptq (vLLM's own, AMX hosts), cpu_w4a8 (the plugin's)
         if qconfig.get("quant_method") not in methods:
             raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), f"one of {methods}")
         if qconfig["group_size"] not in gptq.GROUP_SIZES:
@@ -515,21 +516,6 @@ class StderrProgress:
             self.bar.close()
 
 
-def load_plan(plan_file: Path):
-    from pydantic import ValidationError
-
-    from edge.plan import Plan
-
-    try:
-        return Plan.model_validate_json(plan_file.read_text())
-    except OSError as error:
-        raise InputError("--plan", str(plan_file), f"a readable plan file ({error.strerror})") from None
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "(top level)"
-        raise InputError("--plan", str(plan_file), f"a Plan JSON ({where}: {first['msg']})") from None
-
-
 def _plan_for_this_host(src: Path):
     from edge.model_reader import read_model
     from edge.planner import make_plan
@@ -549,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace a DST holding another conversion")
     args = parser.parse_args(argv)
     try:
+        from edge.plan_file import load_plan
+
         plan = load_plan(args.plan) if args.plan else _plan_for_this_host(args.src)
         if plan.path == "export-only":  # a phone's plan: the deliverable is the exported bundle
             from kernels.export import export

@@ -32,6 +32,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from edge import kernel_params
 from edge.errors import InputError
+from edge.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL, decode_rows, reads_row_major
 from edge.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
 from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
 from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear, int8_embedding, int8_linear
@@ -68,7 +69,7 @@ def quantization_config(
     quantize_embedding: bool = True,
     int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
     ignore: list[str] | None = None,
-    decode_kernel: str = "tinygemm",
+    decode_kernel: str = DEFAULT_DECODE_KERNEL,
 ) -> dict[str, Any]:
     """The `quantization_config` dict for a layout on this host, as a plan would write it (tests, benchmarks);
     `int8=()` leaves the embedding and the head to 4 bits."""
@@ -87,17 +88,17 @@ def quantization_config(
         "quantize_embedding": quantize_embedding,
         "int8": list(int8),
         "ignore": list(ignore or []),
-        **({"decode_kernel": decode_kernel} if decode_kernel != "tinygemm" else {}),
+        **({"decode_kernel": decode_kernel} if decode_kernel != DEFAULT_DECODE_KERNEL else {}),
     }
 
 
-def _param(data: torch.Tensor, **attrs: Any) -> Parameter:
+def weight_param(data: torch.Tensor, **attrs: Any) -> Parameter:
     param = Parameter(data, requires_grad=False)
     set_weight_attrs(param, attrs)
     return param
 
 
-def _empty(dtype: torch.dtype) -> Parameter:
+def empty_param(dtype: torch.dtype) -> Parameter:
     return Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
@@ -171,7 +172,7 @@ class CpuInt4Config(PluginConfig):
         quantize_embedding: bool = False,
         int8: list[str] | None = None,
         ignore: list[str] | None = None,
-        decode_kernel: str = "tinygemm",
+        decode_kernel: str = DEFAULT_DECODE_KERNEL,
     ) -> None:
         super().__init__()
         if group_size not in TINYGEMM_GROUP_SIZES:
@@ -180,8 +181,8 @@ class CpuInt4Config(PluginConfig):
             raise InputError("dequant_threshold", dequant_threshold, "a row count >= 1")
         if prefill_dtype is not None and prefill_dtype not in kernel_params.PREFILL_DTYPES:
             raise InputError("prefill_dtype", prefill_dtype, f"one of {kernel_params.PREFILL_DTYPES}")
-        if decode_kernel not in kernel_params.DECODE_KERNELS:
-            raise InputError("decode_kernel", decode_kernel, f"one of {kernel_params.DECODE_KERNELS}")
+        if decode_kernel not in DECODE_KERNELS:
+            raise InputError("decode_kernel", decode_kernel, f"one of {tuple(DECODE_KERNELS)}")
         host = host_params()
         if tinygemm_block is not None and tinygemm_block != host.block:
             raise InputError(
@@ -205,9 +206,9 @@ class CpuInt4Config(PluginConfig):
         self.decode_kernel = decode_kernel
         # Rows that take the AVX2 kernel; 0 (tinygemm) when it was not asked for or cannot run here (no compiler,
         # no AVX2/FMA: kernels/avx2_int4.available() logs why).
-        avx2 = decode_kernel in kernel_params.AVX2_ACT_BITS and _avx2_available()
-        self.avx2_rows = kernel_params.avx2_decode_rows() if avx2 else 0
-        self.avx2_bits = kernel_params.AVX2_ACT_BITS.get(decode_kernel, 16)  # its activations: int16 or int8
+        avx2 = reads_row_major(decode_kernel) and _avx2_available()
+        self.avx2_rows = decode_rows(decode_kernel) if avx2 else 0
+        self.avx2_bits = DECODE_KERNELS[decode_kernel].activation_bits or 16  # its activations: int16 or int8
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
     def __repr__(self) -> str:
@@ -247,7 +248,7 @@ class CpuInt4Config(PluginConfig):
             quantize_embedding=bool(config.get("quantize_embedding", False)),
             int8=list(config.get("int8", [])),
             ignore=list(config.get("ignore", [])),
-            decode_kernel=config.get("decode_kernel", "tinygemm"),
+            decode_kernel=config.get("decode_kernel", DEFAULT_DECODE_KERNEL),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -264,7 +265,7 @@ class CpuInt4Config(PluginConfig):
             "quantize_embedding": self.quantize_embedding,
             "int8": list(self.int8),
             "ignore": list(self.ignore),
-            **({"decode_kernel": self.decode_kernel} if self.decode_kernel != "tinygemm" else {}),
+            **({"decode_kernel": self.decode_kernel} if self.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
         }
 
     def get_name(self) -> str:
@@ -296,10 +297,10 @@ def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extr
     attrs = {"input_dim": 1, "output_dim": 0, **extra}
     # qweight is packed along K (dim 1), never along the output dim vLLM shards and stacks by.
     layer.register_parameter(
-        "qweight", _param(torch.empty(n, k // 2, dtype=torch.uint8), packed_dim=1, packed_factor=2, **attrs)
+        "qweight", weight_param(torch.empty(n, k // 2, dtype=torch.uint8), packed_dim=1, packed_factor=2, **attrs)
     )  # [N, K/2]
-    layer.register_parameter("scales", _param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
-    layer.register_parameter("zeros", _param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
+    layer.register_parameter("scales", weight_param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
+    layer.register_parameter("zeros", weight_param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
 
 
 def _repack(
@@ -323,13 +324,13 @@ def _repack(
     layer.register_parameter("tinygemm_packed", Parameter(packed, requires_grad=False))  # [N, K/2] host layout
     layer.register_parameter("tinygemm_sz", Parameter(scales_and_zeros, requires_grad=False))  # [K/g, N, 2]
     if mode != DUAL and not keep_row_major:
-        layer.qweight = _empty(torch.uint8)
-        layer.scales = _empty(torch.bfloat16)
-        layer.zeros = _empty(torch.bfloat16)
+        layer.qweight = empty_param(torch.uint8)
+        layer.scales = empty_param(torch.bfloat16)
+        layer.zeros = empty_param(torch.bfloat16)
     layer.int4_mode = mode
 
 
-class _Weights:
+class PluginWeights:
     """What every plugin method shares (cpu_int4's and cpu_w4a8's): its config and vLLM's create_weights, which
     registers the checkpoint's tensors for a [N, K] weight (fused shards stack along N; for the head, this rank's
     padded vocab)."""
@@ -353,7 +354,7 @@ class _Weights:
         raise NotImplementedError
 
 
-class _Int4Weights(_Weights):
+class _Int4Weights(PluginWeights):
     """The int4 parameters the linear and the embedding/head methods load."""
 
     def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
@@ -424,14 +425,15 @@ def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias:
     return y if bias is None else y + bias
 
 
-class _Int8Weights(_Weights):
+class _Int8Weights(PluginWeights):
     """The 8-bit set's tensors (kernels/int8.py): qweight int8 [N, K] and scales bf16 [N], loaded as stored."""
 
     def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
         layer.register_parameter(
-            "qweight", _param(torch.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra)
+            "qweight", weight_param(torch.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra)
         )  # [N, K]
-        layer.register_parameter("scales", _param(torch.empty(n, dtype=torch.bfloat16), output_dim=0, **extra))  # [N]
+        scales = torch.empty(n, dtype=torch.bfloat16)  # [N]
+        layer.register_parameter("scales", weight_param(scales, output_dim=0, **extra))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pass  # PyTorch's int8 weight-only GEMM reads the checkpoint layout as is

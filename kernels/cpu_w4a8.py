@@ -34,10 +34,10 @@ from kernels.cpu_int4 import (
     CpuInt8EmbeddingMethod,
     CpuInt8LinearMethod,
     PluginConfig,
-    _empty,
-    _param,
-    _Weights,
+    PluginWeights,
+    empty_param,
     host_params,
+    weight_param,
 )
 
 NAME = "cpu_w4a8"
@@ -82,7 +82,7 @@ def _convert(qweight: torch.Tensor, scales: torch.Tensor, ops: Any) -> tuple[tor
     return ops.convert_weight_packed_scale_zp(packed, zeros, scales.contiguous(), ops.CPUQuantAlgo.AWQ)
 
 
-def _linear_impl(
+def w4a8_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] bf16 through int4_scaled_mm_cpu (it quantizes each row of x to int8 itself);
@@ -105,7 +105,7 @@ def _register() -> None:
     # One op node per layer for Dynamo (as kernels.int4_ops does); the module is imported once per process.
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op("cpu_w4a8_linear", _linear_impl, fake_impl=_linear_fake)
+    direct_register_custom_op("cpu_w4a8_linear", w4a8_linear_impl, fake_impl=_linear_fake)
 
 
 _register()
@@ -192,7 +192,7 @@ class CpuW4A8Config(PluginConfig):
                 "embedding": {"int8": CpuInt8EmbeddingMethod}}  # fmt: skip
 
 
-class CpuW4A8LinearMethod(_Weights, LinearMethodBase):
+class CpuW4A8LinearMethod(PluginWeights, LinearMethodBase):
     """A linear layer (also fused QKV / gate_up: shards stack along N, dim 1 of the GPTQ tensors)."""
 
     def register(self, layer: torch.nn.Module, n: int, k: int, extra_weight_attrs: dict[str, Any]) -> None:
@@ -203,15 +203,12 @@ class CpuW4A8LinearMethod(_Weights, LinearMethodBase):
         if n % GPTQ_PARTITION_MULTIPLE:
             raise InputError("output_size", n, f"a multiple of {GPTQ_PARTITION_MULTIPLE}")
         attrs = {"input_dim": 0, "output_dim": 1, **extra_weight_attrs}
-        layer.register_parameter(
-            "qweight", _param(torch.empty(k // PACK, n, dtype=torch.int32), packed_dim=0, packed_factor=PACK, **attrs)
-        )  # [K/8, N]
-        layer.register_parameter("scales", _param(torch.empty(k // group, n, dtype=torch.bfloat16), **attrs))
+        qweight = torch.empty(k // PACK, n, dtype=torch.int32)  # [K/8, N]
+        layer.register_parameter("qweight", weight_param(qweight, packed_dim=0, packed_factor=PACK, **attrs))
+        layer.register_parameter("scales", weight_param(torch.empty(k // group, n, dtype=torch.bfloat16), **attrs))
         # read by GPTQ tools, not here: the kernel's zero point is pinned at 8
-        layer.register_parameter(
-            "qzeros", _param(torch.empty(k // group, n // PACK, dtype=torch.int32), packed_dim=1, packed_factor=PACK,
-                             **attrs)
-        )  # fmt: skip  # [K/g, N/8]
+        qzeros = torch.empty(k // group, n // PACK, dtype=torch.int32)  # [K/g, N/8]
+        layer.register_parameter("qzeros", weight_param(qzeros, packed_dim=1, packed_factor=PACK, **attrs))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not op_available():
@@ -224,7 +221,8 @@ class CpuW4A8LinearMethod(_Weights, LinearMethodBase):
         layer.register_parameter("w4a8_weight", Parameter(weight, requires_grad=False))  # [N/32, K/g, ...] uint8
         layer.register_parameter("w4a8_zeros", Parameter(zeros, requires_grad=False))  # [N/32, K/g, 32] int8
         layer.register_parameter("w4a8_scales", Parameter(scales, requires_grad=False))  # [N/32, K/g, 32] fp32
-        layer.qweight, layer.scales, layer.qzeros = _empty(torch.int32), _empty(torch.bfloat16), _empty(torch.int32)
+        layer.qweight, layer.qzeros = empty_param(torch.int32), empty_param(torch.int32)
+        layer.scales = empty_param(torch.bfloat16)
         if getattr(layer, "bias", None) is not None:
             layer.bias.data = layer.bias.data.float()  # the op adds an fp32 bias, as vLLM's W4A8 path converts it
 

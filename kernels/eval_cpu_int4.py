@@ -2,8 +2,8 @@
 
 Each module holds what kernels.cpu_int4 keeps on a vLLM layer after loading (the tinygemm buffer from
 kernels.tinygemm.to_tinygemm, plus the row-major tensors only where its mode reads them) and calls the body of
-the op vLLM runs: kernels.int4_ops._linear_impl / _embedding_impl for int4 layers, _int8_linear_impl /
-_int8_embedding_impl for the 8-bit set (kernels/int8.py: qweight int8 [N, K], scales [N]). The settings come
+the op vLLM runs: kernels.int4_ops.int4_linear_impl / embedding_impl for int4 layers, int8_linear_impl /
+int8_embedding_impl for the 8-bit set (kernels/int8.py: qweight int8 [N, K], scales [N]). The settings come
 from the checkpoint's quantization_config through the engine's own parser (CpuInt4Config.from_config: the same
 defaults for missing fields, the same refusal of a checkpoint planned for another tinygemm block), so the
 modules run the branch the engine runs for the same number of rows, in the same prefill dtype.
@@ -18,18 +18,18 @@ import torch
 from torch import nn
 
 from edge.errors import InputError
-from edge.kernel_params import AVX2_INT8_K_MULTIPLE
+from edge.kernel_registry import DEFAULT_DECODE_KERNEL
 from kernels import avx2_int4
-from kernels.eval_model import prefix_of, replace_module, submodule
+from kernels.eval_modules import prefix_of, replace_module, submodule
 from kernels.int4_ops import (
     DIRECT,
     DUAL,
     KERNEL_ONLY,
     MODES,
-    _embedding_impl,
-    _int8_embedding_impl,
-    _int8_linear_impl,
-    _linear_impl,
+    embedding_impl,
+    int4_linear_impl,
+    int8_embedding_impl,
+    int8_linear_impl,
 )
 from kernels.layout import host_layout
 from kernels.tinygemm import tiles, to_tinygemm
@@ -53,7 +53,7 @@ def engine_settings(qconfig: dict[str, Any]) -> Int4Settings:
     from kernels.cpu_int4 import CpuInt4Config  # imports vLLM's layer classes
 
     config = CpuInt4Config.from_config(qconfig)
-    if config.decode_kernel != "tinygemm" and not config.avx2_rows:
+    if config.decode_kernel != DEFAULT_DECODE_KERNEL and not config.avx2_rows:
         raise InputError("quantization_config.decode_kernel", config.decode_kernel,
                          f"a decode kernel that runs here ({avx2_int4.load()})")  # fmt: skip
     return Int4Settings(config.group_size, config.mode, config.dequant_threshold, config.prefill_dtype == "float32",
@@ -61,7 +61,7 @@ def engine_settings(qconfig: dict[str, Any]) -> Int4Settings:
 
 
 class Int4Linear(nn.Module):
-    """y = x @ w.T (+ bias) through kernels.int4_ops._linear_impl; weights from the row-major checkpoint."""
+    """y = x @ w.T (+ bias) through kernels.int4_ops.int4_linear_impl; weights from the row-major checkpoint."""
 
     def __init__(
         self,
@@ -94,13 +94,13 @@ class Int4Linear(nn.Module):
             y = avx2_int4.linear(x.to(torch.bfloat16), self.qweight, self.scales, self.zeros, self.group,
                                  settings.avx2_bits)  # fmt: skip
             return y if self.bias is None else y + self.bias
-        y = _linear_impl(x, self.packed, self.scales_and_zeros, self.qweight, self.scales, self.zeros, self.group,
+        y = int4_linear_impl(x, self.packed, self.scales_and_zeros, self.qweight, self.scales, self.zeros, self.group,
                          self.mode, settings.dequant_threshold, fp32_prefill=settings.fp32_prefill)  # fmt: skip
         return y if self.bias is None else y + self.bias
 
 
 class Int4Embedding(nn.Module):
-    """ids -> rows through kernels.int4_ops._embedding_impl (dequantizes only the gathered rows)."""
+    """ids -> rows through kernels.int4_ops.embedding_impl (dequantizes only the gathered rows)."""
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, settings: Int4Settings
@@ -112,11 +112,11 @@ class Int4Embedding(nn.Module):
         self.group = settings.group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _embedding_impl(ids, self.qweight, self.scales, self.zeros, self.group)
+        return embedding_impl(ids, self.qweight, self.scales, self.zeros, self.group)
 
 
 class Int8Linear(nn.Module):
-    """y = x @ w.T (+ bias) through kernels.int4_ops._int8_linear_impl; the checkpoint layout is the kernel's."""
+    """y = x @ w.T (+ bias) through kernels.int4_ops.int8_linear_impl; the checkpoint layout is the kernel's."""
 
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, settings: Int4Settings, *, bias: torch.Tensor | None = None
@@ -129,15 +129,15 @@ class Int8Linear(nn.Module):
         self.avx2 = settings.avx2_bits is not None  # every row on the AVX2 int8 kernel, as Int4Linear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.avx2 and self.qweight.shape[1] % AVX2_INT8_K_MULTIPLE == 0:
+        if self.avx2 and self.qweight.shape[1] % avx2_int4.INT8_K_MULTIPLE == 0:
             y = avx2_int4.int8_linear(x.to(torch.bfloat16), self.qweight, self.scales)
             return y if self.bias is None else y + self.bias
-        y = _int8_linear_impl(x, self.qweight, self.scales, self.dequant_threshold)
+        y = int8_linear_impl(x, self.qweight, self.scales, self.dequant_threshold)
         return y if self.bias is None else y + self.bias
 
 
 class Int8Embedding(nn.Module):
-    """ids -> rows through kernels.int4_ops._int8_embedding_impl (dequantizes only the gathered rows)."""
+    """ids -> rows through kernels.int4_ops.int8_embedding_impl (dequantizes only the gathered rows)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
@@ -145,7 +145,7 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scales", scales)  # [V] bf16
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _int8_embedding_impl(ids, self.qweight, self.scales)
+        return int8_embedding_impl(ids, self.qweight, self.scales)
 
 
 def describe(
@@ -159,8 +159,8 @@ def describe(
         wide = narrow = (f"the AVX2 decode kernel, int{settings.avx2_bits} activations (edge_avx2), every row "
                          "(each position computed as a decoded token is)")  # fmt: skip
     return {
-        "kernel": "kernels.int4_ops._linear_impl / _embedding_impl (the bodies of vLLM's cpu_int4 ops)"
-        + (", _int8_linear_impl / _int8_embedding_impl for the 8-bit set" if int8 else ""),
+        "kernel": "kernels.int4_ops.int4_linear_impl / embedding_impl (the bodies of vLLM's cpu_int4 ops)"
+        + (", int8_linear_impl / int8_embedding_impl for the 8-bit set" if int8 else ""),
         "layout": MODES[settings.mode],
         "group_size": settings.group,
         "dequant_threshold": settings.dequant_threshold,

@@ -1,7 +1,7 @@
 """`cpu_w4a8` layers as plain nn.Modules, for edge-eval: the engine's op outside the engine.
 
 A 4-bit linear holds what kernels.cpu_w4a8 keeps on a vLLM layer after loading (kernels.cpu_w4a8.to_w4a8 of the
-checkpoint's GPTQ qweight and scales) and calls the body of the op vLLM runs (kernels.cpu_w4a8._linear_impl:
+checkpoint's GPTQ qweight and scales) and calls the body of the op vLLM runs (kernels.cpu_w4a8.w4a8_linear_impl:
 int4_scaled_mm_cpu, activations quantized to int8 per row, for every batch). The 8-bit set (the embedding, the
 head: qweight int8 [N, K], scales [N]) runs kernels.eval_cpu_int4's int8 modules, as the engine runs
 kernels.cpu_int4's int8 methods; a tied head shares the embedding's tensors. The settings come from the
@@ -17,12 +17,12 @@ from torch import nn
 
 from edge.errors import InputError
 from kernels.eval_cpu_int4 import Int4Settings, Int8Embedding, Int8Linear
-from kernels.eval_gptq import _parts
-from kernels.eval_model import prefix_of, replace_module, submodule
+from kernels.eval_gptq import gptq_parts
+from kernels.eval_modules import prefix_of, replace_module, submodule
 
 
 class W4A8Linear(nn.Module):
-    """y = x @ w.T (+ bias) through kernels.cpu_w4a8._linear_impl, from GPTQ qweight [K/8, N] and scales [K/g, N]."""
+    """y = x @ w.T (+ bias) through kernels.cpu_w4a8.w4a8_linear_impl, from GPTQ qweight [K/8, N], scales [K/g, N]."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -35,9 +35,9 @@ class W4A8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels.cpu_w4a8 import _linear_impl
+        from kernels.cpu_w4a8 import w4a8_linear_impl
 
-        return _linear_impl(x, self.weight, self.zeros, self.scales, self.bias)
+        return w4a8_linear_impl(x, self.weight, self.zeros, self.scales, self.bias)
 
 
 def install_cpu_w4a8(
@@ -62,7 +62,7 @@ def install_cpu_w4a8(
             if not isinstance(module, nn.Linear):
                 raise InputError(f"{prefix}.qweight", type(module).__name__, "a linear layer of the source (GPTQ)")
             int4.append(prefix)
-            replace_module(model, prefix, W4A8Linear(*_parts(prefix, parts, module, config.group_size), bias))
+            replace_module(model, prefix, W4A8Linear(*gptq_parts(prefix, parts, module, config.group_size), bias))
             continue
         int8.append(prefix)
         weights = (parts["qweight"], parts.get("scales"))
@@ -76,8 +76,8 @@ def install_cpu_w4a8(
             replace_module(model, head_prefix, Int8Linear(*weights, settings))
             tied_head = "int8, the embedding's tensors"
     return {
-        "kernel": "kernels.cpu_w4a8._linear_impl (int4_scaled_mm_cpu, int8 activations per row; the body of vLLM's "
-        "cpu_w4a8_linear op)" + (", _int8_linear_impl / _int8_embedding_impl for the 8-bit set" if int8 else ""),
+        "kernel": "kernels.cpu_w4a8.w4a8_linear_impl (int4_scaled_mm_cpu, int8 activations per row; the body of vLLM's "
+        "cpu_w4a8_linear op)" + (", int8_linear_impl / int8_embedding_impl for the 8-bit set" if int8 else ""),
         "group_size": config.group_size,
         "int4_layers": len(int4),
         "int8_layers": sorted(int8),

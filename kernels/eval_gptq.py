@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from edge.errors import InputError
-from kernels.eval_model import replace_module, submodule
+from kernels.eval_modules import replace_module, submodule
 from kernels.gptq import GROUP_SIZES, PACK, dequantize_gptq
 
 REFERENCE = "dequantized reference"
@@ -108,7 +108,7 @@ def install_gptq(model: nn.Module, quantized: dict[str, dict[str, torch.Tensor]]
         module = submodule(model, prefix)
         if not isinstance(module, nn.Linear):
             raise InputError(f"{prefix}.qweight", type(module).__name__, "a linear layer of the source (GPTQ)")
-        qweight, scales = _parts(prefix, parts, module, group)
+        qweight, scales = gptq_parts(prefix, parts, module, group)
         layer = layer_class(qweight, scales, group, module.bias)
         if native:
             kinds.add("int4_scaled_mm_cpu (W4A8)" if layer.use_w4a8 else "cpu_gemm_wna16 (W4A16)")
@@ -117,7 +117,7 @@ def install_gptq(model: nn.Module, quantized: dict[str, dict[str, torch.Tensor]]
     return {"kernel": kernel, "group_size": group, "quantized_layers": len(quantized), "quantization_config": qconfig}
 
 
-def _parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Linear, group: int) -> tuple:
+def gptq_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Linear, group: int) -> tuple:
     n, k = module.out_features, module.in_features
     groups = 1 if group == -1 else k // group
     expected = {"qweight": ((k // PACK, n), torch.int32), "scales": ((groups, n), None)}

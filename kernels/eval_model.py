@@ -7,13 +7,13 @@ re-rounded bf16 model, is simply those weights), and each quantized layer become
 calls for it:
 
     cpu_int4  <prefix>.qweight uint8 [N, K/2], .scales, .zeros bf16 [N, K/g] (kernels/int4.py): the linear runs
-              kernels.int4_ops._linear_impl, the body of vLLM's `cpu_int4_linear` op, on the tinygemm buffer
+              kernels.int4_ops.int4_linear_impl, the body of vLLM's `cpu_int4_linear` op, on the tinygemm buffer
               kernels.tinygemm.to_tinygemm builds, with the checkpoint's group_size, layout (direct / dual /
               kernel-only) and dequant_threshold; so a 512-row prompt dequantizes and runs one GEMM, a row below
               the threshold runs tinygemm, exactly as in the engine. A quantized embedding runs
-              kernels.int4_ops._embedding_impl; a head tied to it shares its tensors and, as in
+              kernels.int4_ops.embedding_impl; a head tied to it shares its tensors and, as in
               kernels.cpu_int4 (CpuInt4EmbeddingMethod), runs in dual mode. A layer of the 8-bit set
-              (qweight int8 [N, K], scales [N], kernels/int8.py) runs _int8_linear_impl / _int8_embedding_impl.
+              (qweight int8 [N, K], scales [N], kernels/int8.py) runs int8_linear_impl / int8_embedding_impl.
     gptq      <prefix>.qweight int32 [K/8, N], .scales [K/g, N]: kernels.eval_gptq (vLLM's own CPU kernel class).
 
 One difference from the engine stays: vLLM fuses q/k/v and gate/up into one GEMM each; here they run as separate
@@ -32,8 +32,17 @@ from torch import nn
 
 from edge.errors import InputError
 from kernels.eval_config import quant_method, read_config
+from kernels.eval_cpu_int4 import install_cpu_int4
+from kernels.eval_cpu_w4a8 import install_cpu_w4a8
+from kernels.eval_gptq import install_gptq
 
 _QUANT_SUFFIXES = ("qweight", "scales", "zeros", "qzeros", "g_idx")
+# By the checkpoint's quant_method: what replaces its quantized layers (a bf16 checkpoint has none).
+INSTALLERS = {
+    "cpu_int4": install_cpu_int4,
+    "gptq": lambda model, quantized, qconfig, tied: install_gptq(model, quantized, qconfig),  # no 8-bit set
+    "cpu_w4a8": install_cpu_w4a8,
+}
 
 
 @dataclass
@@ -67,20 +76,8 @@ def load_candidate(directory: Path, source_dir: Path, qconfig: dict[str, Any] | 
         first = next(iter(quantized))
         raise InputError(f"{first}.{next(iter(quantized[first]))}", "present", "no quantized tensors in a bf16 "
                          "checkpoint (config.json has no quantization_config)")  # fmt: skip
-    if method == "cpu_int4":
-        from kernels.eval_cpu_int4 import install_cpu_int4
-
-        kernel = install_cpu_int4(model, quantized, qconfig, tied)
-    elif method == "gptq":
-        from kernels.eval_gptq import install_gptq
-
-        kernel = install_gptq(model, quantized, qconfig)
-    elif method == "cpu_w4a8":
-        from kernels.eval_cpu_w4a8 import install_cpu_w4a8
-
-        kernel = install_cpu_w4a8(model, quantized, qconfig, tied)
-    else:
-        kernel = {"kernel": "bf16 (torch F.linear)"}
+    install = INSTALLERS.get(method)
+    kernel = install(model, quantized, qconfig, tied) if install else {"kernel": "bf16 (torch F.linear)"}
     _check_complete(model, tensors, quantized, tied)
     return Candidate(model.eval(), method, qconfig, kernel)
 
@@ -140,19 +137,3 @@ def _check_complete(model: nn.Module, tensors: dict[str, torch.Tensor], quantize
         if any(name.startswith(prefix + ".") for prefix in quantized):
             continue  # a parameter of a quantized module (the replaced module's own)
         raise InputError("CANDIDATE", f"no tensor {name}", "every weight of the source model")
-
-
-def submodule(model: nn.Module, prefix: str) -> nn.Module:
-    try:
-        return model.get_submodule(prefix)
-    except AttributeError:
-        raise InputError("CANDIDATE tensor", f"{prefix}.qweight", "a layer the source model has") from None
-
-
-def prefix_of(model: nn.Module, module: nn.Module) -> str:
-    return next(name for name, m in model.named_modules() if m is module)
-
-
-def replace_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
-    parent, _, child = prefix.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)

@@ -42,13 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from edge.errors import InputError
+from edge.weight_paths import path_of_method
 from kernels import eval_text
 from kernels.eval_cache import cache_key, load_cached, store
 from kernels.eval_config import check_same_shapes, quant_method, read_config
 
 HARNESS_VERSION = "1"
-# The weight path (edge/plan.py) whose checkpoints carry each quant_method, for the quality record's key.
-PATHS = {"bf16": "bf16", "cpu_int4": "w4a16-tinygemm", "gptq": "w4a8-gptq", "cpu_w4a8": "w4a8-gptq"}
 DEFAULT_TOKENS = 16384
 DEFAULT_CHUNK = 512
 
@@ -127,14 +126,14 @@ def evaluate(
 
 
 def _with_decode_kernel(config: dict[str, Any], method: str, decode_kernel: str) -> dict[str, Any]:
-    from edge.kernel_params import DECODE_KERNELS
+    from edge.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 
     if decode_kernel not in DECODE_KERNELS:
         raise InputError("--decode-kernel", decode_kernel, f"one of {', '.join(DECODE_KERNELS)}")
     if method != "cpu_int4":
         raise InputError("--decode-kernel", decode_kernel, f"a cpu_int4 candidate (this one is {method})")
     qconfig = {**config["quantization_config"], "decode_kernel": decode_kernel}
-    if decode_kernel == "tinygemm":
+    if decode_kernel == DEFAULT_DECODE_KERNEL:
         del qconfig["decode_kernel"]  # the default, as edge.engine_config writes it
     return {**config, "quantization_config": qconfig}
 
@@ -147,7 +146,7 @@ def quality_record(report: QualityReport, qconfig: dict[str, Any] | None) -> dic
     m = report.metrics
     record = QualityRecord(
         model=Path(report.source).name,
-        key=quality_key(PATHS[report.quant_method], qconfig),
+        key=quality_key(path_of_method(report.quant_method), qconfig),
         kld_mean=m["mean_kld"]["value"], kld_mean_se=m["mean_kld"]["se"], kld_p99=m["p99_kld"]["value"],
         top1_agreement=m["top1_agreement"]["value"], top1_agreement_se=m["top1_agreement"]["se"],
         ppl_ratio=m["ppl_ratio"]["value"], ppl_ratio_se=m["ppl_ratio"]["se"],
@@ -263,7 +262,8 @@ def apply_plan(source: Path, plan_file: Path) -> Path:
     """The checkpoint a plan makes of SOURCE: converted by kernels.convert into the cache's converted/ (the place
     edge-serve uses, edge.paths.converted_dir), or SOURCE itself for a bf16 plan."""
     from edge.paths import converted_dir
-    from kernels.convert import convert, load_plan
+    from edge.plan_file import load_plan
+    from kernels.convert import convert
 
     plan = load_plan(plan_file)
     if plan.quantization_config is None:

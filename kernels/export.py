@@ -185,7 +185,7 @@ def _cpu() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kernels.convert import load_plan
+    from edge.plan_file import load_plan
 
     parser = argparse.ArgumentParser(
         prog="edge-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from edge.kernel_params import AVX2_INT8_K_MULTIPLE
 from kernels import avx2_int4
 from kernels.int4 import apply_scales, dequantize, unpack_nibbles
 from kernels.int8 import dequantize_int8
@@ -30,7 +29,7 @@ DIRECT = 2
 MODES = {KERNEL_ONLY: "kernel-only", DUAL: "dual", DIRECT: "direct"}
 
 
-def _linear_impl(
+def int4_linear_impl(
     x: torch.Tensor,
     packed: torch.Tensor,
     scales_and_zeros: torch.Tensor,
@@ -88,7 +87,7 @@ def _linear_fake(
     return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
 
 
-def _embedding_impl(
+def embedding_impl(
     ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
 ) -> torch.Tensor:
     """ids [...] -> [..., H] bf16: gather the row-major rows (qweight [V, H/2], scales, zeros [V, H/g]) and
@@ -105,16 +104,16 @@ def _embedding_fake(
     return qweight.new_empty((*ids.shape, qweight.shape[1] * 2), dtype=torch.bfloat16)
 
 
-def _int8_linear_impl(
+def int8_linear_impl(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] bf16 for an int8 layer (kernels/int8.py): qweight int8 [N, K], scales bf16 [N].
     Narrow batches run PyTorch's int8 weight-only GEMM; from dequant_threshold rows, dequantize and run bf16.
-    avx2_rows: batches of up to this many rows (K a multiple of AVX2_INT8_K_MULTIPLE) run the AVX2 int8 kernel
+    avx2_rows: batches of up to this many rows (K a multiple of avx2_int4.INT8_K_MULTIPLE) run the AVX2 int8 kernel
     (int16 activations, kernels/avx2_int4.py) where a decode_kernel names an AVX2 kernel; 0: never."""
     n = qweight.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
-    if x2.shape[0] <= avx2_rows and x2.shape[1] % AVX2_INT8_K_MULTIPLE == 0:
+    if x2.shape[0] <= avx2_rows and x2.shape[1] % avx2_int4.INT8_K_MULTIPLE == 0:
         y = avx2_int4.int8_linear(x2, qweight, scales)  # [M, N] bf16
     elif x2.shape[0] < dequant_threshold:
         # torch 2.13's AVX-512 kernel crashes (SIGSEGV) on int8 weights not 64-byte aligned, as tensors read
@@ -133,7 +132,7 @@ def _int8_linear_fake(
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.bfloat16)
 
 
-def _int8_embedding_impl(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_embedding_impl(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """ids [...] -> [..., H] bf16: gather the int8 rows and their scales, dequantize only those."""
     flat = ids.reshape(-1)  # [T]
     rows = dequantize_int8(qweight.index_select(0, flat), scales.index_select(0, flat))  # [T, H]
@@ -149,10 +148,10 @@ def _register() -> None:
     # twice would raise, so the import is the guard.
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op("cpu_int4_linear", _linear_impl, fake_impl=_linear_fake)
-    direct_register_custom_op("cpu_int4_embedding", _embedding_impl, fake_impl=_embedding_fake)
-    direct_register_custom_op("cpu_int8_linear", _int8_linear_impl, fake_impl=_int8_linear_fake)
-    direct_register_custom_op("cpu_int8_embedding", _int8_embedding_impl, fake_impl=_int8_embedding_fake)
+    direct_register_custom_op("cpu_int4_linear", int4_linear_impl, fake_impl=_linear_fake)
+    direct_register_custom_op("cpu_int4_embedding", embedding_impl, fake_impl=_embedding_fake)
+    direct_register_custom_op("cpu_int8_linear", int8_linear_impl, fake_impl=_int8_linear_fake)
+    direct_register_custom_op("cpu_int8_embedding", int8_embedding_impl, fake_impl=_int8_embedding_fake)
 
 
 _register()

@@ -177,13 +177,13 @@ def test_a_cpu_without_avx2_or_fma_is_named():
 @needs_kernel
 @pytest.mark.parametrize("front", ["python", "c++"])
 def test_the_cpu_int4_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_to_tinygemm(front):
-    """Both doors: the Python op (_linear_impl) and the C++ op in front of it (edge_avx2::int4_linear, what a
+    """Both doors: the Python op (int4_linear_impl) and the C++ op in front of it (edge_avx2::int4_linear, what a
     layer with avx2_rows calls through int4_ops.int4_linear), for 2-D rows, a 3-D batch and fp32 input."""
-    from kernels.int4_ops import DIRECT, _linear_impl, int4_linear
+    from kernels.int4_ops import DIRECT, int4_linear, int4_linear_impl
     from kernels.tinygemm import linear as tinygemm_linear
     from kernels.tinygemm import to_tinygemm
 
-    call = _linear_impl if front == "python" else int4_linear
+    call = int4_linear_impl if front == "python" else int4_linear
     qweight, scales, zeros = _layer(576, 576, 64)
     packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, 64)
     for shape in ((1, 576), (2, 576), (3, 576), (1, 2, 576), (1, 3, 576)):
@@ -297,13 +297,13 @@ def test_the_int8_weights_kernel_matches_the_dequantized_product_within_the_int1
 
 @needs_kernel
 def test_the_int8_op_sends_up_to_avx2_rows_to_the_kernel():
-    from kernels.int4_ops import _int8_linear_impl
+    from kernels.int4_ops import int8_linear_impl
 
     qweight = torch.randint(-127, 128, (256, 576), dtype=torch.int8)
     scales = (torch.rand(256) * 0.01).to(torch.bfloat16)
     for rows in (1, 2, 3):
         x = torch.randn(rows, 576).to(torch.bfloat16)
-        y = _int8_linear_impl(x, qweight, scales, 128, 2)
+        y = int8_linear_impl(x, qweight, scales, 128, 2)
         narrow = rows <= 2
-        expected = avx2_int4.int8_linear(x, qweight, scales) if narrow else _int8_linear_impl(x, qweight, scales, 128)
+        expected = avx2_int4.int8_linear(x, qweight, scales) if narrow else int8_linear_impl(x, qweight, scales, 128)
         assert torch.equal(y, expected)

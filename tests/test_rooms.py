@@ -1,0 +1,105 @@
+"""The rooms' import rules, read from the source: no import cycles between the project's modules (imports inside
+functions count: a deferred import is still a dependency), no private name imported across modules, and the
+rooms' directions (`edge/` imports neither torch, vllm, fastapi, `kernels` nor `server`; `server/` neither torch,
+vllm nor `kernels`)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]
+ROOMS = ("edge", "kernels", "server")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for room in ROOMS for p in sorted((REPO / room).rglob("*.py"))}
+
+
+def imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import in the file, resolved to project modules where
+    `from package import submodule` names one."""
+    found: list[tuple[str, list[str]]] = []
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub, []) if sub in modules else (base, [alias.name]))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: {target for target, _ in imports(path, modules) if target in modules and target != name}
+            for name, path in modules.items()}  # fmt: skip
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_of_three():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_between_the_projects_modules():
+    assert cycles(graph()) == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    modules = project_modules()
+    crossing = [f"{module_name(path)} imports {name} from {target}"
+                for path in modules.values() for target, names in imports(path, modules) if target in modules
+                for name in names if name.startswith("_") and not name.startswith("__")]  # fmt: skip
+    assert crossing == []
+
+
+def test_each_room_imports_only_what_it_may():
+    never = {"edge": ("torch", "vllm", "fastapi", "kernels", "server"), "server": ("torch", "vllm", "kernels")}
+    modules = project_modules()
+    broken = [f"{name} imports {target}" for name, path in modules.items() for target, _ in imports(path, modules)
+              if name.split(".")[0] in never and target.split(".")[0] in never[name.split(".")[0]]]  # fmt: skip
+    assert broken == []
