@@ -1,0 +1,63 @@
+"""What a request that fails gets back: the 422s and 503s the API answers, counted in /metrics when they come
+from a planning path (`/plan...`).
+
+`add_exception_handlers(app)` installs them; `input_error_response` is the 422 for an edge.errors.InputError at
+a place in the request (routes that refuse a request themselves answer with it too).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from edge.errors import InputError
+from server.calibrations import StoreUnavailable
+from server.planning import LocatedInputError
+from server.schemas import ErrorItem
+
+PLANNING = "/plan"  # the paths whose errors count as planning errors in /metrics
+
+
+def input_error_response(loc: list[str | int], error: InputError) -> JSONResponse:
+    item = ErrorItem(loc=loc, msg=str(error), type="input_error", field=error.field)
+    return JSONResponse({"detail": [item.model_dump()]}, status_code=422)
+
+
+def _planning_error(request: Request, kind: str) -> None:
+    if request.url.path.startswith(PLANNING):
+        request.app.state.metrics.planning_error(kind)
+
+
+async def located_input_error(request: Request, exc: LocatedInputError) -> JSONResponse:
+    _planning_error(request, "input")
+    return input_error_response(exc.loc, exc.error)
+
+
+async def input_error(request: Request, exc: InputError) -> JSONResponse:
+    _planning_error(request, "input")
+    return input_error_response(["body", exc.field], exc)
+
+
+async def store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+    _planning_error(request, "store")
+    return JSONResponse({"detail": str(exc)}, status_code=503)
+
+
+async def request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    _planning_error(request, "request")
+    return await request_validation_exception_handler(request, exc)
+
+
+async def internal_error(request: Request, exc: Exception) -> PlainTextResponse:
+    _planning_error(request, "internal")  # counted, then Starlette logs and re-raises it
+    return PlainTextResponse("Internal Server Error", status_code=500)
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(LocatedInputError, located_input_error)
+    app.add_exception_handler(InputError, input_error)
+    app.add_exception_handler(StoreUnavailable, store_unavailable)
+    app.add_exception_handler(RequestValidationError, request_invalid)
+    app.add_exception_handler(Exception, internal_error)

@@ -1,0 +1,99 @@
+"""Planning routes: a plan for a described device (POST /plan), for many (POST /plan/batch), the plan in force
+or one for this host (GET /plan), and this host's profile (GET /probe).
+
+Read from `request.app.state`: `settings`, `calibrations` (the store), `metrics`, `plan` (the plan in force).
+`probe_router` holds GET /probe apart so that the app can include it where it always stood (after
+/calibrations): the OpenAPI document keeps its order.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+
+from edge.calibration import best_match
+from edge.device import DeviceProfile
+from edge.errors import InputError
+from edge.model_reader import default_model
+from edge.plan import Plan, Priority
+from edge.planner import make_plan
+from edge.probe import probe
+from edge.quality import cached_records
+from server import planning
+from server.calibrations import CalibrationStore
+from server.errors import input_error_response
+from server.schemas import BatchItem, BatchRequest, BatchResponse, ErrorItem, PlanRequest
+
+router = APIRouter()
+probe_router = APIRouter()
+
+
+@router.post("/plan", response_model=Plan, tags=["plan"], summary="Plan a model on a described device")
+def post_plan(body: PlanRequest, request: Request) -> Plan:
+    state = request.app.state
+    with state.metrics.planning("POST /plan"):
+        return planning.plan_request(body, state.calibrations)
+
+
+@router.post("/plan/batch", response_model=BatchResponse, tags=["plan"], summary="Plan one model on many devices")
+def post_plan_batch(body: BatchRequest, request: Request) -> BatchResponse | JSONResponse:
+    state = request.app.state
+    max_devices = state.settings.max_batch_devices
+    if len(body.devices) > max_devices:
+        error = InputError("devices", len(body.devices), f"at most {max_devices} devices")
+        state.metrics.planning_error("input")
+        return input_error_response(["body", "devices"], error)
+    with state.metrics.planning("POST /plan/batch") as made:
+        answer = _plan_batch(body, state.calibrations)
+        made[0] = answer.planned
+    state.metrics.planning_error("input", answer.failed)
+    return answer
+
+
+@router.get("/plan", response_model=Plan, tags=["plan"], summary="The plan in force, or a plan for this host")
+def get_plan(
+    request: Request,
+    priority: Annotated[Priority, Query(description="Used only when no plan is in force.")] = "speed",
+) -> Plan:
+    state = request.app.state
+    if state.plan is not None:
+        return state.plan
+    with state.metrics.planning("GET /plan"):
+        device, model = probe(), default_model()
+        calibration = best_match(planning.calibration_records(state.calibrations, [device]), device, model.name)
+        return make_plan(device, model, priority=priority, quality=cached_records(), calibration=calibration)
+
+
+@probe_router.get("/probe", response_model=DeviceProfile, tags=["plan"], summary="This host's device profile")
+def get_probe() -> DeviceProfile:
+    return probe()
+
+
+def _plan_batch(batch: BatchRequest, store: CalibrationStore) -> BatchResponse:
+    model = planning.read_model(batch)
+    budget = planning.budget_bytes(batch)
+    results: list[BatchItem | None] = [None] * len(batch.devices)
+    profiles: dict[int, DeviceProfile] = {}
+    for index, device in enumerate(batch.devices):
+        try:
+            profiles[index] = planning.read_device(device)
+        except InputError as exc:
+            results[index] = _batch_error(index, exc)
+    quality = cached_records()
+    calibrations = planning.calibration_records(store, profiles.values())
+    for index, profile in profiles.items():
+        try:
+            made = planning.plan_one(profile, model, batch, budget, quality, calibrations)
+            results[index] = BatchItem(index=index, plan=made)
+        except InputError as exc:
+            results[index] = _batch_error(index, exc)
+    done = [item for item in results if item is not None]
+    planned = sum(item.plan is not None for item in done)
+    return BatchResponse(results=done, planned=planned, failed=len(done) - planned)
+
+
+def _batch_error(index: int, exc: InputError) -> BatchItem:
+    loc: list[str | int] = ["body", "devices", index]
+    return BatchItem(index=index, error=ErrorItem(loc=loc, msg=str(exc), type="input_error", field=exc.field))
