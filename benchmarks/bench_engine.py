@@ -57,7 +57,7 @@ AOT_MARKERS = {
 }
 # bf16 with kernels/compile_cache.py's fix switched off: the same cache, so pass 2 compares warm starts.
 NOFIX = "bf16-nofix"
-# The direct checkpoint with each decode kernel (edge.kernel_params.DECODE_KERNELS).
+# The direct checkpoint with each decode kernel (edge.kernel_registry.DECODE_KERNELS).
 DECODE_VARIANTS = {"direct-tinygemm": "tinygemm", "direct-avx2": "avx2", "direct-avx2-w4a8": "avx2-w4a8"}
 LLAMA = "llama.cpp"
 # Any vLLM variant with this suffix: the same checkpoint, with the engine core and its worker in the LLM's own

@@ -18,6 +18,7 @@ no compiler, a CPU without AVX2/FMA, or a failed build. Callers fall back to tin
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from functools import cache, lru_cache
 from pathlib import Path
@@ -56,6 +57,20 @@ def _compiler() -> str | None:
     return shutil.which("c++") or shutil.which("g++")
 
 
+def ninja_on_path() -> str | None:
+    """Why torch's extension builder cannot find ninja, or None. The `ninja` package (a dependency) puts its
+    binary in the venv's bin/, which is on PATH only in an activated venv: `.venv/bin/edge-serve` run directly on a
+    box without a system ninja would fall back to tinygemm, so its folder joins this process's PATH."""
+    if shutil.which("ninja"):
+        return None
+    try:
+        import ninja
+    except ImportError:
+        return "no ninja on PATH to build the AVX2 int4 kernel (pip install ninja)"
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    return None if shutil.which("ninja") else f"no ninja binary in {ninja.BIN_DIR} to build the AVX2 int4 kernel"
+
+
 def missing_prerequisite(cpu_flags: set[str], compiler: str | None) -> str | None:
     """Why the kernel cannot be built or run on a CPU with these flags and this compiler; None when it can."""
     missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_flags]
@@ -71,7 +86,7 @@ def load() -> str | None:
     """Build (or load the cached build of) the extension and register its op; None when it runs here, else why not."""
     if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "int4_linear"):
         return None
-    reason = missing_prerequisite(_cpu_flags(), _compiler())
+    reason = missing_prerequisite(_cpu_flags(), _compiler()) or ninja_on_path()
     if reason:
         return reason
     from torch.utils import cpp_extension

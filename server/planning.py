@@ -27,9 +27,9 @@ from server.schemas import (
     CpuinfoDevice,
     LscpuDevice,
     NfdDevice,
+    PlanOptions,
     PlanRequest,
     ProfileDevice,
-    _PlanOptions,
 )
 
 AnyDevice = ProfileDevice | CpuinfoDevice | NfdDevice | LscpuDevice
@@ -69,7 +69,7 @@ def _device_key(device: AnyDevice) -> str:
     return "cpuinfo" if isinstance(device, CpuinfoDevice) else "nfd_labels"
 
 
-def read_model(options: _PlanOptions) -> ModelShape:
+def read_model(options: PlanOptions) -> ModelShape:
     model = options.model
     if isinstance(model, ConfigModel):
         name = model.name or str(model.config.get("_name_or_path") or "model")
@@ -77,7 +77,7 @@ def read_model(options: _PlanOptions) -> ModelShape:
     return default_model()
 
 
-def budget_bytes(options: _PlanOptions) -> int | None:
+def budget_bytes(options: PlanOptions) -> int | None:
     budget = options.memory_budget
     if budget is None:
         return None
@@ -100,7 +100,7 @@ def calibration_records(store: CalibrationStore, devices: Iterable[DeviceProfile
 def plan_one(
     device: DeviceProfile,
     model: ModelShape,
-    options: _PlanOptions,
+    options: PlanOptions,
     budget: int | None,
     quality: list[QualityRecord],
     calibrations: list[CalibrationRecord],

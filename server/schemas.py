@@ -96,7 +96,7 @@ MemoryBudget = Annotated[
 ]
 
 
-class _PlanOptions(_Strict):
+class PlanOptions(_Strict):
     model: Model = Field(default_factory=lambda: NamedModel(name="default"))
     priority: Priority = Field(default="speed", description="'speed' or 'fidelity' (agents: fidelity).")
     memory_budget: MemoryBudget = None
@@ -108,7 +108,7 @@ class _PlanOptions(_Strict):
     )
 
 
-class PlanRequest(_PlanOptions):
+class PlanRequest(PlanOptions):
     """Plan one model on one device."""
 
     device: Device
@@ -117,7 +117,7 @@ class PlanRequest(_PlanOptions):
     force: bool = Field(default=False, description="Plan a pinned choice even where a gate refuses it.")
 
 
-class BatchRequest(_PlanOptions):
+class BatchRequest(PlanOptions):
     """Plan one model with one priority on many devices."""
 
     devices: list[Device] = Field(min_length=1, description="The devices, at most the server's batch limit.")

@@ -30,19 +30,19 @@ def _avx2_record_with_avx2_kernel(speedup: float, int8_speedup: float | None = N
 
 
 def test_the_avx2_kernel_decodes_where_the_record_timed_it_faster_at_one_row():
-    assert faster_decode(_avx2_record_with_avx2_kernel(2.0), SHAPES) == ("avx2", False)
-    assert faster_decode(_avx2_record_with_avx2_kernel(0.5), SHAPES) == ("tinygemm", False)
+    assert faster_decode(_avx2_record_with_avx2_kernel(2.0), SHAPES) == ("avx2", None)
+    assert faster_decode(_avx2_record_with_avx2_kernel(0.5), SHAPES) == ("tinygemm", None)
 
 
 def test_the_int8_kernel_counts_as_faster_only_against_the_best_int16_choice():
-    assert faster_decode(_avx2_record_with_avx2_kernel(2.0, 3.0), SHAPES) == ("avx2", True)
-    assert faster_decode(_avx2_record_with_avx2_kernel(2.0, 1.5), SHAPES) == ("avx2", False)
-    assert faster_decode(_avx2_record_with_avx2_kernel(0.5, 1.5), SHAPES) == ("tinygemm", True)
+    assert faster_decode(_avx2_record_with_avx2_kernel(2.0, 3.0), SHAPES) == ("avx2", "avx2-w4a8")
+    assert faster_decode(_avx2_record_with_avx2_kernel(2.0, 1.5), SHAPES) == ("avx2", None)
+    assert faster_decode(_avx2_record_with_avx2_kernel(0.5, 1.5), SHAPES) == ("tinygemm", "avx2-w4a8")
 
 
 def test_a_record_without_the_avx2_kernel_keeps_tinygemm():
     record = CalibrationRecord.model_validate_json((DATA / "calibration_epyc_avx2.json").read_text())
-    assert faster_decode(record, SHAPES) == ("tinygemm", False)
+    assert faster_decode(record, SHAPES) == ("tinygemm", None)
 
 
 def test_a_plan_that_picks_it_writes_decode_kernel_and_books_the_row_major_copies(avx2_host, smollm2):

@@ -219,13 +219,13 @@ def test_the_c_plus_plus_front_op_has_a_fake_implementation():
 @needs_kernel
 def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name_is_refused():
     from edge.errors import InputError
-    from edge.kernel_params import avx2_decode_rows
+    from edge.kernel_registry import decode_rows
     from kernels.cpu_int4 import CpuInt4Config, quantization_config
 
     config = CpuInt4Config.from_config(quantization_config("direct", decode_kernel="avx2"))
-    assert (config.decode_kernel, config.avx2_rows, config.avx2_bits) == ("avx2", avx2_decode_rows(), 16)
+    assert (config.decode_kernel, config.avx2_rows, config.avx2_bits) == ("avx2", decode_rows("avx2"), 16)
     int8 = CpuInt4Config.from_config(quantization_config("direct", decode_kernel="avx2-w4a8"))
-    assert (int8.avx2_rows, int8.avx2_bits) == (avx2_decode_rows(), 8)
+    assert (int8.avx2_rows, int8.avx2_bits) == (decode_rows("avx2"), 8)
     assert config.to_dict()["decode_kernel"] == "avx2"
     assert CpuInt4Config.from_config(quantization_config("direct")).avx2_rows == 0
     with pytest.raises(InputError, match="decode_kernel"):
@@ -307,3 +307,11 @@ def test_the_int8_op_sends_up_to_avx2_rows_to_the_kernel():
         narrow = rows <= 2
         expected = avx2_int4.int8_linear(x, qweight, scales) if narrow else int8_linear_impl(x, qweight, scales, 128)
         assert torch.equal(y, expected)
+
+
+def test_ninja_from_the_ninja_package_joins_path_when_none_is_on_it(monkeypatch, tmp_path):
+    """`.venv/bin/edge-serve` run without activating the venv: the package's ninja is found all the same."""
+    ninja = pytest.importorskip("ninja", reason="the ninja package is a dependency of the vllm extra")
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no ninja, no compiler
+    assert avx2_int4.ninja_on_path() is None
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
