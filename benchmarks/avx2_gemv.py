@@ -1,4 +1,4 @@
-"""The AVX2 int4 kernels (kernels/avx2_int4.py: int16 and int8 activations) against tinygemm and bf16 at decode:
+"""The AVX2 int4 kernels (kernels/ops/avx2_int4.py: int16 and int8 activations) against tinygemm and bf16 at decode:
 ms and GB/s of weights read.
 
     python benchmarks/avx2_gemv.py [--rounds 30] [--rows 1,4] [--group 64] [--json]
@@ -9,8 +9,9 @@ AVX2 kernel is the same binary in both). In each: 1 torch thread, clock = the ca
 on the shared cores barely move it), kernels interleaved call by call within each (shape, M), median of `rounds`
 calls each; every call reads the next of enough weight copies to exceed 2x the last-level cache, so weights come
 from memory as in serving. GB/s = bytes of the kernel's weight format (codes + scales + zeros; bf16: 2 bytes a
-weight) / median time. The read bandwidth is kernels.calibration_timers.read_bandwidth_gb_s (a float32 sum, 1 thread).
-EDGE_AVX2_VNNI=0 measures the AVX2 kernels' plain AVX2 build on a CPU with AVX-VNNI (an AVX2-only box has none).
+weight) / median time. The read bandwidth is kernels.calibrate.calibration_timers.read_bandwidth_gb_s (a float32 sum, 1
+thread). EDGE_AVX2_VNNI=0 measures the AVX2 kernels' plain AVX2 build on a CPU with AVX-VNNI (an AVX2-only box has
+none).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ KERNELS = ("avx2", "avx2-w4a8", "tinygemm", "bf16")
 
 
 def _builders(group: int):
-    from kernels import avx2_int4
-    from kernels.int4 import quantize_packed
-    from kernels.tinygemm import linear as tinygemm_linear
-    from kernels.tinygemm import to_tinygemm
+    from kernels.ops import avx2_int4
+    from kernels.ops.int4 import quantize_packed
+    from kernels.ops.tinygemm import linear as tinygemm_linear
+    from kernels.ops.tinygemm import to_tinygemm
 
     def avx2_kernel(act_bits):
         def build(w):
@@ -55,8 +56,8 @@ def _builders(group: int):
 
 
 def measure(rounds: int, rows: list[int], group: int) -> dict:
-    from kernels.avx2_int4 import load
-    from kernels.calibration_timers import last_level_cache_bytes, read_bandwidth_gb_s
+    from kernels.calibrate.calibration_timers import last_level_cache_bytes, read_bandwidth_gb_s
+    from kernels.ops.avx2_int4 import load
 
     torch.set_num_threads(1)
     reason = load()

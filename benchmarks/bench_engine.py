@@ -11,7 +11,7 @@ measuring process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as llama-cpp-python runs; 
 processes (front end, engine core, worker: how `vllm serve` runs on CPU), which hand every decode step on.
 
 direct-tinygemm / direct-avx2 / direct-avx2-w4a8: the speed plan's direct checkpoint with quantization_config's
-decode_kernel set to tinygemm, the AVX2 int16-activation kernel or the int8-activation one (kernels/avx2_int4.cpp).
+decode_kernel set to tinygemm, the AVX2 int16-activation kernel or the int8-activation one (kernels/ops/avx2_int4.cpp).
 llama.cpp: benchmarks/llama_cpp_decode.py at the same thread count on the default model's Q4_1 GGUF (the source
 the default model is built from), measured as the engine is: decode after a 6-token prompt, a 512-token prefill,
 best of 2; it needs the separate llama-cpp-python venv that module names (skipped with the reason without it).
@@ -55,7 +55,7 @@ AOT_MARKERS = {
     "Compiling model again due to a load failure": "recompiled (load failed)",
     "Directly load AOT compilation": "loaded",
 }
-# bf16 with kernels/compile_cache.py's fix switched off: the same cache, so pass 2 compares warm starts.
+# bf16 with kernels/vllm_plugin/compile_cache.py's fix switched off: the same cache, so pass 2 compares warm starts.
 NOFIX = "bf16-nofix"
 # The direct checkpoint with each decode kernel (edge.kernel_registry.DECODE_KERNELS).
 DECODE_VARIANTS = {"direct-tinygemm": "tinygemm", "direct-avx2": "avx2", "direct-avx2-w4a8": "avx2-w4a8"}
@@ -123,12 +123,12 @@ def prepare(models: list[str], variants: list[str] | None = None) -> dict[tuple[
     from edge.model_reader import read_model
     from edge.planner import make_plan
     from edge.probe import probe
-    from kernels.convert import convert
+    from kernels.convert.convert import convert
 
     sources: dict[str, Path] = {}
     for name in models:
         if name == "default":
-            from kernels.default_model import ensure_default_model
+            from kernels.source.default_model import ensure_default_model
 
             sources[name] = ensure_default_model()
         elif name == "random-1b":
@@ -157,7 +157,7 @@ def prepare(models: list[str], variants: list[str] | None = None) -> dict[tuple[
             dst = CACHE / "bench" / f"{src.name}-{variant}"
             dirs[(name, variant)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
         if name == "default" and wanted(LLAMA):
-            from kernels.default_model import source_gguf
+            from kernels.source.default_model import source_gguf
 
             dirs[(name, LLAMA)] = str(source_gguf())
         w4a8 = make_plan(device, shape, path="w4a8-gptq", force=True)

@@ -1,7 +1,7 @@
 """Which weight path wins at which batch size on this host: decides `dequant_threshold` without AMX.
 
 For M rows of bf16 activations against an int4 g64 layer, median ms of:
-  tinygemm        kernels.tinygemm.linear (PyTorch's _weight_int4pack_mm_for_cpu)
+  tinygemm        kernels.ops.tinygemm.linear (PyTorch's _weight_int4pack_mm_for_cpu)
   direct+bf16     dequantize straight from the tinygemm buffer to bf16, then a bf16 GEMM
   rowmajor+bf16   dequantize the row-major checkpoint copy to bf16, then a bf16 GEMM
   direct+fp32     dequantize from the tinygemm buffer to fp32, then an fp32 GEMM (activations cast up, out down)
@@ -46,9 +46,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.int4 import dequantize, quantize_packed
-from kernels.layout import host_layout
-from kernels.tinygemm import dequantize_tinygemm, linear, to_tinygemm
+from kernels.ops.int4 import dequantize, quantize_packed
+from kernels.ops.layout import host_layout
+from kernels.ops.tinygemm import dequantize_tinygemm, linear, to_tinygemm
 
 SHAPES = [(576, 1536), (1536, 576), (4096, 4096)]  # [N, K]: SmolLM2 down_proj, up/gate_proj; a 7B-class square
 ROWS = [1, 2, 4, 8, 16, 64, 128, 256, 512]  # the brief's M set plus 128, 256 to place the crossover

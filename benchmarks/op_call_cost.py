@@ -5,7 +5,7 @@ model (576x576, group 32, int8 activations, 1 row, weights cache-hot so the call
 
 Doors, from the kernel outwards:
     kernel op             torch.ops.edge_avx2.w4a8_linear.default: the kernel alone, as C++ calls it
-    python op             torch.ops.vllm.cpu_int4_linear (kernels/int4_ops.py int4_linear_impl, a Python op): what a
+    python op             torch.ops.vllm.cpu_int4_linear (kernels/ops/int4_ops.py int4_linear_impl, a Python op): what a
                           layer without avx2_rows calls, and what wide batches reach
     c++ front op          torch.ops.edge_avx2.int4_linear.default: what a layer with avx2_rows calls
                           (kernels/int4_ops.int4_linear); decode rows never enter Python
@@ -31,9 +31,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from edge.probe import probe
-    from kernels import avx2_int4, int4_ops
-    from kernels.int4 import quantize_packed
-    from kernels.tinygemm import to_tinygemm
+    from kernels.ops import avx2_int4, int4_ops
+    from kernels.ops.int4 import quantize_packed
+    from kernels.ops.tinygemm import to_tinygemm
 
     reason = avx2_int4.load()
     if reason:

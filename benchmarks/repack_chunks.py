@@ -1,4 +1,4 @@
-"""How many output channels to repack at a time when building the tinygemm buffer (kernels.tinygemm.to_tinygemm).
+"""How many output channels to repack at a time when building the tinygemm buffer (kernels.ops.tinygemm.to_tinygemm).
 
 Repacking widens 4-bit codes to int32 (8x the packed size), so the chunk bounds the load-time transient; too
 small a chunk pays per-call overhead. For each shape, every chunk size runs once per pass, passes interleave
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from kernels.layout import host_layout
-from kernels.tinygemm import to_tinygemm
+from kernels.ops.layout import host_layout
+from kernels.ops.tinygemm import to_tinygemm
 
 SHAPES = [(49152, 576), (11008, 4096)]  # SmolLM2's tied embedding / head; a 7B-class MLP projection
 CHUNKS = [256, 512, 1024, 2048, 4096, 8192, None]  # None: the whole matrix in one call

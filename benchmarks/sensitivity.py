@@ -1,9 +1,9 @@
 """Which tensor types hurt most at 4 bits: one group of weights quantized at a time, the rest bf16, by edge-eval.
 
 The groups are what vLLM can serve apart (q/k/v fuse into qkv_proj, gate/up into gate_up_proj:
-edge.quantized_layers), plus the tied embedding and head. Each variant is converted with kernels.convert
+edge.quantized_layers), plus the tied embedding and head. Each variant is converted with kernels.convert.convert
 (round-to-nearest or the search, `--rounding`; the GGUF's own grid off: this measures a plain bf16 source) and
-scored against the bf16 source by kernels.evaluate on the default prose. Prints a markdown table.
+scored against the bf16 source by kernels.evaluate.evaluate on the default prose. Prints a markdown table.
 
     python -m benchmarks.sensitivity [--group 64] [--rounding nearest|search] [--tokens 16384] [--out DIR]
 """
@@ -14,10 +14,10 @@ import argparse
 import time
 from pathlib import Path
 
-from kernels.convert import convert
-from kernels.cpu_int4 import quantization_config
-from kernels.default_model import ensure_default_model
-from kernels.evaluate import evaluate
+from kernels.convert.convert import convert
+from kernels.evaluate.evaluate import evaluate
+from kernels.source.default_model import ensure_default_model
+from kernels.vllm_plugin.cpu_int4 import quantization_config
 
 GROUPS = {
     "q_proj + k_proj + v_proj": ["q_proj", "k_proj", "v_proj"],

@@ -1,7 +1,7 @@
 """Calibration records: what timing the candidate kernels (edge.kernel_registry) on one device produced.
 
-`edge-calibrate` (kernels.calibrate) writes them; the planner's cost model (edge.cost) reads them; fleet planners
-store them (`POST /calibrations`). Pure: pydantic models, matching, and reading record files; no torch.
+`edge-calibrate` (kernels.calibrate.calibrate) writes them; the planner's cost model (edge.cost) reads them; fleet
+planners store them (`POST /calibrations`). Pure: pydantic models, matching, and reading record files; no torch.
 
 A record is keyed by what invalidates it: the CPU (model string and ISA flags), torch's and vLLM's versions and
 the native library vLLM loads. Bump CALIBRATION_SCHEMA on any change an older reader would misread.

@@ -105,7 +105,8 @@ def calibrate(args: argparse.Namespace) -> None:
         raise InputError("--calibrate", True, "torch installed (the project's vllm extra): edge-calibrate runs kernels")
     if args.device is not None:
         raise InputError("--calibrate", args.device, "no --device: a calibration times this host's CPU")
-    command = [sys.executable, "-m", "kernels.calibrate", "--json"] + (["--model", args.model] if args.model else [])
+    command = [sys.executable, "-m", "kernels.calibrate.calibrate", "--json"]
+    command += ["--model", args.model] if args.model else []
     print("edge-select: timing the kernels on this CPU (edge-calibrate)", file=sys.stderr)
     _run(command, "edge-calibrate", "--calibrate")
 
@@ -206,7 +207,7 @@ def evaluate(args: argparse.Namespace, plan: Plan) -> None:
         raise InputError("--evaluate", True, "torch installed (the project's vllm extra): edge-eval runs the kernels")
     if args.model is not None and not Path(args.model).is_dir():
         raise InputError("--model", args.model, "a model directory with weights when --evaluate is given")
-    source = args.model or _run([sys.executable, "-m", "kernels.default_model", "default"], "edge-model default")
+    source = args.model or _run([sys.executable, "-m", "kernels.source.default_model", "default"], "edge-model default")
     plans, seen = [plan], [quality_key(plan.path, plan.quantization_config)]
     for alt in plan.alternatives:
         if len(plans) > 1 or alt.status != "runnable" or alt.path not in ("w4a16-tinygemm", "w4a8-gptq"):
@@ -221,7 +222,8 @@ def evaluate(args: argparse.Namespace, plan: Plan) -> None:
             f.write(candidate.model_dump_json())
         try:
             print(f"edge-select: evaluating {candidate.path}/{candidate.layout} (edge-eval)", file=sys.stderr)
-            _run([sys.executable, "-m", "kernels.evaluate", source, "--plan", f.name, "--json", "--quiet"], "edge-eval")
+            _run([sys.executable, "-m", "kernels.evaluate.evaluate", source, "--plan", f.name, "--json", "--quiet"],
+                 "edge-eval")
         finally:
             Path(f.name).unlink(missing_ok=True)
 

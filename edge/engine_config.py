@@ -47,7 +47,7 @@ def quantization_config(
             "prefill_dequant": layout != "kernel-only",
             "dequant_threshold": kernel.dequant_threshold,
             "prefill_dtype": kernel.prefill_dtype,
-            # The engine refuses to load a checkpoint planned for another block (kernels/cpu_int4.py): the
+            # The engine refuses to load a checkpoint planned for another block (kernels/vllm_plugin/cpu_int4.py): the
             # ledger's direct/dual accounting rests on it.
             "tinygemm_block": kernel.block,
             "repack_chunk_rows": kernel.repack_chunk_rows,
@@ -56,7 +56,7 @@ def quantization_config(
             "quantize_embedding": model.tie_word_embeddings,
             # the converter takes the 4-bit codes from the source's own grid (edge-source.json), not re-rounding
             "codes_from_source": model.source_grid == group_size,
-            # weights not on a source grid: the scale-and-minimum search (kernels/asym_search.py), measured to
+            # weights not on a source grid: the scale-and-minimum search (kernels/ops/asym_search.py), measured to
             # cut the squared error 26 % at group 64 on the default model's weights (docs/reports/)
             "rounding": "search",
             "int8": [layer.name for layer in layers if layer.format == "int8"],
@@ -70,8 +70,8 @@ def quantization_config(
             "group_size": group_size,
             "sym": True,  # int4_scaled_mm_cpu with the zero point pinned at 8, as vLLM runs GPTQ (uint4b8)
             "desc_act": False,
-            "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/gptq.py)
-            # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/int4_ops.py)
+            "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/ops/gptq.py)
+            # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/ops/int4_ops.py)
             "dequant_threshold": kernel.dequant_threshold,
             "int8": [layer.name for layer in layers if layer.format == "int8"],
             "ignore": kept_bf16(layers),

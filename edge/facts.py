@@ -99,7 +99,7 @@ FACTS: dict[str, MeasuredFact] = {
         _fact("avx2.repack_chunk_rows", 512, "rows", "here", "avx2", "2026-11-29",
               "repack time flat from 256 rows to whole at 1 thread; 512 rows: 5.8 MiB transient at 11008x4096"),
         _fact("avx2.avx2_int4_decode_rows", 4, "rows", "here", "avx2", "2026-11-30",
-              "the AVX2 int4 kernels (kernels/avx2_int4.cpp, plain AVX2 build) vs tinygemm under AVX2 dispatch, 1 "
+              "the AVX2 int4 kernels (kernels/ops/avx2_int4.cpp, plain AVX2 build) vs tinygemm under AVX2 dispatch, 1 "
               "thread, rotated weights, AMD EPYC Zen 5 with ATEN_CPU_CAPABILITY=avx2: int16 activations 2.1-3.5x "
               "faster at 1 row, 1.1-1.4x at 4 (group 64) and 0.93-1.05x at 4 (group 32); int8 1.4-2.2x at 4 "
               "(benchmarks/avx2_gemv.py, docs/reports/2026-11-30-avx2-kernel.md)"),
@@ -114,7 +114,7 @@ FACTS: dict[str, MeasuredFact] = {
         _fact("avx2.1t.gemm.m4.avx2_int8_ms", round(2.80 / 2.24, 3), "ms", "derived", "avx2", "2026-11-30",
               "AVX2 int4 kernel, int8 activations, 4 rows: 2.24x tinygemm AVX2 (0.812 vs 1.819 ms on Zen 5)"),
         # The 8-bit head (49152x576, int8 per channel) on the same scale: Zen 5 under AVX2 dispatch, 1 thread, 1 row,
-        # two runs of `python -m kernels.calibration_timers KERNEL --shapes 49152x576,4096x4096 --rows 1,4`
+        # two runs of `python -m kernels.calibrate.calibration_timers KERNEL --shapes 49152x576,4096x4096 --rows 1,4`
         # (tinygemm 4096x4096 1.673 ms in the same runs), times 2.80 / 1.673.
         _fact("avx2.1t.int8.m1_ms", round(2.80 * 2.92 / 1.673, 3), "ms", "derived", "avx2", "2026-12-01",
               "int8 per-channel head, 49152x576, 1 row, PyTorch's _weight_int8pack_mm under AVX2 dispatch: 2.85-2.99 "

@@ -2,8 +2,8 @@
 
 Each is a pure function of what the asker knows about the host: the planner and the ledger pass facts from a
 DeviceProfile (edge.probe, or a device description), the kernels pass what the running torch reports
-(kernels.cpu_int4.host_params). The plan writes the values into the checkpoint's `quantization_config`, and the
-vLLM method reads them from there, so the engine runs what the plan accounted for; a checkpoint without them
+(kernels.vllm_plugin.cpu_int4.host_params). The plan writes the values into the checkpoint's `quantization_config`, and
+the vLLM method reads them from there, so the engine runs what the plan accounted for; a checkpoint without them
 (written by hand) gets the kernel side's answer from the same functions.
 
     tinygemm_block      output channels per tinygemm block: 4 x the float vector width torch dispatched to
@@ -43,7 +43,7 @@ _BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block"
 def derived_tinygemm_block(capability: str | None) -> int | None:
     """The block torch packs with at this CPU capability (docs/FACTS.md), or None when no rule is known.
 
-    Authoritative is the measurement (kernels.layout, cached by edge.layout_cache); this is its fallback.
+    Authoritative is the measurement (kernels.ops.layout, cached by edge.layout_cache); this is its fallback.
     """
     key = block_fact_key(capability)
     return int(fact(key).value) if key else None
@@ -75,7 +75,7 @@ def prefill_dtype(*, capability: str | None, native_bf16: bool) -> PrefillDtype:
 
 def repack_chunk_rows(*, amx: bool, block: int) -> int:
     """AMX (24-32 threads): 2048 rows were fastest (reference study); here (1 thread, as vLLM serves) time is flat
-    in the chunk and 512 rows keep the transient small (kernels/tinygemm.py's table). Always whole blocks."""
+    in the chunk and 512 rows keep the transient small (kernels/ops/tinygemm.py's table). Always whole blocks."""
     rows = int(fact("any.repack_chunk_rows" if amx else "avx2.repack_chunk_rows").value)
     return max(block, rows - rows % block)
 

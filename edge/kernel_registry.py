@@ -8,9 +8,9 @@ the kernel that then runs the 8-bit set's decode rows.
 
 Everything that lists kernels derives from this table: the cost model (edge.cost), the ranking's facts-table
 record (edge.rank), the quality key (edge.quality), the kernel parameters (edge.kernel_params), `edge-calibrate`
-(kernels.calibrate, whose kernels.calibration_timers holds one timing function per entry: a test checks the two
-name the same kernels) and the plugin (kernels.cpu_int4, kernels.int4_ops). Adding a kernel is an entry here, its
-implementation, its timer and its tests.
+(kernels.calibrate.calibrate, whose kernels.calibrate.calibration_timers holds one timing function per entry: a test
+checks the two name the same kernels) and the plugin (kernels.vllm_plugin.cpu_int4, kernels.ops.int4_ops). Adding a
+kernel is an entry here, its implementation, its timer and its tests.
 
 Roles, by the rows M of one call:
     all       the kernel runs every batch the path sends it
@@ -116,14 +116,14 @@ KERNELS: dict[str, KernelSpec] = {
         # a calibration record timed it faster than tinygemm at 1 row. Its int16 activations give tinygemm's
         # numbers (edge-eval: KLD difference < 0.001, docs/reports/2026-11-30-avx2-kernel.md): not lossy.
         KernelSpec("avx2-int4", "this project's AVX2 int4 GEMV on the row-major copy, activations rounded to int16 "
-                   "per group (kernels/avx2_int4.cpp)", "edge_avx2::w4a16_linear", "torch", "int4-rowmajor", 16,
+                   "per group (kernels/ops/avx2_int4.cpp)", "edge_avx2::w4a16_linear", "torch", "int4-rowmajor", 16,
                    False, _X86,
                    facts=_times((4096, 4096, 1, "1t.gemm.m1.avx2_int16_ms"),
                                 (4096, 4096, 4, "1t.gemm.m4.avx2_int16_ms")),
                    decode=DecodeChoice("avx2", "the AVX2 int4 kernel", "avx2-int8", _AVX2_ROWS, default_at=("AVX2",))),
         # int8 activations: faster still, chosen for speed only where an edge-eval record shows the floor holds.
         KernelSpec("avx2-w4a8", "this project's AVX2 int4 GEMV on the row-major copy, activations quantized to int8 "
-                   "per group (kernels/avx2_int4.cpp)", "edge_avx2::w4a8_linear", "torch", "int4-rowmajor", 8, True,
+                   "per group (kernels/ops/avx2_int4.cpp)", "edge_avx2::w4a8_linear", "torch", "int4-rowmajor", 8, True,
                    _X86,
                    facts=_times((4096, 4096, 1, "1t.gemm.m1.avx2_int8_ms"), (4096, 4096, 4, "1t.gemm.m4.avx2_int8_ms")),
                    decode=DecodeChoice("avx2-w4a8", "the AVX2 int8-activation kernel", "avx2-int8", _AVX2_ROWS,
@@ -133,7 +133,7 @@ KERNELS: dict[str, KernelSpec] = {
                    facts=_times((49152, 576, 1, "1t.int8.m1_ms"))),
         # The 8-bit set's decode rows where decode_kernel names an AVX2 kernel (its DecodeChoice.eight_bit).
         KernelSpec("avx2-int8", "this project's AVX2 GEMV for the 8-bit set's int8 weights per channel, activations "
-                   "rounded to int16 per group of 32 (kernels/avx2_int4.cpp)", "edge_avx2::w8a16_linear", "torch",
+                   "rounded to int16 per group of 32 (kernels/ops/avx2_int4.cpp)", "edge_avx2::w8a16_linear", "torch",
                    "int8-channel", 16, False, _X86, facts=_times((49152, 576, 1, "1t.int8.avx2_m1_ms")),
                    k_multiple=32),
         KernelSpec("vllm-wna16", "vLLM's GPTQ/AWQ kernel (what a GPTQ checkpoint gets without W4A8)",

@@ -1,7 +1,7 @@
 """The tinygemm block of this host, measured once per (torch version, CPU flags) and cached.
 
 Reading the packed int4 layout with the wrong block returns wrong weights (docs/FACTS.md: 32 on this AVX2 host,
-64 on AVX-512), so the block is measured by kernels.layout in a subprocess (edge/ never imports torch) and
+64 on AVX-512), so the block is measured by kernels.ops.layout in a subprocess (edge/ never imports torch) and
 kept in $EDGE_SELECT_CACHE_DIR/tinygemm_layout.json (default ~/.cache/edge-select/). File shape:
 
     {"entries": {"torch=2.13.0+cpu;cpu=<sha256 of the sorted flags, 16 hex>": {"block": 32, ...}}}
@@ -25,7 +25,7 @@ from edge.device import Fact
 from edge.paths import cache_dir
 
 CACHE_FILE = "tinygemm_layout.json"
-MEASURE_COMMAND = (sys.executable, "-m", "kernels.layout", "--json")
+MEASURE_COMMAND = (sys.executable, "-m", "kernels.ops.layout", "--json")
 # A cold torch import took 2.6 s here (2 shared cores); the measurement itself packs a few small matrices.
 MEASURE_TIMEOUT_S = 60.0
 
@@ -38,7 +38,7 @@ def cache_path(env: Mapping[str, str]) -> Path | None:
 
 def cache_key(torch_version: str, flags: Iterable[str], capability: str = "") -> str:
     """Torch version, CPU flags and ATEN_CPU_CAPABILITY: the layout follows torch's dispatch, not the flags
-    alone (ATEN_CPU_CAPABILITY=default on this AVX2 host packs "pairs" instead of "halves", kernels/layout.py)."""
+    alone (ATEN_CPU_CAPABILITY=default on this AVX2 host packs "pairs" instead of "halves", kernels/ops/layout.py)."""
     digest = hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16]
     return f"torch={torch_version};cpu={digest};capability={capability or 'auto'}"
 
@@ -130,7 +130,7 @@ def tinygemm_block(
             return Fact(
                 value=record["block"],
                 source="torch",
-                detail=f"measured by kernels.layout, cached in {path} under {key}",
+                detail=f"measured by kernels.ops.layout, cached in {path} under {key}",
             )
     if not measure_layout:
         return fallback("no cached measurement and measure_layout is off")
@@ -140,5 +140,5 @@ def tinygemm_block(
     note = "not cached: CPU flags unknown" if key is None or path is None else store(path, key, record)
     where = note or f"cached in {path} under {key}"
     return Fact(
-        value=record["block"], source="torch", detail=f"measured now by kernels.layout (fresh); {where}"
+        value=record["block"], source="torch", detail=f"measured now by kernels.ops.layout (fresh); {where}"
     )

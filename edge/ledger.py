@@ -170,7 +170,7 @@ def _bf16_weights(model: ModelShape) -> list[MemoryItem]:
 
 
 def int8_bytes(lin: LinearShape) -> int:
-    """int8 codes [N, K] + one bf16 scale per output channel [N] (kernels/int8.py)."""
+    """int8 codes [N, K] + one bf16 scale per output channel [N] (kernels/ops/int8.py)."""
     return lin.count * (lin.n * lin.k + BF16 * lin.n)
 
 
@@ -297,7 +297,8 @@ def _gptq_weights(model: ModelShape, layers: dict[str, LayerDecision], group: in
 
 
 def _export_weights(model: ModelShape) -> list[MemoryItem]:
-    """The exported graph's weights (kernels/export_graph.py, what edge-export writes); no engine and no KV cache.
+    """The exported graph's weights (kernels/export/export_graph.py, what edge-export writes); no engine and no KV
+    cache.
 
     w8a16 (docs/FACTS.md: "calibrated w8a16 was the only scheme correct on device"): 1 byte per weight plus, per
     block of WEIGHT_BLOCK inputs of each output channel, a float32 scale and an int8 zero point. The graph stores
@@ -451,11 +452,11 @@ def _dequant_working_set(
 ) -> list[MemoryItem]:
     """At run time, not load: a batch of >= threshold rows dequantizes the whole layer before its GEMM.
 
-    kernels/int4_ops.py dequantizes to [N, K]: uint8 codes (1 B) then fp32 arithmetic (4 B, kernels/int4.py
+    kernels/ops/int4_ops.py dequantizes to [N, K]: uint8 codes (1 B) then fp32 arithmetic (4 B, kernels/ops/int4.py
     apply_scales), cast to the plan's prefill dtype (edge.kernel_params: bf16 adds 2 B, fp32 is computed in
     place). Decoder layers see prompt-length batches; the head one row per running sequence.
-    kernels/cpu_int4.py runs a tied int4 head dual whatever the layout, so even kernel-only dequantizes it; an
-    int8 layer (kernels/int8.py) dequantizes wide batches to bf16 in every layout. Freed after each layer: a
+    kernels/vllm_plugin/cpu_int4.py runs a tied int4 head dual whatever the layout, so even kernel-only dequantizes it;
+    an int8 layer (kernels/ops/int8.py) dequantizes wide batches to bf16 in every layout. Freed after each layer: a
     transient on top of the resident total, not resident itself.
     """
     threshold = kernel.dequant_threshold
@@ -465,7 +466,7 @@ def _dequant_working_set(
         fmt = layers[lin.name].format
         return rows >= threshold and (fmt == "int8" or (fmt == "int4" and int4_dequantizes))
 
-    # int8 layers dequantize wide batches in every layout (kernels/int4_ops.py cpu_int8_linear)
+    # int8 layers dequantize wide batches in every layout (kernels/ops/int4_ops.py cpu_int8_linear)
     candidates = [lin for lin in _layer_linears(model) if dequantizes(lin, max_model_len, layout != "kernel-only")]
     head = _head(model)
     if dequantizes(head, max_num_seqs, layout != "kernel-only" or model.tie_word_embeddings):

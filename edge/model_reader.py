@@ -16,7 +16,7 @@ from edge.shapes import LinearShape, ModelShape
 
 log = logging.getLogger(__name__)
 
-# The name of the bf16 directory edge-model builds (kernels.default_model.MODEL_NAME), so that a plan for
+# The name of the bf16 directory edge-model builds (kernels.source.default_model.MODEL_NAME), so that a plan for
 # "the default model" and one read from that directory name the same model (quality records match by name).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct-bf16"
 _DEFAULT_MODEL_FILE = "data/smollm2-135m-instruct.json"
@@ -39,7 +39,7 @@ FULL = "full_attention"
 
 
 # The default model is built from a Q4_1 GGUF (docs/FACTS.md): its weights lie on a group-32 grid, as the
-# edge-source.json that edge-model writes beside them says (kernels/default_model.py).
+# edge-source.json that edge-model writes beside them says (kernels/source/default_model.py).
 DEFAULT_MODEL_SOURCE_GRID = 32
 
 

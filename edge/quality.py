@@ -1,7 +1,7 @@
 """What a path costs in quality: records that edge-eval measured, matched to the options a plan weighs.
 
 A record is one edge-eval measurement of one model converted with one `quantization_config`, against its bf16
-source, on real prose (kernels/evaluate.py writes them under $EDGE_SELECT_CACHE_DIR/quality/). The planner is
+source, on real prose (kernels/evaluate/evaluate.py writes them under $EDGE_SELECT_CACHE_DIR/quality/). The planner is
 pure: the CLI and the server read the records (`load_records`) and pass them in. A record matches an option
 when the model's name and the settings that change the weights' numbers agree (`quality_key`); kernel settings
 that only move time (layout, threshold, block) do not enter the key.

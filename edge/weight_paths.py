@@ -3,14 +3,14 @@
 Everything that lists paths asks this table: the Plan's types and choices (edge.plan), the ranking and the
 fidelity order (edge.rank), which paths quantize (edge.quantized_layers), the vLLM method a checkpoint names
 (edge.quantized_layers, edge.engine_config) and, the other way, the path a checkpoint's `quant_method` belongs to
-(kernels.evaluate's quality records). The kernels each path runs are edge.kernel_registry's `serves`.
+(kernels.evaluate.evaluate's quality records). The kernels each path runs are edge.kernel_registry's `serves`.
 
     w4a16-tinygemm  4-bit weights, bf16 activations: the plugin's `cpu_int4` method, in a layout
     w4a8-gptq       4-bit GPTQ weights, int8 activations: vLLM's own `gptq` where AMX tiles are (its W4A8 kernel
                     turns on only there, vllm/model_executor/kernels/linear/mixed_precision/cpu.py), the plugin's
-                    `cpu_w4a8` elsewhere (kernels/cpu_w4a8.py calls the same op)
+                    `cpu_w4a8` elsewhere (kernels/vllm_plugin/cpu_w4a8.py calls the same op)
     bf16            the source's bf16 weights, served as they are
-    export-only     a bundle for a phone runtime (kernels/export.py): nothing vLLM serves
+    export-only     a bundle for a phone runtime (kernels/export/export.py): nothing vLLM serves
 """
 
 from __future__ import annotations

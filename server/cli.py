@@ -61,7 +61,7 @@ def tool(script: str, module: str) -> list[str]:
 
 def default_model_dir(command: Sequence[str] | None = None) -> Path:
     """The embedded default model's directory: what `edge-model default` prints (built on first use)."""
-    command = list(command or [*tool("edge-model", "kernels.default_model"), "default"])
+    command = list(command or [*tool("edge-model", "kernels.source.default_model"), "default"])
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise InputError("--model", None, f"a model directory; `edge-model default` failed: {done.stderr.strip()}")
@@ -78,8 +78,8 @@ def convert(plan: Plan, model_dir: Path, command: Sequence[str] | None = None) -
     try:
         # --force: DST is this cache's own conversion for this exact config, so one that fails its checksums (a
         # corrupted file, a half-deleted folder) is rebuilt, never served and never a reason to stop
-        argv = [*(command or tool("edge-convert", "kernels.convert")), str(model_dir), str(dst), "--plan", f.name,
-                "--force"]
+        argv = [*(command or tool("edge-convert", "kernels.convert.convert")), str(model_dir), str(dst),
+                "--plan", f.name, "--force"]
         print(f"converting {model_dir} -> {dst} ({plan.path})", flush=True)
         done = subprocess.run(argv, check=False)
     finally:
@@ -140,7 +140,7 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
 
 def check_block_here(plan: Plan, device_file: str) -> None:
     """A plan for a described device serves on this host only if this host's torch packs tinygemm the same way:
-    the engine refuses a checkpoint planned for another block (kernels/cpu_int4.py), and a supervisor would
+    the engine refuses a checkpoint planned for another block (kernels/vllm_plugin/cpu_int4.py), and a supervisor would
     restart that refusal forever. Refused here instead, before anything starts."""
     planned = (plan.quantization_config or {}).get("tinygemm_block")
     here = probe().runtime.tinygemm_block
@@ -158,7 +158,7 @@ class CalibrationFailed(RuntimeError):
 
 def calibrator() -> list[str]:
     """edge-calibrate, as a child process: this process never imports torch."""
-    return [*tool("edge-calibrate", "kernels.calibrate"), "--json"]
+    return [*tool("edge-calibrate", "kernels.calibrate.calibrate"), "--json"]
 
 
 def calibrate_here(command: Sequence[str] | None = None) -> CalibrationRecord:

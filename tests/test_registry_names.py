@@ -1,6 +1,6 @@
 """Kernels are data (edge/kernel_registry.py): no module names a kernel but the registry, the kernel's own
-implementation and the timers (kernels/calibration_timers.py, one per entry). Everything else asks the registry,
-so a new kernel is one entry, its implementation file, its timer and its tests."""
+implementation and the timers (kernels/calibrate/calibration_timers.py, one per entry). Everything else asks the
+registry, so a new kernel is one entry, its implementation file, its timer and its tests."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ REPO = Path(__file__).parents[1]
 # Where a kernel's name may be written: the spec, and the files of the kernels themselves (the timers included).
 SPEC = "edge/kernel_registry.py"
 OWN_FILES = {
-    "kernels/calibration_timers.py": set(KERNELS),
-    "kernels/avx2_int4.py": {"avx2-int4", "avx2-w4a8", "avx2-int8"},
+    "kernels/calibrate/calibration_timers.py": set(KERNELS),
+    "kernels/ops/avx2_int4.py": {"avx2-int4", "avx2-w4a8", "avx2-int8"},
 }
 # Names that are also ordinary words of the project (an ISA class, a dtype, PyTorch's kernel) are left out:
 # only the names no other concept spells are checked.
@@ -44,7 +44,7 @@ def test_no_module_outside_the_registry_and_the_kernels_own_files_names_a_kernel
 
 
 def test_every_kernel_has_a_timer_and_every_timer_a_kernel():
-    from kernels.calibration_timers import TIMERS
+    from kernels.calibrate.calibration_timers import TIMERS
 
     assert sorted(TIMERS) == sorted(KERNELS)
 

@@ -103,3 +103,21 @@ def test_each_room_imports_only_what_it_may():
     broken = [f"{name} imports {target}" for name, path in modules.items() for target, _ in imports(path, modules)
               if name.split(".")[0] in never and target.split(".")[0] in never[name.split(".")[0]]]  # fmt: skip
     assert broken == []
+
+
+# kernels/' sub-packages, lowest first: each imports only those before it (README's layout table says what each holds).
+KERNEL_LAYERS = ("ops", "vllm_plugin", "source", "scoring", "export", "convert", "evaluate", "calibrate")
+
+
+def test_kernels_sub_packages_import_only_the_layers_below_them():
+    rank = {f"kernels.{name}": i for i, name in enumerate(KERNEL_LAYERS)}
+    upward = sorted({f"{a} imports {b}" for a, targets in graph().items() for b in targets
+                     if (pa := ".".join(a.split(".")[:2])) in rank and (pb := ".".join(b.split(".")[:2])) in rank
+                     and rank[pb] > rank[pa]})  # fmt: skip
+    assert upward == []
+
+
+def test_every_kernels_module_lives_in_a_layer():
+    loose = [name for name in project_modules()
+             if name.startswith("kernels.") and name.split(".")[1] not in KERNEL_LAYERS]  # fmt: skip
+    assert loose == []

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.heavy
 
 REPO = Path(__file__).parents[2]
 PACKAGES = ("edge", "kernels", "server")
-KERNEL_SOURCE = "kernels/avx2_int4.cpp"
+KERNEL_SOURCE = "kernels/ops/avx2_int4.cpp"
 NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
                                     ".pytest_cache", ".ruff_cache", ".cache")  # fmt: skip
 N, K, GROUP, ROWS = 64, 256, 32, 3
@@ -39,14 +39,14 @@ N, K, GROUP, ROWS = 64, 256, 32, 3
 PROBE = """
 import json, sys
 import torch
-import edge, kernels.avx2_int4 as avx2
+import edge, kernels.ops.avx2_int4 as avx2
 from edge.model_reader import default_model
 from edge.quality import shipped_records
-from kernels.int4 import dequantize, quantize_packed
+from kernels.ops.int4 import dequantize, quantize_packed
 
 n, k, group, m = map(int, sys.argv[1:])
 report = {
-    "files": {"edge": edge.__file__, "kernels.avx2_int4": avx2.__file__, "torch": torch.__file__},
+    "files": {"edge": edge.__file__, "kernels.ops.avx2_int4": avx2.__file__, "torch": torch.__file__},
     "finders": [finder.__module__ for finder in sys.meta_path],
     "sys_path": sys.path,
     "data": {"default_model": default_model().name, "shipped_records": len(shipped_records())},
@@ -146,7 +146,7 @@ def test_the_wheel_carries_the_kernels_cpp_source_and_every_data_file_of_the_pac
 
 
 def test_the_venv_imports_the_installed_packages_not_the_checkout_nor_its_editable_install(venv, probe):
-    for module in ("edge", "kernels.avx2_int4"):
+    for module in ("edge", "kernels.ops.avx2_int4"):
         assert Path(probe["files"][module]).is_relative_to(venv), (module, probe["files"][module])
     assert not any(finder.startswith("__editable__") for finder in probe["finders"]), probe["finders"]
     assert not any(Path(entry).resolve() == REPO.resolve() for entry in probe["sys_path"] if entry)

@@ -86,8 +86,8 @@ def test_default_path_imports_neither_torch_nor_vllm():
     "device", [[], ["--device", str(DATA / "cpuinfo_host_epyc_avx2.txt")]], ids=["this-host", "zen3-avx2-cpuinfo"]
 )
 def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path, device):
-    """edge-eval writes records under the cache's quality/ (kernels/evaluate.py); edge-select reads them. A record
-    over the floor moves the plan off the measured configuration: to another path or layout, or, on an AVX2 CPU,
+    """edge-eval writes records under the cache's quality/ (kernels/evaluate/evaluate.py); edge-select reads them. A
+    record over the floor moves the plan off the measured configuration: to another path or layout, or, on an AVX2 CPU,
     to another decode kernel (`avx2-w4a8` -> `avx2`), whichever this device's ranking offers next."""
     from edge.quality import QualityRecord, quality_key
 

@@ -26,7 +26,7 @@ MUST_NOT_RUN = (sys.executable, "-c", "import sys; sys.exit(97)")
 
 
 def printing(record: dict) -> tuple[str, ...]:
-    """A stand-in for `python -m kernels.layout --json` that prints this record."""
+    """A stand-in for `python -m kernels.ops.layout --json` that prints this record."""
     return (sys.executable, "-c", f"print({json.dumps(json.dumps(record))})")
 
 
@@ -152,7 +152,7 @@ def test_probe_under_avx2_dispatch_derives_and_measures_block_32(env):
     derived and measured: the plan and the engine agree (issue: the engine measured 32 where the plan said 64)."""
     avx2 = {**env, "ATEN_CPU_CAPABILITY": "avx2"}
     assert probe(measure_layout=False, env=avx2).runtime.tinygemm_block.value == 32
-    command = (sys.executable, "-m", "kernels.layout", "--json")
+    command = (sys.executable, "-m", "kernels.ops.layout", "--json")
     measured = probe(env=avx2, layout_command=("env", "ATEN_CPU_CAPABILITY=avx2", *command)).runtime.tinygemm_block
     assert (measured.value, measured.source) == (32, "torch")
 

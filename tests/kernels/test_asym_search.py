@@ -1,13 +1,13 @@
-"""The asymmetric scale-and-minimum search (kernels/asym_search.py) against plain min/max round-to-nearest."""
+"""The asymmetric scale-and-minimum search (kernels/ops/asym_search.py) against plain min/max round-to-nearest."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import asym_search
-from kernels.int4 import dequantize, quantize_packed
-from kernels.scale_search import snr_db
+from kernels.ops import asym_search
+from kernels.ops.int4 import dequantize, quantize_packed
+from kernels.ops.scale_search import snr_db
 
 
 def weights(n: int, k: int, seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The AVX2 int4 kernels (kernels/avx2_int4.py) against plain PyTorch references.
+"""The AVX2 int4 kernels (kernels/ops/avx2_int4.py) against plain PyTorch references.
 
 Two kinds of check:
 - Exact: inputs whose every value is an integer or a power of two small enough that each group's integer dot
@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from kernels import avx2_int4
-from kernels.int4 import dequantize, quantize_packed
+from kernels.ops import avx2_int4
+from kernels.ops.int4 import dequantize, quantize_packed
 
 REASON = avx2_int4.load()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"AVX2 int4 kernel unavailable here: {REASON}")
@@ -179,9 +179,9 @@ def test_a_cpu_without_avx2_or_fma_is_named():
 def test_the_cpu_int4_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_to_tinygemm(front):
     """Both doors: the Python op (int4_linear_impl) and the C++ op in front of it (edge_avx2::int4_linear, what a
     layer with avx2_rows calls through int4_ops.int4_linear), for 2-D rows, a 3-D batch and fp32 input."""
-    from kernels.int4_ops import DIRECT, int4_linear, int4_linear_impl
-    from kernels.tinygemm import linear as tinygemm_linear
-    from kernels.tinygemm import to_tinygemm
+    from kernels.ops.int4_ops import DIRECT, int4_linear, int4_linear_impl
+    from kernels.ops.tinygemm import linear as tinygemm_linear
+    from kernels.ops.tinygemm import to_tinygemm
 
     call = int4_linear_impl if front == "python" else int4_linear
     qweight, scales, zeros = _layer(576, 576, 64)
@@ -205,7 +205,7 @@ def test_the_cpu_int4_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_t
 def test_the_c_plus_plus_front_op_has_a_fake_implementation():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from kernels.tinygemm import to_tinygemm
+    from kernels.ops.tinygemm import to_tinygemm
 
     qweight, scales, zeros = _layer(96, 128, 64)
     packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, 64)
@@ -220,7 +220,7 @@ def test_the_c_plus_plus_front_op_has_a_fake_implementation():
 def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name_is_refused():
     from edge.errors import InputError
     from edge.kernel_registry import decode_rows
-    from kernels.cpu_int4 import CpuInt4Config, quantization_config
+    from kernels.vllm_plugin.cpu_int4 import CpuInt4Config, quantization_config
 
     config = CpuInt4Config.from_config(quantization_config("direct", decode_kernel="avx2"))
     assert (config.decode_kernel, config.avx2_rows, config.avx2_bits) == ("avx2", decode_rows("avx2"), 16)
@@ -234,7 +234,7 @@ def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name
 
 _PLAIN_SCRIPT = """
 import sys, torch
-from kernels import avx2_int4
+from kernels.ops import avx2_int4
 from tests.kernels.test_avx2_int4 import _vnni_cases
 assert avx2_int4.load() is None and not torch.ops.edge_avx2.uses_vnni()
 torch.save([avx2_int4.linear(*case) for case in _vnni_cases()], sys.argv[1])
@@ -297,7 +297,7 @@ def test_the_int8_weights_kernel_matches_the_dequantized_product_within_the_int1
 
 @needs_kernel
 def test_the_int8_op_sends_up_to_avx2_rows_to_the_kernel():
-    from kernels.int4_ops import int8_linear_impl
+    from kernels.ops.int4_ops import int8_linear_impl
 
     qweight = torch.randint(-127, 128, (256, 576), dtype=torch.int8)
     scales = (torch.rand(256) * 0.01).to(torch.bfloat16)

@@ -33,9 +33,9 @@ FIRST_TOKENS = 3  # generated tokens that must agree on every prompt
 
 
 def checkpoints(cache: Path) -> dict[str, Path]:
-    from kernels.convert import convert
-    from kernels.cpu_int4 import quantization_config
-    from kernels.default_model import ensure_default_model
+    from kernels.convert.convert import convert
+    from kernels.source.default_model import ensure_default_model
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     bf16 = ensure_default_model()
     models = {}

@@ -9,8 +9,8 @@ import torch
 from edge.calibration import CalibrationRecord
 from edge.kernel_registry import KERNELS
 from edge.model_reader import default_model
-from kernels import calibrate as cal
-from kernels.calibration_timers import TEST_CRASH_HOOK, TIMERS, check
+from kernels.calibrate import calibrate as cal
+from kernels.calibrate.calibration_timers import TEST_CRASH_HOOK, TIMERS, check
 
 SMALL = [(128, 256)]  # [N, K]: a multiple of every kernel's N and K constraints at group 32
 ROWS = [1, 16]

@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 
 from edge.errors import InputError
-from kernels.checkpoint import INDEX_FILE
-from kernels.convert import MANIFEST, convert, main
-from kernels.int4 import dequantize
-from kernels.int8 import dequantize_int8
+from kernels.convert.convert import MANIFEST, convert, main
+from kernels.ops.int4 import dequantize
+from kernels.ops.int8 import dequantize_int8
+from kernels.source.checkpoint import INDEX_FILE
 
 GROUP = 64
 W4A16 = {
@@ -95,8 +95,8 @@ def test_every_quantized_tensor_dequantizes_within_its_quantization_error(smol_s
 
 
 def test_quantizing_in_row_chunks_gives_the_whole_matrix_result(smol_shaped, tmp_path, monkeypatch):
-    from kernels import convert as converter
-    from kernels.int4 import quantize_packed
+    from kernels.convert import convert as converter
+    from kernels.ops.int4 import quantize_packed
 
     monkeypatch.setattr(converter, "QUANTIZE_CHUNK_ROWS", 64)  # the 2048-row embedding in 32 chunks
     written = _tensors(convert(smol_shaped, tmp_path / "dst", W4A16, path="w4a16-tinygemm"))
@@ -298,8 +298,8 @@ def test_export_only_is_left_to_edge_export(smol_shaped, tmp_path):
 
 
 def test_gptq_path_unties_the_head_and_quantizes_it_from_the_embedding(tmp_path, monkeypatch):
-    gptq = pytest.importorskip("kernels.gptq")
-    from kernels import convert as converter
+    gptq = pytest.importorskip("kernels.ops.gptq")
+    from kernels.convert import convert as converter
 
     monkeypatch.setattr(converter, "QUANTIZE_CHUNK_ROWS", 256)  # the 2048-row head in 8 chunks
     # Narrower than SmolLM2 (its per-group scale search takes ~30 s on SmolLM2's layers here); GPTQ's
@@ -356,9 +356,9 @@ def test_codes_from_source_needs_a_source_record(smol_shaped, tmp_path):
 
 def test_the_default_models_own_q4_1_codes_are_written_unchanged(tmp_path):
     """codes_from_source: every Q4_1 linear of the default model's GGUF is written with the GGUF's own codes,
-    scales and zeros (kernels.gguf_source), not re-rounded; the Q8_0 embedding goes to the 8-bit set."""
-    from kernels.default_model import ensure_default_model, source_gguf
-    from kernels.gguf_source import cpu_int4_tensors, read_gguf
+    scales and zeros (kernels.source.gguf_source), not re-rounded; the Q8_0 embedding goes to the 8-bit set."""
+    from kernels.source.default_model import ensure_default_model, source_gguf
+    from kernels.source.gguf_source import cpu_int4_tensors, read_gguf
 
     src = ensure_default_model(log=lambda message: None)
     config = {**W4A16, "group_size": 32, "codes_from_source": True, "int8": ["embed_tokens", "lm_head"]}
@@ -375,9 +375,9 @@ def test_the_default_models_own_q4_1_codes_are_written_unchanged(tmp_path):
 @pytest.mark.slow
 def test_the_default_model_converted_to_cpu_int4_still_answers_paris(tmp_path):
     """End to end on real weights: the default model (built into the edge-select cache if absent, ~60 s),
-    converted at group 64, dequantized back through kernels.int4 into transformers. Measured: the first two
+    converted at group 64, dequantized back through kernels.ops.int4 into transformers. Measured: the first two
     greedy tokens match bf16 (" Paris."); later tokens diverge, as 4-bit weights do."""
-    from kernels.default_model import ensure_default_model, source_gguf
+    from kernels.source.default_model import ensure_default_model, source_gguf
 
     try:
         source_gguf()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kernels import convert as converter
-from kernels.checkpoint import read_manifest, sha256_file
-from kernels.convert import MANIFEST, convert, main
+from kernels.convert import convert as converter
+from kernels.convert.convert import MANIFEST, convert, main
+from kernels.source.checkpoint import read_manifest, sha256_file
 from tests.kernels.test_convert import W4A16, _write_llama
 
 SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)

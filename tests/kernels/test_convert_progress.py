@@ -14,7 +14,7 @@ import sys
 import termios
 from pathlib import Path
 
-from kernels.convert import StderrProgress
+from kernels.convert.convert import StderrProgress
 from tests.kernels.test_convert import SMOLLM2_LAYER, W4A16, _write_llama
 
 NAMES = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(40)]
@@ -47,7 +47,7 @@ def _convert(src: Path, dst: Path, tmp_path: Path, stderr) -> subprocess.Complet
     plan = {"path": "w4a16-tinygemm", "quantization_config": W4A16}
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(plan))
-    command = [sys.executable, "-c", "import sys; from kernels.convert import StderrProgress, convert; "
+    command = [sys.executable, "-c", "import sys; from kernels.convert.convert import StderrProgress, convert; "
                "import json; p = json.load(open(sys.argv[3])); "
                "convert(sys.argv[1], sys.argv[2], p['quantization_config'], path=p['path'], progress=StderrProgress())",
                str(src), str(dst), str(plan_file)]  # fmt: skip

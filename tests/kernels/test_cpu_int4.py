@@ -22,7 +22,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
 )
 
 from edge.errors import InputError  # noqa: E402
-from kernels.cpu_int4 import (  # noqa: E402
+from kernels.ops.int4 import dequantize, quantize_packed  # noqa: E402
+from kernels.ops.int4_ops import DIRECT, DUAL, KERNEL_ONLY  # noqa: E402
+from kernels.ops.int8 import dequantize_int8, quantize_int8  # noqa: E402
+from kernels.vllm_plugin.cpu_int4 import (  # noqa: E402
     CpuInt4Config,
     CpuInt4EmbeddingMethod,
     CpuInt4LinearMethod,
@@ -30,9 +33,6 @@ from kernels.cpu_int4 import (  # noqa: E402
     CpuInt8LinearMethod,
     host_params,
 )
-from kernels.int4 import dequantize, quantize_packed  # noqa: E402
-from kernels.int4_ops import DIRECT, DUAL, KERNEL_ONLY  # noqa: E402
-from kernels.int8 import dequantize_int8, quantize_int8  # noqa: E402
 
 GROUP = 64
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
@@ -400,7 +400,7 @@ def test_a_linear_in_the_8_bit_set_gets_the_int8_method_and_its_fused_siblings_f
 def test_compile_cache_fix_gives_a_plain_compiled_function_a_noop_finalize_loading():
     from types import SimpleNamespace
 
-    from kernels.compile_cache import attach_finalize_loading
+    from kernels.vllm_plugin.compile_cache import attach_finalize_loading
 
     def compiled_fn(*args):  # what vLLM 0.28's CPU AOT artifact holds: a plain function
         return args
@@ -413,7 +413,7 @@ def test_compile_cache_fix_gives_a_plain_compiled_function_a_noop_finalize_loadi
 def test_compile_cache_fix_leaves_vllms_own_finalize_loading_alone():
     from types import SimpleNamespace
 
-    from kernels.compile_cache import attach_finalize_loading
+    from kernels.vllm_plugin.compile_cache import attach_finalize_loading
 
     def finalize_loading(vllm_config):
         return "vllm's"
@@ -424,7 +424,7 @@ def test_compile_cache_fix_leaves_vllms_own_finalize_loading_alone():
 
 
 def test_compile_cache_fix_is_needed_by_this_vllm_and_installs_once(monkeypatch):
-    import kernels.compile_cache as compile_cache
+    import kernels.vllm_plugin.compile_cache as compile_cache
 
     assert compile_cache.needed()  # vLLM 0.28's _try_load_aot_compiled_fn calls finalize_loading
     original = torch.compiler.load_compiled_function
@@ -436,7 +436,7 @@ def test_compile_cache_fix_is_needed_by_this_vllm_and_installs_once(monkeypatch)
 
 
 def test_compile_cache_fix_can_be_switched_off(monkeypatch):
-    import kernels.compile_cache as compile_cache
+    import kernels.vllm_plugin.compile_cache as compile_cache
 
     monkeypatch.setenv("EDGE_SELECT_COMPILE_CACHE_FIX", "0")
     assert not compile_cache.install()

@@ -32,11 +32,11 @@ from edge.gates import gate_w4a8  # noqa: E402
 from edge.model_reader import default_model, read_model_config  # noqa: E402
 from edge.planner import PlanRefused, make_plan  # noqa: E402
 from edge.probe import probe  # noqa: E402
-from kernels import cpu_w4a8  # noqa: E402
-from kernels.convert import Source, decide  # noqa: E402
-from kernels.cpu_int4 import CpuInt8EmbeddingMethod, CpuInt8LinearMethod  # noqa: E402
-from kernels.cpu_w4a8 import CpuW4A8Config, CpuW4A8LinearMethod, op_available, quantization_config  # noqa: E402
-from kernels.gptq import dequantize_gptq, gptq_tensors  # noqa: E402
+from kernels.convert.convert import Source, decide  # noqa: E402
+from kernels.ops.gptq import dequantize_gptq, gptq_tensors  # noqa: E402
+from kernels.vllm_plugin import cpu_w4a8  # noqa: E402
+from kernels.vllm_plugin.cpu_int4 import CpuInt8EmbeddingMethod, CpuInt8LinearMethod  # noqa: E402
+from kernels.vllm_plugin.cpu_w4a8 import CpuW4A8Config, CpuW4A8LinearMethod, op_available, quantization_config  # noqa: E402
 from tests.edge.conftest import cpuinfo_device  # noqa: E402
 from tests.kernels.test_layer_agreement import CONFIGS, FIXTURES, checkpoint_shapes  # noqa: E402
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from edge.errors import InputError
-from kernels import default_model
-from kernels.default_model import MANIFEST, MODEL_NAME, check, default_model_dir, ensure_default_model, main
+from kernels.source import default_model
+from kernels.source.default_model import MANIFEST, MODEL_NAME, check, default_model_dir, ensure_default_model, main
 
 
 @pytest.fixture

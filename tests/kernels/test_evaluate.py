@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from edge.errors import InputError
-from kernels import eval_text
-from kernels.quality_metrics import TokenStats, mean_se, quantile_se, ratio_se, summarize, token_stats
+from kernels.scoring import eval_text
+from kernels.scoring.quality_metrics import TokenStats, mean_se, quantile_se, ratio_se, summarize, token_stats
 
 TINY_CHUNK = 64
 TINY_TOKENS = 256  # 8 chunks of 64, 32 scored each
@@ -154,13 +154,13 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def _convert(source: Path, dst: Path, qconfig: dict | None, path: str) -> Path:
-    from kernels.convert import convert
+    from kernels.convert.convert import convert
 
     return convert(source, dst, qconfig, path=path, log=lambda message: None)
 
 
 def _evaluate(source: Path, candidate: Path, **kwargs):
-    from kernels.evaluate import evaluate
+    from kernels.evaluate.evaluate import evaluate
 
     return evaluate(source, candidate, None, tokens=TINY_TOKENS, chunk_len=TINY_CHUNK, threads=1, progress=False,
                     **kwargs)  # fmt: skip
@@ -195,7 +195,7 @@ def test_bf16_against_itself_has_zero_kld_and_full_agreement(tiny, tmp_path, cac
 
 
 def test_int8_per_channel_weights_stay_within_kld_0_002(tiny, tmp_path, cache):
-    from kernels.cpu_int4 import quantization_config
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     report = _evaluate(tiny, _int8_per_channel_copy(tiny, tmp_path / "int8"))
     assert report.quant_method == "bf16"  # a bf16 checkpoint holding re-rounded weights
@@ -207,9 +207,9 @@ def test_int8_per_channel_weights_stay_within_kld_0_002(tiny, tmp_path, cache):
 
 @pytest.mark.parametrize("threshold", [2, 4096], ids=["dequantize-path", "tinygemm-path"])
 def test_cpu_int4_conversion_runs_the_int4_kernels_and_loses_something(tiny, tmp_path, cache, threshold):
-    from kernels.cpu_int4 import quantization_config
-    from kernels.eval_cpu_int4 import Int4Embedding, Int4Linear
-    from kernels.eval_model import load_candidate
+    from kernels.scoring.eval_cpu_int4 import Int4Embedding, Int4Linear
+    from kernels.scoring.eval_model import load_candidate
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     qconfig = quantization_config("direct", group_size=32, dequant_threshold=threshold, int8=())  # all 4-bit
     candidate = _convert(tiny, tmp_path / "int4", qconfig, "w4a16-tinygemm")
@@ -225,9 +225,9 @@ def test_cpu_int4_conversion_runs_the_int4_kernels_and_loses_something(tiny, tmp
 
 
 def test_the_8_bit_set_runs_the_int8_kernels(tiny, tmp_path, cache):
-    from kernels.cpu_int4 import quantization_config
-    from kernels.eval_cpu_int4 import Int4Linear, Int8Embedding, Int8Linear
-    from kernels.eval_model import load_candidate
+    from kernels.scoring.eval_cpu_int4 import Int4Linear, Int8Embedding, Int8Linear
+    from kernels.scoring.eval_model import load_candidate
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     qconfig = quantization_config("direct", group_size=32)  # a plan's default: embedding and head in int8
     candidate = _convert(tiny, tmp_path / "int4-int8", qconfig, "w4a16-tinygemm")
@@ -242,9 +242,9 @@ def test_the_8_bit_set_runs_the_int8_kernels(tiny, tmp_path, cache):
 
 def test_int4_linear_matches_the_dequantized_weights(tiny):
     """The module computes x @ w.T for the w the checkpoint stands for, on both branches of the op."""
-    from kernels.eval_cpu_int4 import Int4Linear, Int4Settings
-    from kernels.int4 import dequantize, quantize_packed
-    from kernels.int4_ops import DIRECT
+    from kernels.ops.int4 import dequantize, quantize_packed
+    from kernels.ops.int4_ops import DIRECT
+    from kernels.scoring.eval_cpu_int4 import Int4Linear, Int4Settings
 
     w = torch.randn(128, 256, generator=torch.Generator().manual_seed(2)) * 0.05
     qweight, scales, zeros = quantize_packed(w, 32)
@@ -261,10 +261,10 @@ def test_a_decode_kernel_runs_every_row_through_the_avx2_kernel_and_keys_only_in
     """--decode-kernel: the same weights, every row on the AVX2 kernel; int16 activations give tinygemm's numbers
     (to the int16 rounding), int8 activations other numbers (on this random model about as close: its loss is the
     weights'; the default model's is measured in the report), and only the int8 run's record says which kernel."""
-    from kernels import avx2_int4
-    from kernels.cpu_int4 import quantization_config
-    from kernels.eval_cpu_int4 import Int4Linear
-    from kernels.eval_model import load_candidate
+    from kernels.ops import avx2_int4
+    from kernels.scoring.eval_cpu_int4 import Int4Linear
+    from kernels.scoring.eval_model import load_candidate
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     if (reason := avx2_int4.load()) is not None:
         pytest.skip(f"AVX2 int4 kernel unavailable here: {reason}")
@@ -285,7 +285,7 @@ def test_a_decode_kernel_runs_every_row_through_the_avx2_kernel_and_keys_only_in
 
 def test_a_decode_kernel_for_another_method_or_an_unknown_one_is_refused(tiny, tmp_path, cache):
     from edge.errors import InputError
-    from kernels.cpu_int4 import quantization_config
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     with pytest.raises(InputError, match="--decode-kernel.*a cpu_int4 candidate"):
         _evaluate(tiny, _convert(tiny, tmp_path / "bf16", None, "bf16"), decode_kernel="avx2")
@@ -295,8 +295,8 @@ def test_a_decode_kernel_for_another_method_or_an_unknown_one_is_refused(tiny, t
 
 
 def test_gptq_export_runs_vllms_cpu_kernel_or_says_it_ran_the_reference(tiny, tmp_path, cache):
-    from kernels.eval_gptq import REFERENCE, vllm_has_op
-    from kernels.gptq import gptq_quantization_config
+    from kernels.ops.gptq import gptq_quantization_config
+    from kernels.scoring.eval_gptq import REFERENCE, vllm_has_op
 
     candidate = _convert(tiny, tmp_path / "gptq", gptq_quantization_config(32), "w4a8-gptq")
     report = _evaluate(tiny, candidate)
@@ -310,8 +310,8 @@ def test_gptq_export_runs_vllms_cpu_kernel_or_says_it_ran_the_reference(tiny, tm
 
 
 def test_vllms_gptq_kernel_agrees_with_the_exact_reference():
-    from kernels.eval_gptq import ReferenceGptqLinear, VllmGptqLinear, vllm_has_op
-    from kernels.gptq import gptq_tensors
+    from kernels.ops.gptq import gptq_tensors
+    from kernels.scoring.eval_gptq import ReferenceGptqLinear, VllmGptqLinear, vllm_has_op
 
     if not vllm_has_op():
         pytest.skip("this host's vLLM library has no cpu_gemm_wna16 (AVX2 build): edge-eval uses the reference")
@@ -338,7 +338,7 @@ def test_a_second_call_returns_the_cached_result(tiny, tmp_path, cache):
 
 def test_the_cached_report_is_a_quality_record_the_planner_reads(tiny, tmp_path, cache):
     from edge.quality import load_records, quality_key
-    from kernels.cpu_int4 import quantization_config
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     qconfig = quantization_config("direct", group_size=32)
     report = _evaluate(tiny, _convert(tiny, tmp_path / "int4", qconfig, "w4a16-tinygemm"))
@@ -349,7 +349,7 @@ def test_the_cached_report_is_a_quality_record_the_planner_reads(tiny, tmp_path,
 
 
 def test_a_report_on_another_text_is_cached_but_is_no_record(tiny, tmp_path, cache):
-    from kernels.evaluate import evaluate
+    from kernels.evaluate.evaluate import evaluate
 
     text = tmp_path / "prose.txt"
     text.write_text("It was the best of times, it was the worst of times. " * 40)  # 2120 bytes: 2120 tokens
@@ -367,7 +367,7 @@ def test_a_different_candidate_is_a_different_cache_entry(tiny, tmp_path, cache)
 def test_the_key_follows_the_kernel_code_and_the_dispatch_capability(tmp_path, monkeypatch):
     """A record measured with another version of this project's kernels, or under another ATEN_CPU_CAPABILITY,
     does not answer for this one."""
-    from kernels import eval_cache
+    from kernels.scoring import eval_cache
 
     here = Path(eval_cache.__file__).resolve().parent
     for name in eval_cache._NUMERIC_SOURCES:
@@ -388,7 +388,7 @@ def test_the_key_follows_the_kernel_code_and_the_dispatch_capability(tmp_path, m
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kernels.evaluate", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kernels.evaluate.evaluate", *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
 
@@ -433,7 +433,7 @@ def test_cli_text_too_short_exits_2_naming_tokens(tiny, tmp_path, cache):
 
 def test_cli_json_prints_one_object_on_stdout(tiny, tmp_path, cache):
     """Even for cpu_int4, whose ops import vLLM (which logs to stdout unless told otherwise)."""
-    from kernels.cpu_int4 import quantization_config
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     candidate = _convert(tiny, tmp_path / "int4", quantization_config("direct", group_size=32), "w4a16-tinygemm")
     proc = _cli(str(tiny), str(candidate), "--tokens", "64", "--chunk", "64", "--json", "--quiet", "--threads", "1")
@@ -451,7 +451,7 @@ VLLM_WINDOWS = 2  # 512 scored positions compared with vLLM's prompt_logprobs
 
 @pytest.fixture(scope="module")
 def default_source() -> Path:
-    from kernels.default_model import ensure_default_model
+    from kernels.source.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -468,7 +468,7 @@ def test_default_model_quality_under_this_hosts_plan_is_in_a_sane_range(default_
     from edge.model_reader import read_model
     from edge.planner import make_plan
     from edge.probe import probe
-    from kernels.evaluate import evaluate
+    from kernels.evaluate.evaluate import evaluate
 
     plan = make_plan(probe(), read_model(default_source))
     candidate = _cached_conversion(default_source, f"eval-smollm2-plan-{plan.path}", plan.quantization_config,
@@ -525,9 +525,9 @@ def test_candidate_logprobs_match_the_vllm_engine(default_source, tmp_path):
     """
     from transformers import AutoTokenizer
 
-    from kernels.cpu_int4 import quantization_config
-    from kernels.eval_model import load_candidate, load_source
-    from kernels.eval_score import score
+    from kernels.scoring.eval_model import load_candidate, load_source
+    from kernels.scoring.eval_score import score
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     source_dir = default_source
     candidates = {  # label -> checkpoint; the second also runs the 8-bit set's int8 ops (embedding and head)

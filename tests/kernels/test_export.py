@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from edge.errors import InputError  # noqa: E402
-from kernels.checkpoint import read_manifest  # noqa: E402
-from kernels.export import GRAPH, MANIFEST, export  # noqa: E402
-from kernels.export_verify import GraphModel  # noqa: E402
+from kernels.export.export import GRAPH, MANIFEST, export  # noqa: E402
+from kernels.export.export_verify import GraphModel  # noqa: E402
+from kernels.source.checkpoint import read_manifest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.make_random_llama import LlamaShape, write  # noqa: E402
@@ -34,7 +34,7 @@ def bundle(tiny, tmp_path_factory) -> Path:
 
 
 def source_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
-    from kernels.eval_model import load_source
+    from kernels.scoring.eval_model import load_source
 
     with torch.inference_mode():
         return load_source(model_dir).float()(input_ids=ids, use_cache=False).logits[0]  # [S, V]

@@ -29,7 +29,7 @@ def phone_bundle(tmp_path_factory) -> tuple[Path, dict]:
     assert command[0] == "edge-export" and command[-2:] == ["--plan", "PLAN.json"]
     # the plan's own command, run as a module (the console script needs a reinstall after pyproject changes)
     args = [command[1], str(work / command[2]), "--plan", str(work / "PLAN.json")]
-    subprocess.run([sys.executable, "-m", "kernels.export", *args], cwd=REPO, env=env, check=True, timeout=900)
+    subprocess.run([sys.executable, "-m", "kernels.export.export", *args], cwd=REPO, env=env, check=True, timeout=900)
     out = work / command[2]
     return out, json.loads((out / "manifest.json").read_text())
 
@@ -54,7 +54,7 @@ def test_the_bundle_records_its_plan_runtime_and_files(phone_bundle):
 def test_the_bundle_loads_and_generates_like_the_source(phone_bundle):
     from transformers import AutoTokenizer
 
-    from kernels.export_verify import GraphModel
+    from kernels.export.export_verify import GraphModel
 
     out, manifest = phone_bundle
     tokenizer = AutoTokenizer.from_pretrained(out)  # the bundle's own tokenizer files

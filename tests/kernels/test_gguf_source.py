@@ -1,4 +1,4 @@
-"""kernels.gguf_source: a GGUF's own 4-bit grid (and 8-bit codes) read without re-quantizing.
+"""kernels.source.gguf_source: a GGUF's own 4-bit grid (and 8-bit codes) read without re-quantizing.
 
 The reference is the bf16 default model, which transformers built from the same GGUF: for every Q4_1 weight it
 holds bf16(d*q + m) (computed in float32 by gguf-py, rounded once to bf16). cpu_int4 keeps scale = bf16(d) and
@@ -26,7 +26,8 @@ import torch
 from safetensors import safe_open
 
 from edge.errors import InputError
-from kernels.gguf_source import (
+from kernels.ops.int4 import dequantize, unpack_nibbles
+from kernels.source.gguf_source import (
     GgufModel,
     cpu_int4_tensors,
     float_tensor,
@@ -34,7 +35,6 @@ from kernels.gguf_source import (
     read_gguf,
     rotary_row_order,
 )
-from kernels.int4 import dequantize, unpack_nibbles
 
 GROUP = 32
 FP32_SLACK = 2.0**-20  # relative: each side rounds once in float32 (2^-24); generous, still far below a bf16 ulp
@@ -52,7 +52,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def default_gguf() -> GgufModel:
-    from kernels.default_model import source_gguf
+    from kernels.source.default_model import source_gguf
 
     try:
         path = source_gguf()
@@ -63,7 +63,7 @@ def default_gguf() -> GgufModel:
 
 @pytest.fixture(scope="module")
 def bf16_weights(default_gguf) -> dict[str, torch.Tensor]:
-    from kernels.default_model import ensure_default_model
+    from kernels.source.default_model import ensure_default_model
 
     with safe_open(ensure_default_model(log=lambda message: None) / "model.safetensors", "pt") as f:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)

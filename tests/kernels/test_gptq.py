@@ -1,6 +1,6 @@
 """The symmetric GPTQ export (w4a8-gptq): layout, refusals, numerics on real weights, and vLLM 0.28's own loader.
 
-Real weights are the default model's (SmolLM2-135M-Instruct, bf16; built once by kernels.default_model).
+Real weights are the default model's (SmolLM2-135M-Instruct, bf16; built once by kernels.source.default_model).
 The vLLM tests build Llama's own layer classes with vLLM's GPTQ config and load our tensors through their weight
 loaders; this host's AVX2 build has no 4-bit GEMM (docs/FACTS.md), so they compare weights, not outputs.
 """
@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from edge.errors import InputError
-from kernels import int4
-from kernels.gptq import dequantize_gptq, gptq_quantization_config, gptq_tensors
-from kernels.scale_search import snr_db
+from kernels.ops import int4
+from kernels.ops.gptq import dequantize_gptq, gptq_quantization_config, gptq_tensors
+from kernels.ops.scale_search import snr_db
 
 GROUP = 64  # K = 576 is not a multiple of 128 (docs/FACTS.md); 64 is the default model's largest legal group
 KINDS = {  # layer kind -> HF name inside a decoder layer; shapes [N, K] of SmolLM2-135M
@@ -35,7 +35,7 @@ KINDS = {  # layer kind -> HF name inside a decoder layer; shapes [N, K] of Smol
 
 @pytest.fixture(scope="module")
 def model_file() -> Path:
-    from kernels.default_model import ensure_default_model
+    from kernels.source.default_model import ensure_default_model
 
     return ensure_default_model() / "model.safetensors"
 

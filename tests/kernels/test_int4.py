@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edge.errors import InputError
-from kernels.int4 import dequantize, pack_nibbles, quantize, quantize_packed, unpack_nibbles
+from kernels.ops.int4 import dequantize, pack_nibbles, quantize, quantize_packed, unpack_nibbles
 
 # SQNR of quantize -> dequantize on N(0, 0.02) weights, measured 2026-11-29 here over seeds 0-2 and all four
 # shapes: group 32: 22.09-22.14 dB, 64: 20.94-20.96 dB, 128: 20.02-20.03 dB. Floors sit 0.5 dB below.

@@ -1,7 +1,7 @@
 """The planner's ledger, the converter and the vLLM `cpu_int4` method agree on which weights are quantized.
 
 For every fixture model (and one built to have a layer tinygemm cannot pack), the plan's per-layer list
-(edge.quantized_layers through the planner), the converter's per-tensor decisions (kernels.convert.decide on
+(edge.quantized_layers through the planner), the converter's per-tensor decisions (kernels.convert.convert.decide on
 the model's real tensor names and shapes) and the method vLLM gets for each real vLLM layer (built on the meta
 device: no weights allocated) must say the same for every layer. A module that decided on its own would fail
 here on the first model where its rule differs.
@@ -27,8 +27,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from edge.device import DeviceProfile  # noqa: E402
 from edge.model_reader import read_model_config  # noqa: E402
 from edge.planner import make_plan  # noqa: E402
-from kernels.convert import Source, decide  # noqa: E402
-from kernels.cpu_int4 import (  # noqa: E402
+from kernels.convert.convert import Source, decide  # noqa: E402
+from kernels.vllm_plugin.cpu_int4 import (  # noqa: E402
     CpuInt4Config,
     CpuInt4EmbeddingMethod,
     CpuInt4LinearMethod,

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from kernels.layout import (
+from kernels.ops.layout import (
     EXPECTED_BLOCK,
     LayoutError,
     TinygemmLayout,
@@ -122,7 +122,7 @@ def test_the_layout_model_reproduces_torch_bytes_under_avx2_dispatch():
 
 
 def test_the_layout_model_refuses_a_ragged_last_block():
-    """A last block narrower than the host's is packed in another order (module docstring of kernels/layout.py):
+    """A last block narrower than the host's is packed in another order (module docstring of kernels/ops/layout.py):
     the model refuses it rather than mis-describing it; callers keep such layers row-major."""
     codes = torch.zeros(2048 + host_layout().block // 2, 64, dtype=torch.uint8)
     with pytest.raises(AssertionError, match="does not tile"):
@@ -145,7 +145,7 @@ def test_the_64_block_model_pairs_channel_d_with_d_plus_32():
 
 def test_cli_prints_the_json_the_planner_probe_caches():
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.layout", "--json"], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-m", "kernels.ops.layout", "--json"], capture_output=True, text=True, check=True, timeout=120
     )
     report = json.loads(result.stdout)
     assert set(report) == {"block", "torch_version", "cpu_capability", "layout"}
@@ -156,7 +156,7 @@ def test_cli_prints_the_json_the_planner_probe_caches():
 
 SCALAR_DISPATCH_CHECK = """
 import json, torch
-from kernels.layout import measure_layout, pack_codes
+from kernels.ops.layout import measure_layout, pack_codes
 layout = measure_layout()
 codes = torch.randint(0, 16, (96, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
 torch_bytes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.export_verify import NEW_TOKENS, PROMPTS  # one list: the export's greedy check uses it too
+from kernels.export.export_verify import NEW_TOKENS, PROMPTS  # one list: the export's greedy check uses it too
 
 LAYOUT_NAMES = ("direct", "dual", "kernel-only")
 # Floors under the measurement (module docstring), leaving room for two more flips on 10 prompts.
@@ -34,9 +34,9 @@ ROW_AGREEMENT_FLOOR = 0.15  # mean fraction of the 16 tokens before the first di
 
 def checkpoints(cache: Path) -> dict[str, Path]:
     """bf16 default model and its three cpu_int4 conversions (cached: the converter skips an up-to-date DST)."""
-    from kernels.convert import convert
-    from kernels.cpu_int4 import quantization_config
-    from kernels.default_model import ensure_default_model
+    from kernels.convert.convert import convert
+    from kernels.source.default_model import ensure_default_model
+    from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     bf16 = ensure_default_model()
     models = {"bf16": bf16}
@@ -148,7 +148,7 @@ def test_layout_greedy_tokens_agree_with_bf16(served, layout):
 
 
 def test_direct_and_dual_generate_the_same_tokens(served):
-    # Both dequantize bit-identical weights (kernels/tinygemm.py) and both run tinygemm for one row.
+    # Both dequantize bit-identical weights (kernels/ops/tinygemm.py) and both run tinygemm for one row.
     assert served["direct"]["tokens"] == served["dual"]["tokens"]
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from edge.errors import InputError
-from kernels.int4 import dequantize, quantize_packed, unpack_nibbles
-from kernels.layout import TinygemmLayout, host_layout, pack_codes
-from kernels.tinygemm import dequantize_tinygemm, linear, scales_and_zeros, tiles, to_tinygemm
+from kernels.ops.int4 import dequantize, quantize_packed, unpack_nibbles
+from kernels.ops.layout import TinygemmLayout, host_layout, pack_codes
+from kernels.ops.tinygemm import dequantize_tinygemm, linear, scales_and_zeros, tiles, to_tinygemm
 
 # Kernel output vs x @ dequantize().T, bf16 in and out: 52.4-52.6 dB measured here at M=8 (2026-11-29);
 # 40 dB is the brief's bf16-rounding bar.
@@ -105,7 +105,7 @@ def test_48_channels_do_not_tile_a_32_block():
 
 def test_a_ragged_last_block_on_this_host_is_refused_by_the_direct_reader():
     """N = 2048 + half a block packs (N % 16 == 0) but its last block is narrower than this host's: torch packs
-    it in another nibble order (kernels/layout.py), so the direct reader refuses and the layer runs dual."""
+    it in another nibble order (kernels/ops/layout.py), so the direct reader refuses and the layer runs dual."""
     n = 2048 + host_layout().block // 2
     qweight, scales, zeros = checkpoint(n, 576, 64)
     packed, interleaved = to_tinygemm(qweight, scales, zeros, 64)

@@ -36,7 +36,7 @@ def _skip_reason() -> str | None:
     from edge.gates import gate_w4a8
     from edge.model_reader import default_model
     from edge.probe import probe
-    from kernels.cpu_w4a8 import op_available
+    from kernels.vllm_plugin.cpu_w4a8 import op_available
 
     if op_available():
         return None
@@ -46,9 +46,9 @@ def _skip_reason() -> str | None:
 
 def checkpoints(cache: Path) -> dict[str, str]:
     """bf16 default model and its cpu_w4a8 conversion (cached: the converter skips an up-to-date DST)."""
-    from kernels.convert import convert
-    from kernels.cpu_w4a8 import quantization_config
-    from kernels.default_model import ensure_default_model
+    from kernels.convert.convert import convert
+    from kernels.source.default_model import ensure_default_model
+    from kernels.vllm_plugin.cpu_w4a8 import quantization_config
 
     bf16 = ensure_default_model()
     w4a8 = convert(bf16, cache / "smollm2-cpu-w4a8", quantization_config(group_size=64), path="w4a8-gptq")

@@ -368,7 +368,7 @@ def test_an_unreachable_fleet_planner_is_a_warning_and_the_box_still_serves(cach
 
 
 def stand_in_calibrator(record: CalibrationRecord, tmp_path: Path, *, prints: bool = True) -> list[str]:
-    """Instead of `python -m kernels.calibrate --json`: caches the record (and prints it, as --json does)."""
+    """Instead of `python -m kernels.calibrate.calibrate --json`: caches the record (and prints it, as --json does)."""
     source = tmp_path / "measured.json"
     source.write_text(record.model_dump_json())
     script = ("import os, pathlib, shutil, sys; from edge.calibration import load_file, record_path;"

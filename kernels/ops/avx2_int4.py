@@ -1,0 +1,156 @@
+"""AVX2 int4 decode kernels: torch.ops.edge_avx2.w4a16_linear and w4a8_linear, built from kernels/ops/avx2_int4.cpp.
+
+    linear(x [..., K], qweight uint8 [N, K/2], scales bf16 [N, K/g], zeros bf16 [N, K/g], group, act_bits) -> [..., N]
+
+read the checkpoint's row-major nibbles as they are (kernels/ops/int4.py). The activations are quantized once per call,
+per row and group, to integers (act_bits 16: int16, w4a16; 8: int8, w4a8, llama.cpp's Q8 activations); each group's
+integer dot product with the codes meets the group's scale and zero once (y = s a sum q xq + (z - 8 s) a sum xq,
+a = max|x_g| / QMAX), in fp32; the result has x's dtype. The int16 rounding (<= max|x_g| / 65534 an element) is
+below bf16's own rounding of the group's largest element; the int8 rounding is not, and edge-eval measures it.
+Meant for a few rows (decode): a block of 2 rows decodes each code once.
+
+The extension is compiled with the host's C++ compiler the first time it is needed (`torch.utils.cpp_extension.load`,
+~15-40 s) and cached under `edge.paths.cache_dir() / "torch_extensions"`; its ISA flags are only -mavx2 -mfma
+-mf16c (x86-64-v3), so one build runs on every AVX2 CPU. `available()` says whether it can run here and why not:
+no compiler, a CPU without AVX2/FMA, or a failed build. Callers fall back to tinygemm then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from functools import cache, lru_cache
+from pathlib import Path
+
+import torch
+
+from edge.kernel_registry import KERNELS
+from edge.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("avx2_int4.cpp")
+# w8a16_linear rounds activations to int16 in groups of this many along K: layers whose K it divides take it.
+INT8_K_MULTIPLE: int = KERNELS["avx2-int8"].k_multiple
+EXTENSION = "edge_avx2_int4"
+OP_NAMESPACE = "edge_avx2"
+GROUP_SIZES = (32, 64, 128)
+ACT_BITS = {16: "w4a16_linear", 8: "w4a8_linear"}  # activation bits -> the op
+REQUIRED_FLAGS = ("avx2", "fma", "f16c")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # -fopenmp: at::parallel_for's OpenMP backend
+LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch has already loaded
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _compiler() -> str | None:
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def ninja_on_path() -> str | None:
+    """Why torch's extension builder cannot find ninja, or None. The `ninja` package (a dependency) puts its
+    binary in the venv's bin/, which is on PATH only in an activated venv: `.venv/bin/edge-serve` run directly on a
+    box without a system ninja would fall back to tinygemm, so its folder joins this process's PATH."""
+    if shutil.which("ninja"):
+        return None
+    try:
+        import ninja
+    except ImportError:
+        return "no ninja on PATH to build the AVX2 int4 kernel (pip install ninja)"
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    return None if shutil.which("ninja") else f"no ninja binary in {ninja.BIN_DIR} to build the AVX2 int4 kernel"
+
+
+def missing_prerequisite(cpu_flags: set[str], compiler: str | None) -> str | None:
+    """Why the kernel cannot be built or run on a CPU with these flags and this compiler; None when it can."""
+    missing = [flag for flag in REQUIRED_FLAGS if flag not in cpu_flags]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)} (the AVX2 int4 kernel needs AVX2, FMA and F16C)"
+    if compiler is None:
+        return "no C++ compiler (c++ or g++) on PATH to build the AVX2 int4 kernel; install g++ or use tinygemm"
+    return None
+
+
+@lru_cache(maxsize=1)
+def load() -> str | None:
+    """Build (or load the cached build of) the extension and register its op; None when it runs here, else why not."""
+    if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "int4_linear"):
+        return None
+    reason = missing_prerequisite(_cpu_flags(), _compiler()) or ninja_on_path()
+    if reason:
+        return reason
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir() / "torch_extensions" / EXTENSION
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=EXTENSION,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as error:  # a compiler or ninja failure, a missing header
+        return f"building the AVX2 int4 kernel failed ({type(error).__name__}: {str(error)[-500:]})"
+    _register_fake()
+    return None
+
+
+def available() -> bool:
+    reason = load()
+    if reason:
+        log.warning("AVX2 int4 kernel unavailable: %s; falling back to tinygemm", reason)
+    return reason is None
+
+
+def _register_fake() -> None:
+    def _fake(x, qweight, scales, zeros, group):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    for op in ACT_BITS.values():
+        torch.library.register_fake(f"{OP_NAMESPACE}::{op}")(_fake)
+
+    @torch.library.register_fake(f"{OP_NAMESPACE}::w8a16_linear")
+    def _fake_int8(x, qweight, scales):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake(f"{OP_NAMESPACE}::int4_linear")
+    def _fake_layer(x, packed, scales_and_zeros, *rest):
+        return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
+
+
+@cache
+def op(name: str) -> torch._ops.OpOverload:
+    """The loaded op's overload (w4a16_linear, w4a8_linear or w8a16_linear), looked up once: the decode step
+    calls it ~120 times, and torch.ops' attribute lookups cost about as much as a 576x576 GEMV's arithmetic."""
+    reason = load()
+    if reason:
+        raise RuntimeError(reason)
+    return getattr(getattr(torch.ops, OP_NAMESPACE), name).default
+
+
+def linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, act_bits: int = 16
+) -> torch.Tensor:
+    """y = x @ w.T for the row-major int4 weights, activations rounded to act_bits (16 or 8) per group;
+    x [..., K] any float dtype -> [..., N] in x's dtype."""
+    return op(ACT_BITS[act_bits])(x, qweight, scales, zeros, group)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """y = x @ (qweight * scales[:, None]).T for the 8-bit set's layers (kernels/ops/int8.py: int8 [N, K], bf16 [N],
+    K a multiple of 32), activations rounded to int16 per group of 32; [..., K] -> [..., N] in x's dtype."""
+    return op("w8a16_linear")(x, qweight, scales)

@@ -1,0 +1,196 @@
+"""The `cpu_int4` forward as opaque torch ops: torch.ops.vllm.cpu_int4_linear and .cpu_int4_embedding, and the
+8-bit set's .cpu_int8_linear and .cpu_int8_embedding.
+
+vLLM compiles the model with Dynamo. Inside these ops the path depends on the number of rows (tinygemm
+below `dequant_threshold`, a dequantize + GEMM above it); traced, that branch would specialise the graph on
+the batch size. Registered as custom ops with fake impls (vllm.utils.torch_utils.direct_register_custom_op),
+Dynamo sees one node per layer and the choice is made at run time.
+
+Modes (per layer, chosen at load time by kernels.vllm_plugin.cpu_int4):
+    KERNEL_ONLY  tinygemm for every batch, no copy (`prefill_dequant: false`)
+    DUAL         wide batches dequantize the row-major copy qweight (`direct_dequant: false`, and any layer
+                 whose N does not tile the host block)
+    DIRECT       wide batches dequantize straight from the tinygemm buffer (`direct_dequant: true`)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.ops import avx2_int4
+from kernels.ops.int4 import apply_scales, dequantize, unpack_nibbles
+from kernels.ops.int8 import dequantize_int8
+from kernels.ops.layout import host_layout
+from kernels.ops.tinygemm import dequantize_tinygemm, linear
+
+KERNEL_ONLY = 0
+DUAL = 1
+DIRECT = 2
+MODES = {KERNEL_ONLY: "kernel-only", DUAL: "dual", DIRECT: "direct"}
+
+
+def int4_linear_impl(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    mode: int,
+    dequant_threshold: int,
+    fp32_prefill: bool = False,
+    avx2_rows: int = 0,
+    avx2_bits: int = 16,
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] bf16. packed uint8 [N, K/2] (host layout), scales_and_zeros bf16 [K/g, N, 2];
+    qweight uint8 [N, K/2] row-major + scales, zeros [N, K/g] in DUAL mode or with avx2_rows > 0, else empty.
+
+    fp32_prefill: the wide-batch GEMM runs in fp32 instead of bf16 (the plan's prefill_dtype,
+    edge.kernel_params; a keyword with a default so the op's schema stays readable).
+    avx2_rows: batches of up to this many rows run the AVX2 int4 kernel on the row-major copy
+    (quantization_config's decode_kernel "avx2" or "avx2-w4a8", kernels/ops/avx2_int4.py); 0: never.
+    avx2_bits: that kernel's activations, 16 (int16) or 8 (int8)."""
+    n = scales_and_zeros.shape[1]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+    rows = x2.shape[0]
+    if rows == 0:
+        return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    if rows <= avx2_rows:
+        y = avx2_int4.linear(x2, qweight, scales, zeros, group, avx2_bits)  # [M, N] bf16; loads the op here
+    elif mode == KERNEL_ONLY or rows < dequant_threshold:
+        y = linear(x2, packed, scales_and_zeros, group)  # [M, N]
+    else:
+        dtype = torch.float32 if fp32_prefill else torch.bfloat16
+        if mode == DUAL:
+            w = dequantize(qweight, scales, zeros, group, dtype)  # [N, K]
+        else:
+            w = dequantize_tinygemm(packed, scales_and_zeros, group, host_layout(), dtype)  # [N, K]
+        y = torch.mm(x2.to(dtype), w.t()).to(torch.bfloat16)  # [M, N]
+    return y.view(*x.shape[:-1], n)
+
+
+def _linear_fake(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    mode: int,
+    dequant_threshold: int,
+    fp32_prefill: bool = False,
+    avx2_rows: int = 0,
+    avx2_bits: int = 16,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
+
+
+def embedding_impl(
+    ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    """ids [...] -> [..., H] bf16: gather the row-major rows (qweight [V, H/2], scales, zeros [V, H/g]) and
+    dequantize only those."""
+    flat = ids.reshape(-1)  # [T]
+    codes = unpack_nibbles(qweight.index_select(0, flat))  # [T, H]
+    rows = apply_scales(codes, scales.index_select(0, flat), zeros.index_select(0, flat), group, torch.bfloat16)
+    return rows.view(*ids.shape, rows.shape[-1])
+
+
+def _embedding_fake(
+    ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    return qweight.new_empty((*ids.shape, qweight.shape[1] * 2), dtype=torch.bfloat16)
+
+
+def int8_linear_impl(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] bf16 for an int8 layer (kernels/ops/int8.py): qweight int8 [N, K], scales bf16 [N].
+    Narrow batches run PyTorch's int8 weight-only GEMM; from dequant_threshold rows, dequantize and run bf16.
+    avx2_rows: batches of up to this many rows (K a multiple of avx2_int4.INT8_K_MULTIPLE) run the AVX2 int8 kernel
+    (int16 activations, kernels/ops/avx2_int4.py) where a decode_kernel names an AVX2 kernel; 0: never."""
+    n = qweight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+    if x2.shape[0] <= avx2_rows and x2.shape[1] % avx2_int4.INT8_K_MULTIPLE == 0:
+        y = avx2_int4.int8_linear(x2, qweight, scales)  # [M, N] bf16
+    elif x2.shape[0] < dequant_threshold:
+        # torch 2.13's AVX-512 kernel crashes (SIGSEGV) on int8 weights not 64-byte aligned, as tensors read
+        # straight from a safetensors file are (8-byte); vLLM's own parameters are aligned, so this never copies there.
+        if qweight.data_ptr() % 64:
+            qweight = qweight.clone()
+        y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)  # [M, N]
+    else:
+        y = torch.mm(x2, dequantize_int8(qweight, scales).t())
+    return y.view(*x.shape[:-1], n)
+
+
+def _int8_linear_fake(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
+):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.bfloat16)
+
+
+def int8_embedding_impl(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """ids [...] -> [..., H] bf16: gather the int8 rows and their scales, dequantize only those."""
+    flat = ids.reshape(-1)  # [T]
+    rows = dequantize_int8(qweight.index_select(0, flat), scales.index_select(0, flat))  # [T, H]
+    return rows.view(*ids.shape, rows.shape[-1])
+
+
+def _int8_embedding_fake(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return qweight.new_empty((*ids.shape, qweight.shape[1]), dtype=torch.bfloat16)
+
+
+def _register() -> None:
+    # This module is imported once per process (the plugin imports it in every vLLM process); defining an op
+    # twice would raise, so the import is the guard.
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op("cpu_int4_linear", int4_linear_impl, fake_impl=_linear_fake)
+    direct_register_custom_op("cpu_int4_embedding", embedding_impl, fake_impl=_embedding_fake)
+    direct_register_custom_op("cpu_int8_linear", int8_linear_impl, fake_impl=_int8_linear_fake)
+    direct_register_custom_op("cpu_int8_embedding", int8_embedding_impl, fake_impl=_int8_embedding_fake)
+
+
+_register()
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    mode: int,
+    dequant_threshold: int,
+    fp32_prefill: bool = False,
+    avx2_rows: int = 0,
+    avx2_bits: int = 16,
+) -> torch.Tensor:
+    """The registered op (what Dynamo records), typed for callers. With avx2_rows (the layer's config loaded the
+    AVX2 kernels), the C++ op edge_avx2::int4_linear stands in front of it: decode rows never enter Python."""
+    op = torch.ops.edge_avx2.int4_linear if avx2_rows else torch.ops.vllm.cpu_int4_linear
+    return op(
+        x, packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold, fp32_prefill, avx2_rows,
+        avx2_bits,
+    )
+
+
+def int4_embedding(
+    ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    return torch.ops.vllm.cpu_int4_embedding(ids, qweight, scales, zeros, group)
+
+
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
+) -> torch.Tensor:
+    return torch.ops.vllm.cpu_int8_linear(x, qweight, scales, dequant_threshold, avx2_rows)
+
+
+def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.vllm.cpu_int8_embedding(ids, qweight, scales)

@@ -1,0 +1,230 @@
+"""`cpu_int4` layers as plain nn.Modules, for edge-eval: the engine's ops outside the engine.
+
+Each module holds what kernels.vllm_plugin.cpu_int4 keeps on a vLLM layer after loading (the tinygemm buffer from
+kernels.ops.tinygemm.to_tinygemm, plus the row-major tensors only where its mode reads them) and calls the body of
+the op vLLM runs: kernels.ops.int4_ops.int4_linear_impl / embedding_impl for int4 layers, int8_linear_impl /
+int8_embedding_impl for the 8-bit set (kernels/ops/int8.py: qweight int8 [N, K], scales [N]). The settings come
+from the checkpoint's quantization_config through the engine's own parser (CpuInt4Config.from_config: the same
+defaults for missing fields, the same refusal of a checkpoint planned for another tinygemm block), so the
+modules run the branch the engine runs for the same number of rows, in the same prefill dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from edge.errors import InputError
+from edge.kernel_registry import DEFAULT_DECODE_KERNEL
+from kernels.ops import avx2_int4
+from kernels.ops.int4_ops import (
+    DIRECT,
+    DUAL,
+    KERNEL_ONLY,
+    MODES,
+    embedding_impl,
+    int4_linear_impl,
+    int8_embedding_impl,
+    int8_linear_impl,
+)
+from kernels.ops.layout import host_layout
+from kernels.ops.tinygemm import tiles, to_tinygemm
+from kernels.scoring.eval_modules import prefix_of, replace_module, submodule
+
+__all__ = ["Int4Embedding", "Int4Linear", "Int4Settings", "Int8Embedding", "Int8Linear", "install_cpu_int4"]
+
+
+@dataclass(frozen=True)
+class Int4Settings:
+    group: int
+    mode: int  # for a layer whose N tiles the host block; DIRECT falls back to DUAL per layer
+    dequant_threshold: int
+    fp32_prefill: bool
+    # decode_kernel "avx2"/"avx2-w4a8": every row runs that AVX2 kernel (its activation bits), so each scored
+    # position is computed as a decoded token is; None: tinygemm and the dequantize branch, as configured.
+    avx2_bits: int | None = None
+
+
+def engine_settings(qconfig: dict[str, Any]) -> Int4Settings:
+    """What the engine makes of this quantization_config on this host (InputError when it would refuse it)."""
+    from kernels.vllm_plugin.cpu_int4 import CpuInt4Config  # imports vLLM's layer classes
+
+    config = CpuInt4Config.from_config(qconfig)
+    if config.decode_kernel != DEFAULT_DECODE_KERNEL and not config.avx2_rows:
+        raise InputError("quantization_config.decode_kernel", config.decode_kernel,
+                         f"a decode kernel that runs here ({avx2_int4.load()})")  # fmt: skip
+    return Int4Settings(config.group_size, config.mode, config.dequant_threshold, config.prefill_dtype == "float32",
+                        config.avx2_bits if config.avx2_rows else None)  # fmt: skip
+
+
+class Int4Linear(nn.Module):
+    """y = x @ w.T (+ bias) through kernels.ops.int4_ops.int4_linear_impl; weights from the row-major checkpoint."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,  # [N, K/2] uint8
+        scales: torch.Tensor,  # [N, K/g] bf16
+        zeros: torch.Tensor,  # [N, K/g] bf16
+        settings: Int4Settings,
+        *,
+        mode: int | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        n, group = qweight.shape[0], settings.group
+        mode = settings.mode if mode is None else mode
+        if mode == DIRECT and not tiles(n, host_layout()):
+            # as kernels.vllm_plugin.cpu_int4._repack: the direct dequantizer cannot read a narrower last block
+            mode = DUAL
+        packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, group)
+        self.register_buffer("packed", packed)  # [N, K/2] uint8, host layout
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/g, N, 2] bf16
+        keep = mode == DUAL or settings.avx2_bits is not None  # the engine drops it elsewhere
+        self.register_buffer("qweight", qweight if keep else torch.empty(0, dtype=torch.uint8))
+        self.register_buffer("scales", scales if keep else torch.empty(0, dtype=torch.bfloat16))
+        self.register_buffer("zeros", zeros if keep else torch.empty(0, dtype=torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach())
+        self.group, self.mode, self.settings = group, mode, settings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        settings = self.settings
+        if settings.avx2_bits is not None and self.qweight.numel():
+            y = avx2_int4.linear(x.to(torch.bfloat16), self.qweight, self.scales, self.zeros, self.group,
+                                 settings.avx2_bits)  # fmt: skip
+            return y if self.bias is None else y + self.bias
+        y = int4_linear_impl(x, self.packed, self.scales_and_zeros, self.qweight, self.scales, self.zeros, self.group,
+                         self.mode, settings.dequant_threshold, fp32_prefill=settings.fp32_prefill)  # fmt: skip
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Embedding(nn.Module):
+    """ids -> rows through kernels.ops.int4_ops.embedding_impl (dequantizes only the gathered rows)."""
+
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, settings: Int4Settings
+    ) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)  # [V, H/2] uint8
+        self.register_buffer("scales", scales)  # [V, H/g] bf16
+        self.register_buffer("zeros", zeros)  # [V, H/g] bf16
+        self.group = settings.group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding_impl(ids, self.qweight, self.scales, self.zeros, self.group)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ w.T (+ bias) through kernels.ops.int4_ops.int8_linear_impl; the checkpoint layout is the kernel's."""
+
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, settings: Int4Settings, *, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)  # [N, K] int8
+        self.register_buffer("scales", scales)  # [N] bf16
+        self.register_buffer("bias", None if bias is None else bias.detach())
+        self.dequant_threshold = settings.dequant_threshold
+        self.avx2 = settings.avx2_bits is not None  # every row on the AVX2 int8 kernel, as Int4Linear's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.avx2 and self.qweight.shape[1] % avx2_int4.INT8_K_MULTIPLE == 0:
+            y = avx2_int4.int8_linear(x.to(torch.bfloat16), self.qweight, self.scales)
+            return y if self.bias is None else y + self.bias
+        y = int8_linear_impl(x, self.qweight, self.scales, self.dequant_threshold)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Embedding(nn.Module):
+    """ids -> rows through kernels.ops.int4_ops.int8_embedding_impl (dequantizes only the gathered rows)."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)  # [V, H] int8
+        self.register_buffer("scales", scales)  # [V] bf16
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return int8_embedding_impl(ids, self.qweight, self.scales)
+
+
+def describe(
+    qconfig: dict[str, Any], settings: Int4Settings, int4: list[str], int8: list[str], tied_head: str | None
+) -> dict:
+    """What runs, for the report."""
+    dtype = "fp32" if settings.fp32_prefill else "bf16"
+    wide = f"dequantize + {dtype} GEMM" if settings.mode != KERNEL_ONLY else "tinygemm"
+    narrow = "tinygemm (_weight_int4pack_mm_for_cpu)"
+    if settings.avx2_bits is not None:  # every row, as each decoded token is computed
+        wide = narrow = (f"the AVX2 decode kernel, int{settings.avx2_bits} activations (edge_avx2), every row "
+                         "(each position computed as a decoded token is)")  # fmt: skip
+    return {
+        "kernel": "kernels.ops.int4_ops.int4_linear_impl / embedding_impl (the bodies of vLLM's cpu_int4 ops)"
+        + (", int8_linear_impl / int8_embedding_impl for the 8-bit set" if int8 else ""),
+        "layout": MODES[settings.mode],
+        "group_size": settings.group,
+        "dequant_threshold": settings.dequant_threshold,
+        "rows_at_or_above_threshold": wide,
+        "rows_below_threshold": narrow,
+        "tinygemm_block": host_layout().block,
+        "int4_layers": len(int4),
+        "int8_layers": int8,
+        "tied_head": tied_head,
+        "quantization_config": qconfig,
+    }
+
+
+def install_cpu_int4(
+    model: nn.Module, quantized: dict[str, dict[str, torch.Tensor]], qconfig: dict[str, Any], tied: bool
+) -> dict[str, Any]:
+    """Each quantized layer becomes an int4 module, or an int8 one (the 8-bit set) when its qweight is int8."""
+    settings = engine_settings(qconfig)
+    embedding_prefix = prefix_of(model, model.get_input_embeddings())
+    head_prefix = prefix_of(model, model.get_output_embeddings())
+    int4, int8, tied_head = [], [], None
+    for prefix, parts in quantized.items():
+        module = submodule(model, prefix)
+        bias = getattr(module, "bias", None)  # an embedding has none
+        eight_bit = parts.get("qweight") is not None and parts["qweight"].dtype == torch.int8
+        _check_parts(prefix, parts, module, settings.group, eight_bit)
+        if eight_bit:
+            int8.append(prefix)
+            weights = (parts["qweight"], parts["scales"])
+            embedding, linear = Int8Embedding(*weights), Int8Linear(*weights, settings, bias=bias)
+        else:
+            int4.append(prefix)
+            weights = (parts["qweight"], parts["scales"], parts["zeros"], settings)
+            embedding, linear = Int4Embedding(*weights), Int4Linear(*weights, bias=bias)
+        if prefix != embedding_prefix:
+            replace_module(model, prefix, linear)
+            continue
+        replace_module(model, prefix, embedding)
+        if tied:  # the head reuses the embedding's tensors; int4 in dual mode (kernels.vllm_plugin.cpu_int4)
+            head = Int8Linear(*weights, settings) if eight_bit else Int4Linear(*weights, mode=DUAL)
+            replace_module(model, head_prefix, head)
+            tied_head = "int8, the embedding's tensors" if eight_bit else "int4 dual mode, the embedding's tensors"
+    return describe(qconfig, settings, sorted(int4), sorted(int8), tied_head)
+
+
+def _check_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Module, group: int, eight_bit: bool) -> None:
+    needed = ("qweight", "scales") if eight_bit else ("qweight", "scales", "zeros")
+    missing = [s for s in needed if s not in parts]
+    if missing:
+        raise InputError(f"{prefix}.{missing[0]}", "missing", f"{', '.join(needed)} for each cpu_int4 layer")
+    if isinstance(module, nn.Embedding):
+        n, k = module.weight.shape  # [V, H]
+    elif isinstance(module, nn.Linear):
+        n, k = module.out_features, module.in_features
+    else:
+        raise InputError(f"{prefix}.qweight", type(module).__name__, "a linear or embedding layer of the source")
+    if eight_bit:
+        expected = {"qweight": ((n, k), torch.int8), "scales": ((n,), None)}
+    else:
+        expected = {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // group), None),
+                    "zeros": ((n, k // group), None)}  # fmt: skip
+    for suffix, (shape, dtype) in expected.items():
+        tensor = parts[suffix]
+        if tuple(tensor.shape) != shape or (dtype is not None and tensor.dtype != dtype):
+            raise InputError(f"{prefix}.{suffix}", f"{tensor.dtype} {list(tensor.shape)}",
+                             f"{list(shape)} for the source's [N, K] = [{n}, {k}], group_size {group}")  # fmt: skip

@@ -1,0 +1,461 @@
+"""The `cpu_int4` vLLM quantization method: W4A16 group-wise int4 through PyTorch's CPU tinygemm kernel.
+
+Reads the row-major checkpoint written by kernels/convert/convert.py (per quantized layer `<prefix>.qweight` uint8
+[N, K/2], `<prefix>.scales`, `<prefix>.zeros` bf16 [N, K/g]; w = (q - 8) * scale + zero) and repacks it at
+load time into this host's tinygemm buffer (kernels/ops/tinygemm.py). Every field below comes from the
+checkpoint's `quantization_config`, which vLLM hashes into its compile-cache key with the HF config; the
+direct and dual paths build different graphs, so the choice must live there, not in an env var
+(docs/FACTS.md: an env-var toggle against a warm cache loaded the wrong graph).
+
+Layouts:
+    dual         direct_dequant false, prefill_dequant true: tinygemm buffer + row-major copy for prefill
+    direct       direct_dequant true,  prefill_dequant true: tinygemm buffer only; prefill dequantizes from it
+                 (a layer whose N does not tile the host block keeps the row-major copy: dual for that layer)
+    kernel-only  prefill_dequant false: tinygemm for every batch, no copy
+
+The 8-bit set (`int8`: the embedding and the head in every plan, kernels/ops/int8.py) loads `<prefix>.qweight` int8
+[N, K] and `.scales` bf16 [N] and runs PyTorch's int8 weight-only GEMM. Which weights are int4, int8 or bf16 is
+asked of edge.quantized_layers, as the plan's ledger and the converter ask it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.utils import set_weight_attrs
+
+from edge import kernel_params
+from edge.errors import InputError
+from edge.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL, decode_rows, reads_row_major
+from edge.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
+from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
+from kernels.ops.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear, int8_embedding, int8_linear
+from kernels.ops.layout import host_layout
+from kernels.ops.tinygemm import tiles, to_tinygemm
+
+NAME = "cpu_int4"
+
+
+# The three layouts as checkpoint quantization_config fields (module docstring).
+LAYOUTS: dict[str, dict[str, bool]] = {
+    "dual": {"direct_dequant": False, "prefill_dequant": True},
+    "direct": {"direct_dequant": True, "prefill_dequant": True},
+    "kernel-only": {"direct_dequant": False, "prefill_dequant": False},
+}
+
+
+def host_params() -> kernel_params.KernelParams:
+    """edge.kernel_params' answer for the torch running here (used where a checkpoint does not say)."""
+    amx = torch.cpu._is_amx_tile_supported()
+    return kernel_params.params(
+        capability=torch.backends.cpu.get_cpu_capability(),
+        amx=amx,
+        native_bf16=amx or torch.cpu._is_avx512_bf16_supported(),
+        block=host_layout().block,
+    )
+
+
+def quantization_config(
+    layout: str,
+    *,
+    group_size: int = 64,
+    dequant_threshold: int | None = None,
+    quantize_embedding: bool = True,
+    int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
+    ignore: list[str] | None = None,
+    decode_kernel: str = DEFAULT_DECODE_KERNEL,
+) -> dict[str, Any]:
+    """The `quantization_config` dict for a layout on this host, as a plan would write it (tests, benchmarks);
+    `int8=()` leaves the embedding and the head to 4 bits."""
+    if layout not in LAYOUTS:
+        raise InputError("layout", layout, f"one of {sorted(LAYOUTS)}")
+    host = host_params()
+    return {
+        "quant_method": NAME,
+        "bits": 4,
+        "group_size": group_size,
+        **LAYOUTS[layout],
+        "dequant_threshold": host.dequant_threshold if dequant_threshold is None else dequant_threshold,
+        "prefill_dtype": host.prefill_dtype,
+        "tinygemm_block": host.block,
+        "repack_chunk_rows": host.repack_chunk_rows,
+        "quantize_embedding": quantize_embedding,
+        "int8": list(int8),
+        "ignore": list(ignore or []),
+        **({"decode_kernel": decode_kernel} if decode_kernel != DEFAULT_DECODE_KERNEL else {}),
+    }
+
+
+def weight_param(data: torch.Tensor, **attrs: Any) -> Parameter:
+    param = Parameter(data, requires_grad=False)
+    set_weight_attrs(param, attrs)
+    return param
+
+
+def empty_param(dtype: torch.dtype) -> Parameter:
+    return Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+
+class PluginConfig(QuantizationConfig):
+    """What the plugin's configs share: bf16 activations, the config in config.json, the layer rules of
+    edge.quantized_layers for their path, and the method each weight's format gets. A subclass names its PATH
+    and its methods per format (`_methods`: "linear" and "embedding", keyed by int4/int8; bf16 is vLLM's own)."""
+
+    PATH = ""
+
+    def _methods(self) -> dict[str, dict[str, type]]:
+        raise NotImplementedError
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16]  # tinygemm, int4_scaled_mm_cpu and the int8 kernels take bf16 activations
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return -1  # a GPU notion; vLLM's CPU platform reports no capability
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # the config lives in config.json's quantization_config
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        if hf_config is not None:
+            self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+
+    @property
+    def rules(self) -> QuantRules:
+        """edge.quantized_layers' rules for this config: the same answer the plan's ledger and the converter got."""
+        return QuantRules.from_config(self.PATH, self.to_dict(), tied=self.tied_embeddings)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        methods = self._methods()
+        if isinstance(layer, LinearBase):
+            method = methods["linear"].get(self._linear_decision(layer, prefix).format)
+            return method(self) if method else UnquantizedLinearMethod()
+        if not isinstance(layer, VocabParallelEmbedding):
+            return None
+        name = prefix or ("lm_head" if isinstance(layer, ParallelLMHead) else "model.embed_tokens")
+        decision = self.rules.weight(name, layer.org_vocab_size, layer.embedding_dim)
+        method = methods["embedding"].get(decision.format)
+        assert method or decision.format == "bf16", f"{self.get_name()} has no {decision.format} {name}"
+        return method(self) if method else None
+
+    def _linear_decision(self, layer: LinearBase, prefix: str) -> Decision:
+        """A fused vLLM layer (qkv_proj, gate_up_proj) is decided from the checkpoint weights it loads."""
+        kind = prefix.rsplit(".", 1)[-1]
+        sizes = getattr(layer, "output_sizes", None) or [layer.output_size]
+        shards = list(self.packed_modules_mapping.get(kind) or SHARDS.get(kind) or [kind])
+        if len(shards) != len(sizes):  # a layer fused in the checkpoint too (Phi-3's qkv_proj): one weight
+            shards, sizes = [kind], [sum(sizes)]
+        return self.rules.fused(prefix, list(zip(shards, sizes, strict=True)), layer.input_size)
+
+
+@register_quantization_config(NAME)
+class CpuInt4Config(PluginConfig):
+    """W4A16 group-wise asymmetric int4 for CPUs (tinygemm), from a checkpoint's `quantization_config`."""
+
+    def __init__(
+        self,
+        group_size: int = 64,
+        *,
+        direct_dequant: bool = False,
+        prefill_dequant: bool = True,
+        dequant_threshold: int | None = None,
+        prefill_dtype: str | None = None,
+        tinygemm_block: int | None = None,
+        repack_chunk_rows: int | None = None,
+        quantize_embedding: bool = False,
+        int8: list[str] | None = None,
+        ignore: list[str] | None = None,
+        decode_kernel: str = DEFAULT_DECODE_KERNEL,
+    ) -> None:
+        super().__init__()
+        if group_size not in TINYGEMM_GROUP_SIZES:
+            raise InputError("group_size", group_size, f"one of {TINYGEMM_GROUP_SIZES} (tinygemm's group sizes)")
+        if dequant_threshold is not None and dequant_threshold < 1:
+            raise InputError("dequant_threshold", dequant_threshold, "a row count >= 1")
+        if prefill_dtype is not None and prefill_dtype not in kernel_params.PREFILL_DTYPES:
+            raise InputError("prefill_dtype", prefill_dtype, f"one of {kernel_params.PREFILL_DTYPES}")
+        if decode_kernel not in DECODE_KERNELS:
+            raise InputError("decode_kernel", decode_kernel, f"one of {tuple(DECODE_KERNELS)}")
+        host = host_params()
+        if tinygemm_block is not None and tinygemm_block != host.block:
+            raise InputError(
+                "quantization_config.tinygemm_block", tinygemm_block,
+                f"this host's block, {host.block} (torch {torch.__version__} dispatches "
+                f"{torch.backends.cpu.get_cpu_capability()} kernels here; a checkpoint planned for another device "
+                "must be planned and converted on this one, as edge-serve does)",
+            )  # fmt: skip
+        if repack_chunk_rows is not None and (repack_chunk_rows <= 0 or repack_chunk_rows % host.block):
+            raise InputError("repack_chunk_rows", repack_chunk_rows, f"a positive multiple of {host.block}")
+        self.group_size = group_size
+        self.direct_dequant = direct_dequant
+        self.prefill_dequant = prefill_dequant
+        self.dequant_threshold = host.dequant_threshold if dequant_threshold is None else dequant_threshold
+        self.prefill_dtype = prefill_dtype or host.prefill_dtype
+        self.tinygemm_block = host.block
+        self.repack_chunk_rows = repack_chunk_rows or host.repack_chunk_rows
+        self.quantize_embedding = quantize_embedding
+        self.int8 = list(int8 or [])
+        self.ignore = list(ignore or [])
+        self.decode_kernel = decode_kernel
+        # Rows that take the AVX2 kernel; 0 (tinygemm) when it was not asked for or cannot run here (no compiler,
+        # no AVX2/FMA: kernels/avx2_int4.available() logs why).
+        avx2 = reads_row_major(decode_kernel) and _avx2_available()
+        self.avx2_rows = decode_rows(decode_kernel) if avx2 else 0
+        self.avx2_bits = DECODE_KERNELS[decode_kernel].activation_bits or 16  # its activations: int16 or int8
+        self.tied_embeddings = False  # set from the HF config in maybe_update_config
+
+    def __repr__(self) -> str:
+        return (
+            f"CpuInt4Config(group_size={self.group_size}, layout={self.layout}, "
+            f"dequant_threshold={self.dequant_threshold}, quantize_embedding={self.quantize_embedding}, "
+            f"ignore={self.ignore})"
+        )
+
+    @property
+    def layout(self) -> str:
+        if not self.prefill_dequant:
+            return "kernel-only"
+        return "direct" if self.direct_dequant else "dual"
+
+    @property
+    def mode(self) -> int:
+        """The int4_ops mode for a layer whose N tiles the host block."""
+        return {"kernel-only": KERNEL_ONLY, "dual": DUAL, "direct": DIRECT}[self.layout]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CpuInt4Config:
+        method = config.get("quant_method", NAME)
+        if method != NAME:
+            raise InputError("quant_method", method, f"'{NAME}'")
+        bits = config.get("bits", 4)
+        if bits != 4:
+            raise InputError("bits", bits, "4")
+        return cls(
+            group_size=int(config.get("group_size", 64)),
+            direct_dequant=bool(config.get("direct_dequant", False)),
+            prefill_dequant=bool(config.get("prefill_dequant", True)),
+            dequant_threshold=config.get("dequant_threshold"),
+            prefill_dtype=config.get("prefill_dtype"),
+            tinygemm_block=config.get("tinygemm_block"),
+            repack_chunk_rows=config.get("repack_chunk_rows"),
+            quantize_embedding=bool(config.get("quantize_embedding", False)),
+            int8=list(config.get("int8", [])),
+            ignore=list(config.get("ignore", [])),
+            decode_kernel=config.get("decode_kernel", DEFAULT_DECODE_KERNEL),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": NAME,
+            "bits": 4,
+            "group_size": self.group_size,
+            "direct_dequant": self.direct_dequant,
+            "prefill_dequant": self.prefill_dequant,
+            "dequant_threshold": self.dequant_threshold,
+            "prefill_dtype": self.prefill_dtype,
+            "tinygemm_block": self.tinygemm_block,
+            "repack_chunk_rows": self.repack_chunk_rows,
+            "quantize_embedding": self.quantize_embedding,
+            "int8": list(self.int8),
+            "ignore": list(self.ignore),
+            **({"decode_kernel": self.decode_kernel} if self.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
+        }
+
+    def get_name(self) -> str:
+        return NAME
+
+    PATH = "w4a16-tinygemm"
+
+    def _methods(self) -> dict[str, dict[str, type]]:
+        return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod},
+                "embedding": {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod}}  # fmt: skip
+
+
+def _avx2_available() -> bool:
+    from kernels.ops import avx2_int4
+
+    return avx2_int4.available()
+
+
+def _check_shape(n: int, k: int, group: int) -> None:
+    if k % group:
+        raise InputError("input_size", k, f"a multiple of group_size {group}")
+    if n % PACK_N_MULTIPLE:
+        raise InputError("output_size", n, f"a multiple of {PACK_N_MULTIPLE}")
+
+
+def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extra: dict[str, Any]) -> None:
+    """Register the checkpoint's row-major tensors for a [N, K] weight on `layer`."""
+    _check_shape(n, k, group)
+    attrs = {"input_dim": 1, "output_dim": 0, **extra}
+    # qweight is packed along K (dim 1), never along the output dim vLLM shards and stacks by.
+    layer.register_parameter(
+        "qweight", weight_param(torch.empty(n, k // 2, dtype=torch.uint8), packed_dim=1, packed_factor=2, **attrs)
+    )  # [N, K/2]
+    layer.register_parameter("scales", weight_param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
+    layer.register_parameter("zeros", weight_param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
+
+
+def _repack(
+    layer: torch.nn.Module, group: int, mode: int, chunk_rows: int, keep_row_major: bool = False
+) -> None:
+    """Build the tinygemm buffer; drop the row-major copy unless this layer's mode reads it (or keep_row_major:
+    the AVX2 decode kernel reads it; its op is loaded here, in the worker, which the config never ran in: vLLM
+    builds the config in the engine process and ships it to the workers).
+
+    Sets layer.int4_mode: DIRECT falls back to DUAL when N does not tile the host block (the direct
+    dequantizer cannot read a narrower last block, kernels/ops/layout.py).
+    """
+    n = layer.qweight.shape[0]
+    if mode == DIRECT and not tiles(n, host_layout()):
+        mode = DUAL
+    if keep_row_major:
+        assert _avx2_available(), "the config checked the AVX2 kernel runs on this host"
+    packed, scales_and_zeros = to_tinygemm(
+        layer.qweight.data, layer.scales.data, layer.zeros.data, group, chunk_rows=chunk_rows
+    )
+    layer.register_parameter("tinygemm_packed", Parameter(packed, requires_grad=False))  # [N, K/2] host layout
+    layer.register_parameter("tinygemm_sz", Parameter(scales_and_zeros, requires_grad=False))  # [K/g, N, 2]
+    if mode != DUAL and not keep_row_major:
+        layer.qweight = empty_param(torch.uint8)
+        layer.scales = empty_param(torch.bfloat16)
+        layer.zeros = empty_param(torch.bfloat16)
+    layer.int4_mode = mode
+
+
+class PluginWeights:
+    """What every plugin method shares (cpu_int4's and cpu_w4a8's): its config and vLLM's create_weights, which
+    registers the checkpoint's tensors for a [N, K] weight (fused shards stack along N; for the head, this rank's
+    padded vocab)."""
+
+    def __init__(self, config: PluginConfig) -> None:
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        self.register(layer, sum(output_partition_sizes), input_size_per_partition, extra_weight_attrs)
+
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class _Int4Weights(PluginWeights):
+    """The int4 parameters the linear and the embedding/head methods load."""
+
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
+        _create_int4_params(layer, n, k, self.config.group_size, extra)
+
+
+class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
+    """A linear layer (also fused QKV / gate_up: shards stack along N, which is never the packed dim)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows,
+                keep_row_major=self.config.avx2_rows > 0)  # fmt: skip
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _apply(layer, self.config, x, bias)
+
+
+class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
+    """Embedding (lookup dequantizes only the gathered rows of the row-major copy) and LM head (tinygemm).
+
+    A tied head shares the embedding's row-major tensors and adds the tinygemm buffer; its prefill path reads
+    the row-major copy that the lookup keeps anyway (dual), whatever the layout.
+    """
+
+    def __init__(self, config: CpuInt4Config) -> None:
+        super().__init__(config)
+        self.tied = False
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        assert isinstance(embed_tokens.quant_method, CpuInt4EmbeddingMethod), "tied head needs a cpu_int4 embedding"
+        layer.qweight, layer.scales, layer.zeros = (
+            embed_tokens.qweight,
+            embed_tokens.scales,
+            embed_tokens.zeros,
+        )
+        self.tied = True
+        return layer
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if isinstance(layer, ParallelLMHead):
+            mode = DUAL if self.tied else self.config.mode
+            _repack(layer, self.config.group_size, mode, self.config.repack_chunk_rows,
+                    keep_row_major=self.config.avx2_rows > 0)  # fmt: skip
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        return int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _apply(layer, self.config, x, bias)
+
+
+def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One int4 GEMM through the opaque op (a linear layer or the head): x [..., K] -> [..., N]."""
+    y = int4_linear(
+        x,
+        layer.tinygemm_packed,
+        layer.tinygemm_sz,
+        layer.qweight,
+        layer.scales,
+        layer.zeros,
+        config.group_size,
+        layer.int4_mode,
+        config.dequant_threshold,
+        config.prefill_dtype == "float32",
+        config.avx2_rows,
+        config.avx2_bits,
+    )
+    return y if bias is None else y + bias
+
+
+class _Int8Weights(PluginWeights):
+    """The 8-bit set's tensors (kernels/ops/int8.py): qweight int8 [N, K] and scales bf16 [N], loaded as stored."""
+
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
+        layer.register_parameter(
+            "qweight", weight_param(torch.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra)
+        )  # [N, K]
+        scales = torch.empty(n, dtype=torch.bfloat16)  # [N]
+        layer.register_parameter("scales", weight_param(scales, output_dim=0, **extra))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pass  # PyTorch's int8 weight-only GEMM reads the checkpoint layout as is
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # The AVX2 decode kernels' rows also take the AVX2 int8 kernel (cpu_w4a8's config has none: 0).
+        y = int8_linear(x, layer.qweight, layer.scales, self.config.dequant_threshold,
+                        getattr(self.config, "avx2_rows", 0))  # fmt: skip
+        return y if bias is None else y + bias
+
+
+class CpuInt8LinearMethod(_Int8Weights, LinearMethodBase):
+    """A linear layer in the 8-bit set (fused shards stack along N, like the int4 method's)."""
+
+
+class CpuInt8EmbeddingMethod(_Int8Weights, QuantizeMethodBase):
+    """The embedding (lookups gather int8 rows) and the head (int8 GEMM); a tied head shares the same tensors."""
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        assert isinstance(embed_tokens.quant_method, CpuInt8EmbeddingMethod), "tied head needs an int8 embedding"
+        layer.qweight, layer.scales = embed_tokens.qweight, embed_tokens.scales
+        return layer
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        return int8_embedding(input_, layer.qweight, layer.scales)

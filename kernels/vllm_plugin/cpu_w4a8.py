@@ -1,0 +1,230 @@
+"""The `cpu_w4a8` vLLM quantization method: vLLM's own int4 x int8 kernel on CPUs without AMX.
+
+vLLM 0.28 runs a GPTQ checkpoint through `int4_scaled_mm_cpu` (4-bit weights, activations quantized to int8 per
+row) only where `torch.cpu._is_amx_tile_supported()` (vllm/model_executor/kernels/linear/mixed_precision/cpu.py);
+elsewhere it sends it to `cpu_gemm_wna16`. The op itself lives in the `_C` library vLLM loads on every CPU with
+AVX-512 and AVX512-BF16, and it runs there without AMX: on an AMD EPYC Zen 5 (avx512_bf16, avx512_vnni, no AMX),
+4096x4096 group 64, 1 thread, M=1, it took 0.19 ms against tinygemm's 0.44 and bf16's 1.68, relative error 0.009
+against the dequantized weights (docs/FACTS.md). This method calls it for every batch size, without touching
+vLLM's global AMX check (other paths read it and would execute AMX instructions).
+
+Reads the symmetric GPTQ checkpoint kernels/convert/convert.py writes for `w4a8-gptq` (kernels/ops/gptq.py: per linear
+`<prefix>.qweight` int32 [K/8, N] packed along K, `.scales` bf16 [K/g, N], `.qzeros` int32 [K/g, N/8], w =
+(q - 8) * scale) and converts it once at load exactly as vLLM's `_process_gptq_weights_w4a8` does: codes
+repacked along N in AWQ's order, a zero point of 8 for every group (the checkpoint's qzeros are not read), then
+`convert_weight_packed_scale_zp` into the op's blocked layout (32 output channels a block). The 8-bit set
+(`int8`: the embedding and the head) runs kernels.vllm_plugin.cpu_int4's int8 methods; which weights are int4, int8 or
+bf16 is asked of edge.quantized_layers, as the plan's ledger and the converter ask it. Every field comes from the
+checkpoint's `quantization_config`, which vLLM hashes into its compile-cache key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.layers.quantization import register_quantization_config
+
+from edge.errors import InputError
+from edge.quantized_layers import EIGHT_BIT_SET
+from edge.rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
+from kernels.vllm_plugin.cpu_int4 import (
+    CpuInt8EmbeddingMethod,
+    CpuInt8LinearMethod,
+    PluginConfig,
+    PluginWeights,
+    empty_param,
+    host_params,
+    weight_param,
+)
+
+NAME = "cpu_w4a8"
+PACK = 8  # 4-bit codes per int32
+FAKE_ZERO = -2004318072  # 0x88888888: zero point 8 in every nibble (uint4b8), as vLLM allocates for symmetric GPTQ
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # vLLM repacks GPTQ codes into AWQ's nibble order before converting
+CONVERT_CHUNK_CHANNELS = 2048  # output channels converted at a time: the int32 codes are 8x the packed bytes
+
+
+def op_available() -> bool:
+    """Whether the native library vLLM loaded on this CPU registers the W4A8 op and its weight converter."""
+    import vllm._custom_ops  # noqa: F401  (loads _C, _C_AVX512 or _C_AVX2 by the CPU flags)
+
+    return hasattr(torch.ops._C, "int4_scaled_mm_cpu") and hasattr(torch.ops._C, "convert_weight_packed_scale_zp")
+
+
+def to_w4a8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ qweight int32 [K/8, N] and scales [K/g, N] -> the op's (weight uint8 [N/32, K/g, ...], zeros int8
+    [N/32, K/g, 32], scales fp32 [N/32, K/g, 32]), converted in slices of output channels (blocks never span
+    them, so the result equals a whole-matrix conversion) to bound the int32 transient."""
+    from vllm import _custom_ops as ops
+
+    parts = [_convert(qweight[:, i : i + CONVERT_CHUNK_CHANNELS], scales[:, i : i + CONVERT_CHUNK_CHANNELS], ops)
+             for i in range(0, qweight.shape[1], CONVERT_CHUNK_CHANNELS)]  # fmt: skip
+    return tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))  # type: ignore[return-value]
+
+
+def _convert(qweight: torch.Tensor, scales: torch.Tensor, ops: Any) -> tuple[torch.Tensor, ...]:
+    """vLLM's _process_gptq_weights_w4a8 for one slice of output channels."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        pack_quantized_values_into_int32,
+        unpack_quantized_values_into_int32,
+    )
+    from vllm.scalar_type import scalar_types
+
+    kind = scalar_types.uint4b8
+    codes = unpack_quantized_values_into_int32(qweight.contiguous(), kind, 0)  # [K, n] int32 0..15
+    k, n = codes.shape
+    codes = codes.view(k, n // PACK, PACK)[:, :, AWQ_ORDER].reshape(k, n)
+    packed = pack_quantized_values_into_int32(codes, kind, 1).contiguous()  # [K, n/8] int32, packed along N
+    zeros = torch.full((scales.shape[0], n // PACK), FAKE_ZERO, dtype=torch.int32)  # [K/g, n/8]
+    return ops.convert_weight_packed_scale_zp(packed, zeros, scales.contiguous(), ops.CPUQuantAlgo.AWQ)
+
+
+def w4a8_linear_impl(
+    x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] bf16 through int4_scaled_mm_cpu (it quantizes each row of x to int8 itself);
+    weight, zeros, scales as to_w4a8 returns them, bias fp32 [N] (the op's dtype) or None."""
+    n = scales.shape[0] * scales.shape[-1]
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+    if x2.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    y = torch.ops._C.int4_scaled_mm_cpu(x2, weight, zeros, scales, None if bias is None else bias.float())  # [M, N]
+    return y.view(*x.shape[:-1], n)
+
+
+def _linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], scales.shape[0] * scales.shape[-1]), dtype=torch.bfloat16)
+
+
+def _register() -> None:
+    # One op node per layer for Dynamo (as kernels.ops.int4_ops does); the module is imported once per process.
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op("cpu_w4a8_linear", w4a8_linear_impl, fake_impl=_linear_fake)
+
+
+_register()
+
+
+def w4a8_linear(
+    x: torch.Tensor, weight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The registered op (what Dynamo records), typed for callers."""
+    return torch.ops.vllm.cpu_w4a8_linear(x, weight, zeros, scales, bias)
+
+
+def quantization_config(
+    *, group_size: int = 64, int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
+    ignore: list[str] | None = None, dequant_threshold: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The `quantization_config` a non-AMX plan writes for w4a8-gptq (edge.engine_config), for tests and
+    benchmarks; `int8=()` leaves the embedding and the head bf16."""
+    return {
+        "quant_method": NAME,
+        "bits": 4,
+        "group_size": group_size,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+        "dequant_threshold": host_params().dequant_threshold if dequant_threshold is None else dequant_threshold,
+        "int8": list(int8),
+        "ignore": list(ignore or []),
+    }
+
+
+@register_quantization_config(NAME)
+class CpuW4A8Config(PluginConfig):
+    """Symmetric 4-bit GPTQ weights, int8 activations, through vLLM's int4_scaled_mm_cpu on any host with `_C`."""
+
+    def __init__(
+        self,
+        group_size: int = 64,
+        *,
+        dequant_threshold: int | None = None,
+        int8: list[str] | None = None,
+        ignore: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if group_size not in GPTQ_GROUP_SIZES:
+            raise InputError("group_size", group_size, f"one of {GPTQ_GROUP_SIZES} (vLLM 0.28 GPTQ on CPU)")
+        if dequant_threshold is not None and dequant_threshold < 1:
+            raise InputError("dequant_threshold", dequant_threshold, "a row count >= 1")
+        self.group_size = group_size
+        # the 8-bit set's switch from PyTorch's int8 GEMM to dequantize + bf16 (kernels.ops.int4_ops.cpu_int8_linear)
+        self.dequant_threshold = host_params().dequant_threshold if dequant_threshold is None else dequant_threshold
+        self.int8 = list(int8 or [])
+        self.ignore = list(ignore or [])
+        self.tied_embeddings = False  # set from the HF config in maybe_update_config
+
+    def __repr__(self) -> str:
+        return f"CpuW4A8Config(group_size={self.group_size}, int8={self.int8}, ignore={self.ignore})"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CpuW4A8Config:
+        wanted = {"quant_method": NAME, "bits": 4, "sym": True, "desc_act": False}
+        for key, value in wanted.items():
+            if config.get(key, value) != value:
+                raise InputError(f"quantization_config.{key}", config.get(key), repr(value))
+        return cls(
+            group_size=int(config.get("group_size", 64)),
+            dequant_threshold=config.get("dequant_threshold"),
+            int8=list(config.get("int8", [])),
+            ignore=list(config.get("ignore", [])),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return quantization_config(group_size=self.group_size, int8=self.int8, ignore=self.ignore,
+                                   dequant_threshold=self.dequant_threshold)  # fmt: skip
+
+    def get_name(self) -> str:
+        return NAME
+
+    PATH = "w4a8-gptq"
+
+    def _methods(self) -> dict[str, dict[str, type]]:
+        # the embedding and the head stay int8 or bf16 (edge.quantized_layers: never 4-bit on this path)
+        return {"linear": {"int4": CpuW4A8LinearMethod, "int8": CpuInt8LinearMethod},
+                "embedding": {"int8": CpuInt8EmbeddingMethod}}  # fmt: skip
+
+
+class CpuW4A8LinearMethod(PluginWeights, LinearMethodBase):
+    """A linear layer (also fused QKV / gate_up: shards stack along N, dim 1 of the GPTQ tensors)."""
+
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra_weight_attrs: dict[str, Any]) -> None:
+        """Register the checkpoint's GPTQ tensors for a [N, K] weight, as vLLM's AutoGPTQ method lays them out."""
+        group = k if self.config.group_size == -1 else self.config.group_size
+        if k % GPTQ_PARTITION_MULTIPLE or k % group:
+            raise InputError("input_size", k, f"a multiple of {GPTQ_PARTITION_MULTIPLE} and of group_size {group}")
+        if n % GPTQ_PARTITION_MULTIPLE:
+            raise InputError("output_size", n, f"a multiple of {GPTQ_PARTITION_MULTIPLE}")
+        attrs = {"input_dim": 0, "output_dim": 1, **extra_weight_attrs}
+        qweight = torch.empty(k // PACK, n, dtype=torch.int32)  # [K/8, N]
+        layer.register_parameter("qweight", weight_param(qweight, packed_dim=0, packed_factor=PACK, **attrs))
+        layer.register_parameter("scales", weight_param(torch.empty(k // group, n, dtype=torch.bfloat16), **attrs))
+        # read by GPTQ tools, not here: the kernel's zero point is pinned at 8
+        qzeros = torch.empty(k // group, n // PACK, dtype=torch.int32)  # [K/g, N/8]
+        layer.register_parameter("qzeros", weight_param(qzeros, packed_dim=1, packed_factor=PACK, **attrs))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not op_available():
+            raise InputError(
+                "quantization_config.quant_method", NAME,
+                "a host whose vLLM library registers int4_scaled_mm_cpu (_C: AVX-512 with AVX512-BF16 and "
+                "AVX512-VNNI); this one lacks it: plan and convert on this host (edge-serve does)",
+            )  # fmt: skip
+        weight, zeros, scales = to_w4a8(layer.qweight.data, layer.scales.data)
+        layer.register_parameter("w4a8_weight", Parameter(weight, requires_grad=False))  # [N/32, K/g, ...] uint8
+        layer.register_parameter("w4a8_zeros", Parameter(zeros, requires_grad=False))  # [N/32, K/g, 32] int8
+        layer.register_parameter("w4a8_scales", Parameter(scales, requires_grad=False))  # [N/32, K/g, 32] fp32
+        layer.qweight, layer.qzeros = empty_param(torch.int32), empty_param(torch.int32)
+        layer.scales = empty_param(torch.bfloat16)
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.data = layer.bias.data.float()  # the op adds an fp32 bias, as vLLM's W4A8 path converts it
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return w4a8_linear(x, layer.w4a8_weight, layer.w4a8_zeros, layer.w4a8_scales, bias)

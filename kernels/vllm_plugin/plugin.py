@@ -1,0 +1,21 @@
+"""vLLM general plugin (entry point `vllm.general_plugins: cpu_int4 = kernels.vllm_plugin.plugin:register`).
+
+vLLM calls `register()` in every process it starts (front end, engine core, spawned workers), possibly more
+than once; everything here is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Register the `cpu_int4` and `cpu_w4a8` quantization methods and their ops; fix the CPU compile cache."""
+    from kernels.vllm_plugin import compile_cache
+
+    compile_cache.install()
+    # Importing registers: @register_quantization_config("cpu_int4") and the torch.ops.vllm.cpu_int4_* ops.
+    import kernels.vllm_plugin.cpu_int4  # noqa: F401
+    import kernels.vllm_plugin.cpu_w4a8  # noqa: F401  (@register_quantization_config("cpu_w4a8"), torch.ops.vllm.cpu_w4a8_linear)
