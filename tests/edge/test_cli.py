@@ -109,7 +109,7 @@ def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path, device):
     assert floored.quality.record is None or floored.quality.record.kld_mean <= 0.08
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # a full calibration: 140 s on the Zen 5's 2 cores
 def test_calibrate_then_plan_cites_this_hosts_own_kernel_times():
     """edge-select --calibrate times the kernels here (a minute of CPU), then ranks from them."""
     result = edge_select("--calibrate", "--json")
