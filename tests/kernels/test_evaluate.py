@@ -369,14 +369,15 @@ def test_the_key_follows_the_kernel_code_and_the_dispatch_capability(tmp_path, m
     does not answer for this one."""
     from kernels.scoring import eval_cache
 
-    here = Path(eval_cache.__file__).resolve().parent
+    here = Path(eval_cache.__file__).resolve().parents[1]  # kernels/: the sources are named from there
     for name in eval_cache._NUMERIC_SOURCES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(here / name, tmp_path / name)
     monkeypatch.setattr(eval_cache, "_KERNELS_DIR", tmp_path)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     before = eval_cache.numerics()
     assert before == eval_cache.numerics() and before["sources"] == eval_cache.sources_sha256()
-    with open(tmp_path / "avx2_int4.cpp", "a", encoding="utf-8") as f:
+    with open(tmp_path / "ops" / "avx2_int4.cpp", "a", encoding="utf-8") as f:
         f.write("// a changed kernel\n")
     changed = eval_cache.numerics()
     assert changed["sources"] != before["sources"]
