@@ -176,9 +176,8 @@ def decode_rows(name: str) -> int | None:
     return int(fact(choice.max_rows_fact).value) if choice.max_rows_fact else None
 
 
-def lossy_decode_kernels() -> tuple[str, ...]:
-    """The decode_kernel values whose arithmetic changes the numbers: quality records are keyed on them."""
-    return tuple(name for name, spec in DECODE_KERNELS.items() if spec.lossy)
+# The decode_kernel values whose arithmetic changes the numbers: quality records are keyed on them.
+LOSSY_DECODE_KERNELS: tuple[str, ...] = tuple(name for name, spec in DECODE_KERNELS.items() if spec.lossy)
 
 
 def default_decode_kernel(capability: str | None) -> str:

@@ -38,7 +38,7 @@ from edge.quantized_layers import EMBEDDING, LayerDecision, model_layers, rules_
 from edge.rank import Option, RankInput, rank
 from edge.shapes import ModelShape
 from edge.verified import verification
-from edge.weight_paths import QUANTIZED_PATHS
+from edge.weight_paths import PATHS, QUANTIZED_PATHS
 
 DEFAULT_MAX_MODEL_LEN = 2048  # an edge deployment's context; capped by the model's own maximum
 DEFAULT_MAX_NUM_SEQS = 4
@@ -157,7 +157,7 @@ def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
         assert ev.quality is not None
         why = (f"measured mean KLD {ev.quality.kld_mean:.4f} (top-1 {ev.quality.top1_agreement:.1%}) exceeds the "
                f"speed priority's quality floor --max-kld {req.max_kld:g}")
-    elif ev.option.path == "w4a8-gptq" and priority == "fidelity":
+    elif PATHS[ev.option.path].quantizes_activations and priority == "fidelity":
         why = "quantizes activations to int8 (+27.2% perplexity on the reference model); fidelity never does"
     elif ev.option.request_cost is not None and ev.option.request_cost == chosen.option.request_cost:
         extra = ev.memory.resident_bytes - chosen.memory.resident_bytes
@@ -189,7 +189,7 @@ def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layo
     else:
         # fidelity never quantizes activations: W4A8 only when pinned; speed trades quality only within max_kld.
         candidates = [ev for ev in evaluated if ev.gate.runnable
-                      and not (priority == "fidelity" and ev.option.path == "w4a8-gptq")
+                      and not (priority == "fidelity" and PATHS[ev.option.path].quantizes_activations)
                       and not (priority == "speed" and ev.too_lossy(max_kld))]
     assert candidates, "bf16 or export-only is always runnable"
     fitting = [ev for ev in candidates if ev.memory.fits]

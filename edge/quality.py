@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from edge.kernel_registry import lossy_decode_kernels
+from edge.kernel_registry import LOSSY_DECODE_KERNELS
 
 # The speed priority trades quality only within this mean KL divergence (per token, nats) unless told otherwise.
 # llama.cpp's plain 4-bit round-to-nearest formats (Q4_0/Q4_1, group 32) sit at 0.072 on Llama-3-8B and its
@@ -68,7 +68,7 @@ def quality_key(path: str, qconfig: Mapping[str, Any] | None) -> dict[str, Any]:
             key[name] = sorted(value) if isinstance(value, list) else value
     # decode kernels whose arithmetic changes the numbers (edge.kernel_registry: int8 activations) key their own
     # records; a lossless one (the int16 AVX2 kernel) shares tinygemm's
-    if qconfig and qconfig.get("decode_kernel") in lossy_decode_kernels():
+    if qconfig and qconfig.get("decode_kernel") in LOSSY_DECODE_KERNELS:
         key["decode_kernel"] = qconfig["decode_kernel"]
     return key
 

@@ -25,7 +25,6 @@ Layout = Literal["direct", "dual", "kernel-only"]
 @dataclass(frozen=True)
 class PathSpec:
     name: WeightPath
-    description: str
     layouts: tuple[Layout, ...]  # equal cost ranks them in this order (the leanest first); () without layouts
     quantizes_weights: bool  # to 4 bits (the layer rules of edge.quantized_layers apply)
     quantizes_activations: bool  # to 8 bits: never chosen for fidelity (docs/FACTS.md: agents lost completion)
@@ -39,29 +38,19 @@ class PathSpec:
 PATHS: dict[str, PathSpec] = {
     spec.name: spec
     for spec in (
-        PathSpec("w4a8-gptq", "4-bit GPTQ weights, int8 activations", (), True, True, 9,
-                 {True: "gptq", False: "cpu_w4a8"}),
-        PathSpec("w4a16-tinygemm", "4-bit weights on PyTorch's tinygemm kernel, bf16 activations",
-                 ("direct", "dual", "kernel-only"), True, False, 1, {True: "cpu_int4", False: "cpu_int4"}),
-        PathSpec("bf16", "the source's bf16 weights", (), False, False, 0, None),
-        PathSpec("export-only", "a bundle for a phone runtime (edge-export)", (), False, False, 2, None,
-                 served_by_vllm=False),
+        PathSpec("w4a8-gptq", (), True, True, 9, {True: "gptq", False: "cpu_w4a8"}),
+        PathSpec("w4a16-tinygemm", ("direct", "dual", "kernel-only"), True, False, 1,
+                 {True: "cpu_int4", False: "cpu_int4"}),
+        PathSpec("bf16", (), False, False, 0, None),
+        PathSpec("export-only", (), False, False, 2, None, served_by_vllm=False),
     )
 }  # fmt: skip
 
 WEIGHT_PATHS: tuple[WeightPath, ...] = tuple(PATHS)  # type: ignore[assignment]
-LAYOUTS: tuple[Layout, ...] = ("direct", "dual", "kernel-only")
+LAYOUTS: tuple[Layout, ...] = tuple(dict.fromkeys(layout for spec in PATHS.values() for layout in spec.layouts))
 QUANTIZED_PATHS: tuple[WeightPath, ...] = tuple(name for name, spec in PATHS.items() if spec.quantizes_weights)
 # The plugin's methods (kernels/vllm plugin) run the 8-bit set (int8 head and embedding); vLLM's own gptq does not.
 EIGHT_BIT_METHODS = ("cpu_int4", "cpu_w4a8")
-
-
-def path_spec(path: str) -> PathSpec:
-    return PATHS[path]
-
-
-def layouts(path: str) -> tuple[Layout, ...]:
-    return PATHS[path].layouts
 
 
 def quant_method(path: str, *, amx: bool) -> str | None:

@@ -53,10 +53,10 @@ def create_app(
     app = FastAPI(title="edge-select", version="0.1.0", description=DESCRIPTION, lifespan=_lifespan)
     app.state.settings = settings
     app.state.calibrations = CalibrationStore(settings.calibration_db)
-    app.state.metrics = ServiceMetrics(supervisor, weight_path(plan))
+    app.state.weight_path = weight_path(plan)
+    app.state.metrics = ServiceMetrics(supervisor, app.state.weight_path)
     app.state.supervisor = supervisor
     app.state.plan = plan
-    app.state.weight_path = weight_path(plan)
     app.state.model_dir = model_dir
     add_exception_handlers(app)
     # In this order, the OpenAPI document lists the paths as it always has

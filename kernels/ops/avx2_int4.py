@@ -36,7 +36,9 @@ INT8_K_MULTIPLE: int = KERNELS["avx2-int8"].k_multiple
 EXTENSION = "edge_avx2_int4"
 OP_NAMESPACE = "edge_avx2"
 GROUP_SIZES = (32, 64, 128)
-ACT_BITS = {16: "w4a16_linear", 8: "w4a8_linear"}  # activation bits -> the op
+# activation bits -> the op, from the registry's AVX2 int4 kernels (edge_avx2::w4a16_linear, edge_avx2::w4a8_linear)
+ACT_BITS = {spec.activation_bits: spec.op.split("::")[1] for spec in KERNELS.values()
+            if spec.weight_format == "int4-rowmajor"}  # fmt: skip
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # -fopenmp: at::parallel_for's OpenMP backend
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch has already loaded
