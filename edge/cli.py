@@ -202,6 +202,7 @@ def evaluate(args: argparse.Namespace, plan: Plan) -> None:
     from pathlib import Path
 
     from edge.quality import quality_key
+    from edge.weight_paths import PATHS
 
     if importlib.util.find_spec("torch") is None:
         raise InputError("--evaluate", True, "torch installed (the project's vllm extra): edge-eval runs the kernels")
@@ -210,7 +211,7 @@ def evaluate(args: argparse.Namespace, plan: Plan) -> None:
     source = args.model or _run([sys.executable, "-m", "kernels.source.default_model", "default"], "edge-model default")
     plans, seen = [plan], [quality_key(plan.path, plan.quantization_config)]
     for alt in plan.alternatives:
-        if len(plans) > 1 or alt.status != "runnable" or alt.path not in ("w4a16-tinygemm", "w4a8-gptq"):
+        if len(plans) > 1 or alt.status != "runnable" or not PATHS[alt.path].quantizes_weights:
             continue
         other = plan_from_args(argparse.Namespace(**{**vars(args), "path": alt.path, "layout": alt.layout}))
         if quality_key(other.path, other.quantization_config) not in seen:  # layouts share weights: one is enough

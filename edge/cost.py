@@ -29,7 +29,7 @@ from edge.kernel_registry import (
     kernels_for,
 )
 from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision
-from edge.weight_paths import Layout, WeightPath
+from edge.weight_paths import PATHS, Layout, WeightPath
 
 PROMPT_TOKENS = 512
 NEW_TOKENS = 128
@@ -202,13 +202,14 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
         "decode": kernels_for(path, layout, "decode"),
         "prefill": kernels_for(path, layout, "prefill"),
     }
-    if path == "w4a16-tinygemm" and layout in ("direct", "dual"):
+    tinygemm = PATHS[path].weight_format == "tinygemm"  # the decode kernels' weights (edge.weight_paths)
+    if tinygemm and layout in ("direct", "dual"):
         int4_kernels["prefill"] = [PREFILL_KERNELS[prefill_dtype]]
     times: dict[str, KernelTimes] = {}
     spent: dict[str, float] = {}
     substituted: set[str] = set()
     decode_spec = DECODE_KERNELS[decode_kernel]
-    rows = decode_rows(decode_kernel) if path == "w4a16-tinygemm" else None  # the rows its decode kernel takes
+    rows = decode_rows(decode_kernel) if tinygemm else None  # the rows its decode kernel takes
 
     def run(lin: EngineLinear, m: int) -> float:
         if lin.format == "int4" or (path == "bf16" and lin.format == "bf16"):

@@ -12,7 +12,7 @@ from edge.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.plan import Layout, VllmConfig, WeightPath
 from edge.quantized_layers import LayerDecision, kept_bf16
 from edge.shapes import ModelShape
-from edge.weight_paths import quant_method
+from edge.weight_paths import PATHS, quant_method
 
 # vLLM reserves one core for its front end on x86 by default (docs/FACTS.md: on a 2-core box it then runs one
 # compute thread). On boxes this small, the GEMMs get every core instead.
@@ -35,59 +35,79 @@ def quantization_config(
     amx: whether the device has AMX tiles, which decides who serves w4a8-gptq (edge.weight_paths.quant_method):
     vLLM's own GPTQ method there, the plugin's cpu_w4a8 elsewhere; the layers must come from rules_for with the
     same flag."""
-    if path == "w4a16-tinygemm":
-        assert group_size is not None and layout is not None
-        return {
-            "quant_method": "cpu_int4",
-            "bits": 4,
-            "group_size": group_size,
-            # Part of the checkpoint's config so it reaches vLLM's compile-cache key (docs/FACTS.md: an env-var
-            # toggle against a warm cache loaded the wrong graph).
-            "direct_dequant": layout == "direct",
-            "prefill_dequant": layout != "kernel-only",
-            "dequant_threshold": kernel.dequant_threshold,
-            "prefill_dtype": kernel.prefill_dtype,
-            # The engine refuses to load a checkpoint planned for another block (kernels/vllm_plugin/cpu_int4.py): the
-            # ledger's direct/dual accounting rests on it.
-            "tinygemm_block": kernel.block,
-            "repack_chunk_rows": kernel.repack_chunk_rows,
-            # only where a record timed the AVX2 kernel faster: a tinygemm plan's config stays as it was
-            **({"decode_kernel": kernel.decode_kernel} if kernel.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
-            "quantize_embedding": model.tie_word_embeddings,
-            # the converter takes the 4-bit codes from the source's own grid (edge-source.json), not re-rounding
-            "codes_from_source": model.source_grid == group_size,
-            # weights not on a source grid: the scale-and-minimum search (kernels/ops/asym_search.py), measured to
-            # cut the squared error 26 % at group 64 on the default model's weights (docs/reports/)
-            "rounding": "search",
-            "int8": [layer.name for layer in layers if layer.format == "int8"],
-            "ignore": kept_bf16(layers),
-        }
-    if path == "w4a8-gptq" and quant_method(path, amx=amx) == "cpu_w4a8":
-        assert group_size is not None
-        return {
-            "quant_method": "cpu_w4a8",
-            "bits": 4,
-            "group_size": group_size,
-            "sym": True,  # int4_scaled_mm_cpu with the zero point pinned at 8, as vLLM runs GPTQ (uint4b8)
-            "desc_act": False,
-            "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/ops/gptq.py)
-            # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/ops/int4_ops.py)
-            "dequant_threshold": kernel.dequant_threshold,
-            "int8": [layer.name for layer in layers if layer.format == "int8"],
-            "ignore": kept_bf16(layers),
-        }
-    if path == "w4a8-gptq":
-        assert group_size is not None
-        return {
-            "quant_method": "gptq",
-            "bits": 4,
-            "group_size": group_size,
-            "sym": True,  # vLLM's W4A8 kernel pins the zero point at 8 (uint4b8)
-            "desc_act": False,  # act-order (g_idx) sends vLLM to cpu_gemm_wna16 instead of W4A8
-            "lm_head": True,  # an unquantized head costs more per step than the 4-bit saving (docs/FACTS.md)
-            "checkpoint_format": "gptq",
-        }
-    return None
+    method = quant_method(path, amx=amx)
+    if method is None:
+        return None
+    assert group_size is not None
+    return METHOD_CONFIGS[method](model, layout, group_size, layers, kernel)
+
+
+def _cpu_int4(
+    model: ModelShape, layout: Layout | None, group_size: int, layers: list[LayerDecision], kernel: KernelParams
+) -> dict[str, Any]:
+    assert layout is not None
+    return {
+        "quant_method": "cpu_int4",
+        "bits": 4,
+        "group_size": group_size,
+        # Part of the checkpoint's config so it reaches vLLM's compile-cache key (docs/FACTS.md: an env-var
+        # toggle against a warm cache loaded the wrong graph).
+        "direct_dequant": layout == "direct",
+        "prefill_dequant": layout != "kernel-only",
+        "dequant_threshold": kernel.dequant_threshold,
+        "prefill_dtype": kernel.prefill_dtype,
+        # The engine refuses to load a checkpoint planned for another block (kernels/vllm_plugin/cpu_int4.py): the
+        # ledger's direct/dual accounting rests on it.
+        "tinygemm_block": kernel.block,
+        "repack_chunk_rows": kernel.repack_chunk_rows,
+        # only where a record timed the AVX2 kernel faster: a tinygemm plan's config stays as it was
+        **({"decode_kernel": kernel.decode_kernel} if kernel.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
+        "quantize_embedding": model.tie_word_embeddings,
+        # the converter takes the 4-bit codes from the source's own grid (edge-source.json), not re-rounding
+        "codes_from_source": model.source_grid == group_size,
+        # weights not on a source grid: the scale-and-minimum search (kernels/ops/asym_search.py), measured to
+        # cut the squared error 26 % at group 64 on the default model's weights (docs/reports/)
+        "rounding": "search",
+        "int8": [layer.name for layer in layers if layer.format == "int8"],
+        "ignore": kept_bf16(layers),
+    }
+
+
+def _cpu_w4a8(
+    model: ModelShape, layout: Layout | None, group_size: int, layers: list[LayerDecision], kernel: KernelParams
+) -> dict[str, Any]:
+    return {
+        "quant_method": "cpu_w4a8",
+        "bits": 4,
+        "group_size": group_size,
+        "sym": True,  # int4_scaled_mm_cpu with the zero point pinned at 8, as vLLM runs GPTQ (uint4b8)
+        "desc_act": False,
+        "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/ops/gptq.py)
+        # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/ops/int4_ops.py)
+        "dequant_threshold": kernel.dequant_threshold,
+        "int8": [layer.name for layer in layers if layer.format == "int8"],
+        "ignore": kept_bf16(layers),
+    }
+
+
+def _gptq(
+    model: ModelShape, layout: Layout | None, group_size: int, layers: list[LayerDecision], kernel: KernelParams
+) -> dict[str, Any]:
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "sym": True,  # vLLM's W4A8 kernel pins the zero point at 8 (uint4b8)
+        "desc_act": False,  # act-order (g_idx) sends vLLM to cpu_gemm_wna16 instead of W4A8
+        "lm_head": True,  # an unquantized head costs more per step than the 4-bit saving (docs/FACTS.md)
+        "checkpoint_format": "gptq",
+    }
+
+
+# Each checkpoint method's quantization_config (edge.weight_paths.METHODS names them).
+METHOD_CONFIGS = {"cpu_int4": _cpu_int4, "cpu_w4a8": _cpu_w4a8, "gptq": _gptq}
+# What vLLM's environment needs for a method: its own GPTQ method takes W4A8 only with this (and AMX tiles).
+METHOD_ENV: dict[str, dict[str, str]] = {"gptq": {"VLLM_CPU_INT4_W4A8": "1"}}
 
 
 def _cache_key(model: ModelShape, path: WeightPath, qconfig: dict[str, Any] | None) -> str:
@@ -105,7 +125,7 @@ def vllm_config(
     max_num_seqs: int,
     kv_cache_bytes: int,
 ) -> VllmConfig | None:
-    if path == "export-only":
+    if not PATHS[path].served_by_vllm:
         return None
     args = [
         "--dtype", "bfloat16",
@@ -115,7 +135,7 @@ def vllm_config(
         # reserves 92% of the node's memory.
         "--kv-cache-memory-bytes", str(kv_cache_bytes),
     ]  # fmt: skip
-    if path in ("w4a16-tinygemm", "w4a8-gptq"):
+    if PATHS[path].quantizes_weights:
         assert qconfig is not None
         args += ["--quantization", qconfig["quant_method"]]  # cpu_int4, gptq or cpu_w4a8: the checkpoint's method
     env = {
@@ -126,6 +146,6 @@ def vllm_config(
     cores = device.compute_cores
     if cores is not None and cores <= SMALL_BOX_CORES:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-    if path == "w4a8-gptq" and qconfig is not None and qconfig["quant_method"] == "gptq":
-        env["VLLM_CPU_INT4_W4A8"] = "1"  # vLLM's own GPTQ method takes W4A8 only with it (and AMX tiles)
+    if qconfig is not None:
+        env |= METHOD_ENV.get(qconfig["quant_method"], {})
     return VllmConfig(args=args, env=env)

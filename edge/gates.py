@@ -6,6 +6,7 @@ no ranking here (edge.rank) and no memory (edge.ledger).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edge import rules
@@ -14,6 +15,7 @@ from edge.device import DeviceProfile
 from edge.kernel_registry import kernels_for
 from edge.plan import WeightPath
 from edge.shapes import ModelShape
+from edge.weight_paths import PATHS, the_path
 
 
 @dataclass
@@ -30,10 +32,16 @@ class Gate:
         return not self.refusals
 
 
-def gate_export_only(device: DeviceProfile) -> Gate:
-    gate = Gate("export-only")
+def _gated(gate_fn: Callable[..., Gate]) -> WeightPath:
+    """The path whose spec names this gate (edge.weight_paths)."""
+    return the_path(gate=gate_fn.__name__)
+
+
+def gate_export_only(device: DeviceProfile, model: ModelShape | None = None,
+                     calibration: CalibrationRecord | None = None) -> Gate:
+    gate = Gate(_gated(gate_export_only))
     if not device.is_phone:
-        gate.refusals.append("export-only is for phones and NPU devices; this device runs vLLM's CPU backend")
+        gate.refusals.append(f"{gate.path} is for phones and NPU devices; this device runs vLLM's CPU backend")
     return gate
 
 
@@ -43,15 +51,16 @@ def _phone_refusal(device: DeviceProfile) -> str | None:
     return None
 
 
-def gate_bf16(device: DeviceProfile) -> Gate:
-    gate = Gate("bf16")
+def gate_bf16(device: DeviceProfile, model: ModelShape | None = None,
+              calibration: CalibrationRecord | None = None) -> Gate:
+    gate = Gate(_gated(gate_bf16))
     if refusal := _phone_refusal(device):
         gate.refusals.append(refusal)
     return gate
 
 
-def gate_w4a16(device: DeviceProfile, model: ModelShape) -> Gate:
-    gate = Gate("w4a16-tinygemm")
+def gate_w4a16(device: DeviceProfile, model: ModelShape, calibration: CalibrationRecord | None = None) -> Gate:
+    gate = Gate(_gated(gate_w4a16))
     if refusal := _phone_refusal(device):
         gate.refusals.append(refusal)
     group = rules.pick_group_size(model)
@@ -67,7 +76,8 @@ def gate_w4a16(device: DeviceProfile, model: ModelShape) -> Gate:
 # vLLM's W4A8 kernel (docs/FACTS.md): int4_scaled_mm_cpu lives in `_C`, the library vLLM loads where AVX-512 comes
 # with AVX512-BF16, and is built for AVX512-BF16 + AVX512-VNNI; `_C_AVX512` and `_C_AVX2` have no such op.
 W4A8_OP = "int4_scaled_mm_cpu"
-W4A8_KERNEL = kernels_for("w4a8-gptq", None, "all")[0]  # its edge.kernel_registry entry, as records name it
+# its edge.kernel_registry entry, as records name it
+W4A8_KERNEL = kernels_for(the_path(gate="gate_w4a8"), None, "all")[0]
 DERIVED_NOTE = "derived from ISA flags; no calibration record confirms the op runs"
 
 
@@ -76,7 +86,7 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
     registers the op. `calibration` (this device's record, edge.calibration.best_match) settles it when it timed
     the op (ok) or found it missing or crashing; without one the ISA flags and the known library decide, and the
     gate says so. AMX hosts run it through vLLM's own GPTQ method, others through the plugin's cpu_w4a8."""
-    gate = Gate("w4a8-gptq")
+    gate = Gate(_gated(gate_w4a8))
     if refusal := _phone_refusal(device):
         gate.refusals.append(refusal)
     result = calibration.kernel(W4A8_KERNEL) if calibration is not None else None
@@ -132,9 +142,8 @@ def _w4a8_isa_refusals(device: DeviceProfile) -> list[str]:
 def all_gates(
     device: DeviceProfile, model: ModelShape, calibration: CalibrationRecord | None = None
 ) -> dict[WeightPath, Gate]:
-    return {
-        "w4a8-gptq": gate_w4a8(device, model, calibration),
-        "w4a16-tinygemm": gate_w4a16(device, model),
-        "bf16": gate_bf16(device),
-        "export-only": gate_export_only(device),
-    }
+    """Every path's gate, as its spec names it (edge.weight_paths), in the spec's order."""
+    return {name: GATES[spec.gate](device, model, calibration) for name, spec in PATHS.items()}  # type: ignore[misc]
+
+
+GATES: dict[str, Callable[..., Gate]] = {fn.__name__: fn for fn in (gate_w4a8, gate_w4a16, gate_bf16, gate_export_only)}

@@ -18,6 +18,7 @@ from edge.kernel_registry import DEFAULT_DECODE_KERNEL, reads_row_major
 from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
 from edge.quantized_layers import EMBEDDING, LayerDecision, QuantRules, model_layers, rules_for
 from edge.shapes import LinearShape, ModelShape
+from edge.weight_paths import PATHS
 
 FP32 = 4  # bytes of an exported graph's scale
 BF16 = 2  # bytes; the engine runs every path with bf16 activations and bf16 non-quantized tensors
@@ -46,16 +47,17 @@ def estimate(
     """
     quant = quant or rules_for(model, path, group_size)
     layers = {d.name: d for d in model_layers(model, quant)}
-    if path == "export-only":
+    weight_format = PATHS[path].weight_format  # which weight items, edge.weight_paths
+    if weight_format == "export":
         items = _export_weights(model)
     else:
-        if path == "bf16":
+        if weight_format == "bf16":
             weights = _bf16_weights(model)
-        elif path == "w4a16-tinygemm":
+        elif weight_format == "tinygemm":
             assert layout is not None and group_size is not None, (layout, group_size)
             weights = _tinygemm_weights(model, layers, layout, group_size, kernel.block, kernel.decode_kernel)
         else:
-            assert path == "w4a8-gptq", path
+            assert weight_format == "gptq", (path, weight_format)
             weights = _gptq_weights(model, layers, group_size)
         items = [
             *weights,
@@ -72,7 +74,7 @@ def estimate(
             _allocator_retention(),
             *_transients(model, layers, path, kernel),
         ]
-        if path == "w4a16-tinygemm":
+        if weight_format == "tinygemm":
             assert layout is not None and group_size is not None
             items += _dequant_working_set(model, layers, layout, kernel, max_model_len, max_num_seqs)
     resident = sum(item.bytes for item in items if item.phase == "resident")
@@ -407,7 +409,7 @@ def _transients(
 ) -> list[MemoryItem]:
     largest = max(_weight_matrices(model), key=lambda lin: lin.n * lin.k)
     one = largest.model_copy(update={"count": 1})
-    if path != "w4a16-tinygemm":
+    if PATHS[path].weight_format != "tinygemm":
         return [
             _transient(
                 "load-copy",

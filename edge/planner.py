@@ -38,7 +38,11 @@ from edge.quantized_layers import EMBEDDING, LayerDecision, model_layers, rules_
 from edge.rank import Option, RankInput, rank
 from edge.shapes import ModelShape
 from edge.verified import verification
-from edge.weight_paths import PATHS, QUANTIZED_PATHS
+from edge.weight_paths import PATHS, QUANTIZED_PATHS, path_with_layout, the_path
+
+# The phone bundle (served by no vLLM) and the path whose weights the decode kernels read (tinygemm's format).
+EXPORT_PATH = the_path(served_by_vllm=False)
+TINYGEMM_PATH = the_path(weight_format="tinygemm")
 
 DEFAULT_MAX_MODEL_LEN = 2048  # an edge deployment's context; capped by the model's own maximum
 DEFAULT_MAX_NUM_SEQS = 4
@@ -83,8 +87,8 @@ def _check_inputs(priority: str, path: str | None, layout: str | None, max_model
         raise InputError("path", path, f"one of {', '.join(WEIGHT_PATHS)}")
     if layout is not None and layout not in LAYOUTS:
         raise InputError("layout", layout, f"one of {', '.join(LAYOUTS)}")
-    if layout is not None and path not in (None, "w4a16-tinygemm"):
-        raise InputError("layout", layout, "no layout unless the path is w4a16-tinygemm")
+    if layout is not None and path not in (None, path_with_layout(layout)):
+        raise InputError("layout", layout, f"no layout unless the path is {path_with_layout(layout)}")
     if max_model_len is not None and not 1 <= max_model_len <= model.max_position_embeddings:
         raise InputError("max_model_len", max_model_len,
                          f"1 to the model's max_position_embeddings ({model.max_position_embeddings})")
@@ -106,7 +110,7 @@ def _estimate(option: Option, gate: Gate, req: Request, max_model_len: int | Non
 def _options(req: Request, gates: dict[WeightPath, Gate]) -> list[Option]:
     """The ranked options, then every path the ranking has no measurement for, so that each is accounted for."""
     device = req.device
-    export = Option("export-only", None, None, "", [Reason(
+    export = Option(EXPORT_PATH, None, None, "", [Reason(
         text="vLLM has no phone/NPU backend; a calibrated w8a16 export was the only scheme correct on device "
         "(36.9 dB; int8 activations gave 5.1 dB)", source="reference study")])
     inp = RankInput(isa_class=device.isa_class, model=req.model, kernel=req.kernel, record=req.calibration,
@@ -220,7 +224,7 @@ def make_plan(
         raise InputError("max_kld", max_kld, "a positive mean KL divergence (nats per token)")
     pin = " ".join(f"--{k} {v}" for k, v in (("path", path), ("layout", layout)) if v) or None
     if layout is not None:
-        path = "w4a16-tinygemm"
+        path = path_with_layout(layout)
     gates = all_gates(device, model, calibration)
     req = Request(
         device=device, model=model, priority=priority,
@@ -259,7 +263,7 @@ def make_plan(
         quantization_config=qconfig,
         vllm=vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
                          max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes),
-        export=export_section(model.name, chosen.memory.resident_bytes) if option.path == "export-only" else None,
+        export=None if PATHS[option.path].served_by_vllm else export_section(model.name, chosen.memory.resident_bytes),
         quality=_plan_quality(chosen),
         calibration=_calibration_ref(calibration),
         reasons=_reasons(chosen, priority, device, req.kernel, pin),
@@ -268,7 +272,7 @@ def make_plan(
         pinned=path is not None,
         forced=force and not gate.runnable,
     )  # fmt: skip
-    if decode_reason is not None and option.path == "w4a16-tinygemm":
+    if decode_reason is not None and option.path == TINYGEMM_PATH:
         plan.reasons.append(decode_reason)
     _set_threads(plan, req)
     return plan
@@ -283,9 +287,9 @@ def _lossy_decode(req: Request, gates: dict[WeightPath, Gate],
     if kernel.lossy_decode is None or req.priority != "speed":
         return req, None
     trial = replace(req, kernel=replace(kernel, decode_kernel=kernel.lossy_decode))
-    probe = Option("w4a16-tinygemm", "direct", None, "")  # layout does not enter the quality key
+    probe = Option(TINYGEMM_PATH, PATHS[TINYGEMM_PATH].layouts[0], None, "")  # layout is not in the quality key
     record = find(records, req.model.name,
-                  quality_key("w4a16-tinygemm", _qconfig(probe, gates["w4a16-tinygemm"], trial)))  # fmt: skip
+                  quality_key(TINYGEMM_PATH, _qconfig(probe, gates[TINYGEMM_PATH], trial)))  # fmt: skip
     if record is None:
         return req, Reason(
             text=f"decode stays on {kernel.decode_kernel}: {kernel.lossy_decode_why}, but no edge-eval record of this "
@@ -316,8 +320,8 @@ def _set_threads(plan: Plan, req: Request) -> None:
 
 def _w4a16_shapes(model: ModelShape, gates: dict[WeightPath, Gate]) -> list[tuple[int, int]]:
     """The GEMM shapes whose crossover sets the dequant threshold: the w4a16 speed plan's int4 layers."""
-    group = gates["w4a16-tinygemm"].group_size
-    linears = engine_linears(model_layers(model, rules_for(model, "w4a16-tinygemm", group, "speed")))
+    group = gates[TINYGEMM_PATH].group_size
+    linears = engine_linears(model_layers(model, rules_for(model, TINYGEMM_PATH, group, "speed")))
     return sorted({(lin.n, lin.k) for lin in linears if lin.format == "int4"})
 
 
@@ -339,7 +343,7 @@ def _qconfig(option: Option, gate: Gate, req: Request) -> dict | None:
 
 
 def _measured(option: Option, gate: Gate, req: Request, records: list[QualityRecord]) -> QualityRecord | None:
-    if not records or not gate.runnable or option.path == "export-only":
+    if not records or not gate.runnable or not PATHS[option.path].served_by_vllm:
         return None
     return find(records, req.model.name, quality_key(option.path, _qconfig(option, gate, req)))
 
@@ -352,8 +356,8 @@ def _plan_quality(chosen: Evaluated) -> PlanQuality:
         return PlanQuality(status="measured", record=record, note=(
             f"edge-eval, {record.tokens} scored tokens" + (f" on {record.cpu}" if record.cpu else "")
             + (f", {record.measured_at}" if record.measured_at else "")))  # fmt: skip
-    nearest = {"w4a8-gptq": "amx.w4a8.perplexity_delta", "w4a16-tinygemm": "amx.w4a16.perplexity_delta"}
-    key = nearest.get(chosen.option.path)
+    ref = PATHS[chosen.option.path].reference
+    key = ref.perplexity if ref is not None else None
     if key is None:
         return PlanQuality(status="unmeasured", note="no edge-eval record for this path and model")
     f = fact(key)
@@ -379,7 +383,7 @@ def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile,
             text=f"measured quality: mean KLD {q.kld_mean:.4f} +- {q.kld_mean_se:.4f}, top-1 {q.top1_agreement:.1%}, "
             f"perplexity ratio {q.ppl_ratio:.3f} ({q.tokens} tokens, edge-eval)",
             value=q.kld_mean, unit="nats/token", source="measured by edge-eval"))  # fmt: skip
-    if chosen.option.path == "w4a16-tinygemm":
+    if chosen.option.path == TINYGEMM_PATH:
         source = device.runtime.tinygemm_block.source
         reasons.append(Reason(text=f"tinygemm n-block {kernel.block} channels ({source})", value=kernel.block,
                               unit="channels", source=source))

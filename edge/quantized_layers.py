@@ -29,10 +29,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from edge import rules
 from edge.errors import InputError
 from edge.shapes import ModelShape
-from edge.weight_paths import EIGHT_BIT_METHODS, QUANTIZED_PATHS, quant_method
+from edge.weight_paths import METHODS, QUANTIZED_PATHS, MethodSpec, own_method, quant_method
 
 Format = Literal["int4", "int8", "bf16"]
 HEAD = "lm_head"
@@ -86,6 +85,16 @@ INT4 = Decision("int4", "quantized")
 INT8 = Decision("int8", "in the 8-bit set (quantization_config.int8)")
 
 
+def _method(path: str, method: str | None) -> MethodSpec:
+    """A checkpoint's method, or its path's own where its config names none; a path without methods (bf16) is
+    never asked how it quantizes (QuantRules.weight keeps every weight bf16 there)."""
+    spec = METHODS.get(method) if method else own_method(path)
+    return spec if spec is not None else _NO_METHOD
+
+
+_NO_METHOD = MethodSpec("none", "bf16", False, False, 1, 1, False, False, False, False)
+
+
 def kind(prefix: str) -> str:
     """The last name of a weight's prefix: model.layers.3.self_attn.q_proj -> q_proj."""
     return prefix.rsplit(".", 1)[-1]
@@ -122,20 +131,25 @@ class QuantRules:
             group_size=qconfig.get("group_size"),
             ignore=tuple(qconfig.get("ignore") or ()),
             quantize_embedding=bool(qconfig.get("quantize_embedding", False)),
-            quantize_head=bool(qconfig.get("lm_head", path == "w4a8-gptq")),
+            quantize_head=bool(qconfig.get("lm_head", _method(path, method).head_by_default)),
             tied=tied,
             quant_method=method,
         )
         return replace(rules, int8=tuple(qconfig.get("int8") or ())) if rules.eight_bit else rules
 
     @property
+    def method(self) -> MethodSpec:
+        """The checkpoint's method (edge.weight_paths.METHODS), which says how it takes each weight."""
+        return _method(self.path, self.quant_method)
+
+    @property
     def eight_bit(self) -> bool:
         """Whether the checkpoint's method runs the 8-bit set (the plugin's methods; vLLM's own gptq does not)."""
-        return self.path == "w4a16-tinygemm" or (self.path == "w4a8-gptq" and self.quant_method == "cpu_w4a8")
+        return self.path in QUANTIZED_PATHS and self.method.eight_bit
 
     @property
     def n_multiple(self) -> int:
-        return rules.PACK_N_MULTIPLE if self.path == "w4a16-tinygemm" else rules.GPTQ_PARTITION_MULTIPLE
+        return self.method.n_multiple
 
     def ignored(self, prefix: str) -> bool:
         return matches(prefix, self.ignore)
@@ -149,37 +163,38 @@ class QuantRules:
         name = kind(prefix)
         if name == EMBEDDING or (name == HEAD and self.tied and self.eight_bit):
             return self._embedding(prefix, n, k)
-        if name == HEAD and not self.quantize_head and self.path == "w4a8-gptq" and not self.eight_bit:
+        if name == HEAD and not self.quantize_head and not self.eight_bit:
             return Decision("bf16", "quantization_config.lm_head is not true")
         if self.ignored(prefix):
             return Decision("bf16", "listed in quantization_config.ignore")
         if matches(prefix, self.int8):
             return INT8
-        if name == HEAD and self.quant_method == "cpu_w4a8":
-            return Decision("bf16", "cpu_w4a8 runs the head in int8 (quantization_config.int8) or bf16")
+        if name == HEAD and not self.method.int4_head:
+            return Decision("bf16", f"{self.method.name} runs the head in int8 (quantization_config.int8) or bf16")
         return self._shape(prefix, n, k)
 
     def _embedding(self, prefix: str, n: int, k: int) -> Decision:
-        if self.path == "w4a8-gptq" and not self.eight_bit:
+        if not self.eight_bit:
             return Decision("bf16", "a lookup: vLLM's GPTQ keeps the embedding bf16 (the head is untied from it)")
         embedding = prefix.removesuffix(HEAD) + f"model.{EMBEDDING}" if kind(prefix) == HEAD else prefix
         if self.ignored(embedding) or (self.tied and self.ignored(HEAD)):
             return Decision("bf16", "the embedding or the head tied to it is listed in quantization_config.ignore")
         if matches(embedding, self.int8) or (self.tied and matches(HEAD, self.int8)):
             return INT8
-        if self.path == "w4a8-gptq":
-            return Decision("bf16", "cpu_w4a8 stores the embedding in int8 (quantization_config.int8) or bf16")
+        if not self.method.int4_embedding:
+            return Decision("bf16", f"{self.method.name} stores the embedding in int8 (quantization_config.int8) "
+                            "or bf16")
         if not self.quantize_embedding:
             why = "" if self.tied else "an untied embedding is a lookup: "
             return Decision("bf16", f"{why}quantization_config.quantize_embedding is not true")
         return self._shape(prefix, n, k)
 
     def _shape(self, prefix: str, n: int, k: int) -> Decision:
-        multiple = self.n_multiple
+        multiple, k_multiple = self.n_multiple, self.method.k_multiple
         if n % multiple:
             return Decision("bf16", f"N={n} is not a multiple of {multiple}")
         group = self.group_size
-        if group is None or (self.path == "w4a8-gptq" and k % multiple) or (group > 0 and k % group):
+        if group is None or k % k_multiple or (group > 0 and k % group):
             if not self.strict:
                 return Decision("bf16", f"K={k} is not divisible by group_size {group} (and by {multiple} for GPTQ)")
             raise InputError(
@@ -231,9 +246,10 @@ def rules_for(
     `ignore`, for fidelity); fidelity also keeps SENSITIVE_SET at 8 bits unless the source's own grid holds them
     already (a GPTQ checkpoint never takes codes from the source). w4a8 on AMX is vLLM's own GPTQ method."""
     method = quant_method(path, amx=amx)
-    eight_bit = method in EIGHT_BIT_METHODS
+    spec = METHODS.get(method) if method else None
+    eight_bit = spec is not None and spec.eight_bit
     head_format = HEAD_FORMAT[priority] if eight_bit else None
-    own_grid = bool(model.source_grid) and path == "w4a16-tinygemm"
+    own_grid = bool(model.source_grid) and spec is not None and spec.source_codes
     sensitive = SENSITIVE_SET if eight_bit and priority == "fidelity" and not own_grid else ()
     return QuantRules(
         path=path,

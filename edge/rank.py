@@ -21,7 +21,7 @@ from edge.kernel_registry import KERNELS
 from edge.plan import Layout, Priority, Reason, WeightPath
 from edge.quantized_layers import model_layers, rules_for
 from edge.shapes import ModelShape
-from edge.weight_paths import PATHS, fidelity_rank
+from edge.weight_paths import DERIVED_LAYOUT_ORDER, LAYOUT_PREFILL_SLOWDOWN, PATHS, Reference, fidelity_rank
 
 REFERENCE_SHAPE = (4096, 4096)  # edge-calibrate times it for every model: records compare across models
 # The options a record ranks: every path vLLM serves, in each of its layouts (equal cost sorts the leanest first).
@@ -147,31 +147,29 @@ def _serves(key: str, kernels: dict[str, float]) -> bool:
 
 
 def _amx_options() -> list[Option]:
-    """Seconds per request from the reference study's tok/s (Spark-X2.5-1.7B on a Xeon 8480C): no kernel times."""
+    """Seconds per request from the reference study's tok/s (Spark-X2.5-1.7B on a Xeon 8480C): no kernel times.
+    Each path's `reference` (edge.weight_paths) names its figures; a layout's prefill is dual's scaled by its
+    slowdown."""
 
-    def cost(prefill_key: str, decode_key: str, prefill_slowdown: float = 1.0) -> float:
-        prefill = fact(prefill_key).value / prefill_slowdown
-        return PROMPT_TOKENS / prefill + NEW_TOKENS / fact(decode_key).value
+    def cost(ref: Reference, prefill_slowdown: float = 1.0) -> float:
+        prefill = fact(ref.prefill).value / prefill_slowdown
+        return PROMPT_TOKENS / prefill + NEW_TOKENS / fact(ref.decode).value
 
     unit = "s per request (512-token prompt + 128 tokens, reference model)"
-    w4a16_prefill = "amx.w4a16.dual.prefill_tok_s"
-    slowdown = {"dual": 1.0, "direct": fact("amx.direct.prefill_slowdown").value,
-                "kernel-only": fact("amx.kernel_only.prefill_slowdown").value}  # fmt: skip
-    options = [
-        Option("w4a8-gptq", None, cost("amx.w4a8.prefill_tok_s", "amx.w4a8.decode_tok_s"), unit,
-               [_cite("amx.w4a8.decode_tok_s", "W4A8 decodes fastest on AMX")]),
-        Option("bf16", None, cost("amx.bf16.prefill_tok_s", "amx.bf16.decode_tok_s"), unit,
-               [_cite("amx.bf16.decode_tok_s", "bf16 decode on AMX")]),
-    ]  # fmt: skip
-    for layout in ("dual", "direct", "kernel-only"):
-        reasons = [_cite("amx.w4a16.decode_tok_s", "W4A16 tinygemm decode on AMX")]
-        if layout != "dual":
-            key = "amx.direct.prefill_slowdown" if layout == "direct" else "amx.kernel_only.prefill_slowdown"
-            reasons.append(_cite(key, f"{layout} layout prefill is slower than dual"))
-        options.append(
-            Option("w4a16-tinygemm", layout,
-                   cost(w4a16_prefill, "amx.w4a16.decode_tok_s", slowdown[layout]), unit, reasons)
-        )  # fmt: skip
+    options = []
+    for name, spec in PATHS.items():
+        ref = spec.reference
+        if ref is None:
+            continue
+        if not spec.layouts:
+            options.append(Option(name, None, cost(ref), unit, [_cite(ref.decode, ref.why)]))
+            continue
+        for layout, slowdown_key in LAYOUT_PREFILL_SLOWDOWN.items():
+            reasons = [_cite(ref.decode, ref.why)]
+            if slowdown_key is not None:
+                reasons.append(_cite(slowdown_key, f"{layout} layout prefill is slower than dual"))
+            slowdown = fact(slowdown_key).value if slowdown_key is not None else 1.0
+            options.append(Option(name, layout, cost(ref, slowdown), unit, reasons))
     return options
 
 
@@ -182,10 +180,13 @@ def _derived_options() -> list[Option]:
         text="no measurement on this ISA class: ranked by bytes read per decode step (bandwidth-bound)",
         source="derived",
     )
-    options = [Option("bf16", None, 2.0, unit, [reason], True)]
-    # 4.5 bits/weight with bf16 scale and zero per 64 weights; layouts differ only in prefill, unmeasured here.
-    for layout in ("kernel-only", "direct", "dual"):  # equal cost: the sort is stable, leanest first
-        options.append(Option("w4a16-tinygemm", layout, 0.5625, unit, [reason], True))
+    options = []
+    for name, spec in PATHS.items():
+        if spec.derived_bytes is None:
+            continue
+        layouts = [layout for layout in DERIVED_LAYOUT_ORDER if layout in spec.layouts] or [None]
+        # equal cost: the sort is stable, leanest first
+        options += [Option(name, layout, spec.derived_bytes, unit, [reason], True) for layout in layouts]
     return options
 
 

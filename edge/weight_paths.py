@@ -1,9 +1,13 @@
-"""The weight paths, as data: one spec per path, the one place a path's name, layouts and methods are written.
+"""The weight paths and the checkpoint methods, as data: one spec per path and one per vLLM method, the one place a
+path's name, layouts, methods, gate, weight format and reference numbers are written.
 
-Everything that lists paths asks this table: the Plan's types and choices (edge.plan), the ranking and the
-fidelity order (edge.rank), which paths quantize (edge.quantized_layers), the vLLM method a checkpoint names
-(edge.quantized_layers, edge.engine_config) and, the other way, the path a checkpoint's `quant_method` belongs to
-(kernels.evaluate.evaluate's quality records). The kernels each path runs are edge.kernel_registry's `serves`.
+Everything that lists paths or branches on one asks these tables: the Plan's types and choices (edge.plan), the
+gates (edge.gates, by `gate`), the ranking and the fidelity order (edge.rank: `reference`, `derived_bytes`,
+`fidelity_rank`), which weights a method quantizes and how (edge.quantized_layers, by MethodSpec), the ledger's
+weights and the converter's step (edge.ledger, kernels.convert.convert, by `weight_format`), the vLLM method a
+checkpoint names (edge.engine_config) and, the other way, the path a checkpoint's `quant_method` belongs to
+(kernels.evaluate.evaluate's quality records), and who measured a path where (edge.verified, by `measured`). The
+kernels each path runs are edge.kernel_registry's `serves`.
 
     w4a16-tinygemm  4-bit weights, bf16 activations: the plugin's `cpu_int4` method, in a layout
     w4a8-gptq       4-bit GPTQ weights, int8 activations: vLLM's own `gptq` where AMX tiles are (its W4A8 kernel
@@ -15,11 +19,40 @@ fidelity order (edge.rank), which paths quantize (edge.quantized_layers), the vL
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from edge import rules
 
 WeightPath = Literal["w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only"]
 Layout = Literal["direct", "dual", "kernel-only"]
+# How a path stores its weights, which decides the ledger's weight items and the converter's step.
+WeightFormat = Literal["tinygemm", "gptq", "bf16", "export"]
+
+# Who measured what (a path's `measured`, read by edge.verified).
+_REFERENCE = "measured by the reference study on a Xeon 8480C (AMX) with vLLM 0.28"
+_HERE = "measured on this project's AVX2 host with vLLM 0.28"
+_HERE_AVX512 = (
+    "measured on this project's AVX-512 host (AMD EPYC Zen 5, AVX512-BF16, no AMX) with vLLM 0.28: the default "
+    "model served through edge-serve, 1 thread (docs/FACTS.md, 2026-11-30)"
+)
+# Each layout's prefill against dual's on AMX (edge.facts keys; None: dual itself), for the reference ranking.
+LAYOUT_PREFILL_SLOWDOWN: dict[Layout, str | None] = {
+    "dual": None, "direct": "amx.direct.prefill_slowdown", "kernel-only": "amx.kernel_only.prefill_slowdown",
+}  # fmt: skip
+# Bytes read per weight per decode step ranks paths on an ISA class nothing measured: the layouts in this order
+# when equal (the leanest first).
+DERIVED_LAYOUT_ORDER: tuple[Layout, ...] = ("kernel-only", "direct", "dual")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The reference study's numbers for a path on AMX (edge.facts keys), which rank it there without a record."""
+
+    prefill: str  # tok/s (dual's, for a path with layouts: LAYOUT_PREFILL_SLOWDOWN scales it)
+    decode: str  # tok/s
+    why: str  # the reason the ranking cites with the decode figure
+    perplexity: str | None = None  # the nearest quality figure, for a plan with no edge-eval record
 
 
 @dataclass(frozen=True)
@@ -32,25 +65,95 @@ class PathSpec:
     # W4A8 quantizes activations (+27.2 %) and comes last.
     fidelity_rank: int
     methods: dict[bool, str] | None  # the checkpoint's quant_method, by: the device has AMX tiles; None: no checkpoint
+    weight_format: WeightFormat
+    gate: str  # its gate in edge.gates (GATES)
+    reference: Reference | None = None  # None: the reference study did not rank it
+    derived_bytes: float | None = None  # bytes per weight per decode step where nothing is measured; None: not ranked
+    measured: dict[tuple[Layout | None, str], str] = field(default_factory=dict)  # (layout or any, ISA class) -> who
     served_by_vllm: bool = True
 
 
 PATHS: dict[str, PathSpec] = {
     spec.name: spec
     for spec in (
-        PathSpec("w4a8-gptq", (), True, True, 9, {True: "gptq", False: "cpu_w4a8"}),
+        PathSpec("w4a8-gptq", (), True, True, 9, {True: "gptq", False: "cpu_w4a8"}, "gptq", "gate_w4a8",
+                 Reference("amx.w4a8.prefill_tok_s", "amx.w4a8.decode_tok_s", "W4A8 decodes fastest on AMX",
+                           "amx.w4a8.perplexity_delta"),
+                 measured={(None, "amx"): _REFERENCE + " (this project's GPTQ export has not run on AMX)",
+                           (None, "avx512"): _HERE_AVX512.replace("served through edge-serve", "served by vLLM "
+                           "through the plugin's cpu_w4a8") + " (decode 131 tok/s vs direct 104)"}),
         PathSpec("w4a16-tinygemm", ("direct", "dual", "kernel-only"), True, False, 1,
-                 {True: "cpu_int4", False: "cpu_int4"}),
-        PathSpec("bf16", (), False, False, 0, None),
-        PathSpec("export-only", (), False, False, 2, None, served_by_vllm=False),
+                 {True: "cpu_int4", False: "cpu_int4"}, "tinygemm", "gate_w4a16",
+                 Reference("amx.w4a16.dual.prefill_tok_s", "amx.w4a16.decode_tok_s", "W4A16 tinygemm decode on AMX",
+                           "amx.w4a16.perplexity_delta"),
+                 # 4.5 bits/weight with bf16 scale and zero per 64 weights; layouts differ only in prefill.
+                 derived_bytes=0.5625,
+                 measured={(None, "amx"): _REFERENCE,
+                           (None, "avx2"): _HERE + " (direct, dual and kernel-only served the default model; "
+                           "docs/reports/2026-11-29-engine.md)",
+                           ("direct", "avx512"): _HERE_AVX512 + " (direct: decode ~103 tok/s vs bf16 ~55-61)"}),
+        PathSpec("bf16", (), False, False, 0, None, "bf16", "gate_bf16",
+                 Reference("amx.bf16.prefill_tok_s", "amx.bf16.decode_tok_s", "bf16 decode on AMX"),
+                 derived_bytes=2.0,
+                 measured={(None, "amx"): _REFERENCE, (None, "avx2"): _HERE, (None, "avx512"): _HERE_AVX512}),
+        PathSpec("export-only", (), False, False, 2, None, "export", "gate_export_only", served_by_vllm=False),
     )
 }  # fmt: skip
 
 WEIGHT_PATHS: tuple[WeightPath, ...] = tuple(PATHS)  # type: ignore[assignment]
 LAYOUTS: tuple[Layout, ...] = tuple(dict.fromkeys(layout for spec in PATHS.values() for layout in spec.layouts))
 QUANTIZED_PATHS: tuple[WeightPath, ...] = tuple(name for name, spec in PATHS.items() if spec.quantizes_weights)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A vLLM quantization method a checkpoint names (`quant_method`): what it stores and which weights it takes."""
+
+    name: str
+    path: WeightPath
+    plugin: bool  # this project's (kernels/vllm_plugin) or vLLM's own
+    eight_bit: bool  # runs the 8-bit set (int8 head and embedding, quantization_config.int8)
+    n_multiple: int  # a quantized layer's N is a multiple of it
+    k_multiple: int  # and its K (1: any K the group divides)
+    head_by_default: bool  # the head is quantized when the config's `lm_head` says nothing
+    int4_head: bool  # the head may take 4 bits (else int8 or bf16)
+    int4_embedding: bool  # the embedding may take 4 bits (`quantize_embedding`)
+    source_codes: bool  # takes the 4-bit codes from the source's own grid (`codes_from_source`)
+
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec("cpu_int4", "w4a16-tinygemm", True, True, rules.PACK_N_MULTIPLE, 1, False, True, True, True),
+        MethodSpec("cpu_w4a8", "w4a8-gptq", True, True, rules.GPTQ_PARTITION_MULTIPLE,
+                   rules.GPTQ_PARTITION_MULTIPLE, True, False, False, False),
+        # vLLM's GPTQ keeps the embedding bf16 and quantizes the head (a tied one is untied)
+        MethodSpec("gptq", "w4a8-gptq", False, False, rules.GPTQ_PARTITION_MULTIPLE,
+                   rules.GPTQ_PARTITION_MULTIPLE, True, True, False, False),
+    )
+}  # fmt: skip
 # The plugin's methods (kernels/vllm plugin) run the 8-bit set (int8 head and embedding); vLLM's own gptq does not.
-EIGHT_BIT_METHODS = ("cpu_int4", "cpu_w4a8")
+EIGHT_BIT_METHODS = tuple(name for name, spec in METHODS.items() if spec.eight_bit)
+
+
+def the_path(**props: object) -> WeightPath:
+    """The one path with these spec values (a second one would have to say which it means)."""
+    found = [name for name, spec in PATHS.items() if all(getattr(spec, k) == v for k, v in props.items())]
+    assert len(found) == 1, f"one path has {props}, got {found}"
+    return found[0]  # type: ignore[return-value]
+
+
+def path_with_layout(layout: str) -> WeightPath:
+    """The path a layout belongs to."""
+    found = [name for name, spec in PATHS.items() if layout in spec.layouts]
+    assert len(found) == 1, f"{layout} belongs to one path, got {found}"
+    return found[0]  # type: ignore[return-value]
+
+
+def own_method(path: str) -> MethodSpec | None:
+    """The method a checkpoint of this path names when its config says none (the AMX host's)."""
+    method = quant_method(path, amx=True)
+    return METHODS[method] if method else None
 
 
 def quant_method(path: str, *, amx: bool) -> str | None:
@@ -66,9 +169,8 @@ def quant_methods(path: str) -> list[str]:
 
 def path_of_method(method: str) -> WeightPath:
     """The path whose checkpoints carry this quant_method ("bf16" for a checkpoint without one)."""
-    found = [name for name, spec in PATHS.items() if spec.methods and method in spec.methods.values()]
-    assert len(found) <= 1, f"{method} belongs to one path, got {found}"
-    return found[0] if found else "bf16"
+    spec = METHODS.get(method)
+    return spec.path if spec else the_path(weight_format="bf16")
 
 
 def fidelity_rank(path: str) -> int:

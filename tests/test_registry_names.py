@@ -8,6 +8,7 @@ import ast
 from pathlib import Path
 
 from edge.kernel_registry import DECODE_KERNELS, KERNELS
+from edge.weight_paths import METHODS, PATHS, QUANTIZED_PATHS, WEIGHT_PATHS, quant_method, quant_methods
 
 REPO = Path(__file__).parents[1]
 # Where a kernel's name may be written: the spec, and the files of the kernels themselves (the timers included).
@@ -59,3 +60,65 @@ def test_every_facts_stand_in_of_a_kernel_is_a_key_of_the_facts_table_for_some_c
     missing = [f"{name}: {point.suffix}" for name, spec in KERNELS.items() for point in spec.facts
                if not any(key.endswith("." + point.suffix) for key in FACTS)]  # fmt: skip
     assert missing == []
+
+
+# Paths are data too (edge/weight_paths.py): a module branches on a spec's values (its weight format, whether it
+# quantizes, whether vLLM serves it), never on a path's name, so a new path is one entry. Its own files may name
+# it: the phone bundle's exporter names the plan it takes.
+# The kernel registry is the other spec: a kernel's entry names the paths it serves.
+PATH_SPECS = {"edge/weight_paths.py", "edge/kernel_registry.py"}
+PATH_OWN_FILES = {"kernels/export/export.py": {"export-only"}}
+DISTINCT_PATHS = {name for name in WEIGHT_PATHS if "-" in name}
+
+
+def named(path: Path, names: set[str]) -> set[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names}  # fmt: skip
+
+
+def test_the_checked_path_names_are_every_path_but_the_dtype():
+    assert set(WEIGHT_PATHS) - {"bf16"} == DISTINCT_PATHS
+
+
+def test_no_module_outside_the_path_specs_and_the_paths_own_files_names_a_path():
+    found = []
+    for room in ("edge", "kernels", "server"):
+        for path in sorted((REPO / room).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel in PATH_SPECS:
+                continue
+            allowed = PATH_OWN_FILES.get(rel, set())
+            found += [f"{rel}:{line} names {name}" for line, name in sorted(named(path, DISTINCT_PATHS))
+                      if name not in allowed]  # fmt: skip
+    assert found == []
+
+
+def test_every_spec_names_a_gate_and_every_method_a_config_and_an_installer():
+    from edge.engine_config import METHOD_CONFIGS
+    from edge.gates import GATES
+    from kernels.scoring.eval_model import INSTALLERS
+
+    assert sorted(spec.gate for spec in PATHS.values()) == sorted(GATES)
+    assert sorted(METHOD_CONFIGS) == sorted(METHODS) == sorted(INSTALLERS)
+    assert all(METHODS[method].path == name for name, spec in PATHS.items() for method in quant_methods(name))
+
+
+def test_a_paths_config_names_its_own_method_on_either_kind_of_host():
+    """What edge.engine_config writes is the method edge.weight_paths names for the device (AMX or not)."""
+    from edge.engine_config import quantization_config
+    from edge.kernel_params import KernelParams
+    from edge.model_reader import default_model
+    from edge.quantized_layers import model_layers, rules_for
+    from edge.rules import pick_gptq_group_size, pick_group_size
+
+    model = default_model()
+    for name in QUANTIZED_PATHS:
+        spec = PATHS[name]
+        group = pick_group_size(model) if spec.weight_format == "tinygemm" else pick_gptq_group_size(model)
+        for amx in (True, False):
+            layers = model_layers(model, rules_for(model, name, group, amx=amx))
+            layout = spec.layouts[0] if spec.layouts else None
+            kernel = KernelParams(block=32, dequant_threshold=16, prefill_dtype="bfloat16", repack_chunk_rows=4096)
+            config = quantization_config(model, name, layout, group, layers, kernel, amx=amx)
+            assert config["quant_method"] == quant_method(name, amx=amx)

@@ -36,6 +36,7 @@ from edge.kernel_registry import KERNELS
 from edge.quantized_layers import model_layers, rules_for
 from edge.rules import pick_group_size
 from edge.shapes import ModelShape
+from edge.weight_paths import the_path
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 REFERENCE_SHAPE = (4096, 4096)  # timed for every model, so records of different models compare and scale
@@ -54,8 +55,9 @@ def _stderr(line: str) -> None:
 
 
 def model_shapes(model: ModelShape, group: int) -> list[tuple[int, int]]:
-    """[N, K] of every GEMM vLLM runs for the model on the w4a16-tinygemm path (edge.cost.calibration_shapes)."""
-    return calibration_shapes(model_layers(model, rules_for(model, "w4a16-tinygemm", group, "speed")))
+    """[N, K] of every GEMM vLLM runs for the model on the tinygemm-format path (edge.cost.calibration_shapes)."""
+    path = the_path(weight_format="tinygemm")
+    return calibration_shapes(model_layers(model, rules_for(model, path, group, "speed")))
 
 
 def group_size(model: ModelShape) -> int:

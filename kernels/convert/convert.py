@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge.errors import InputError
 from edge.quantized_layers import EMBEDDING, QuantRules
+from edge.weight_paths import PATHS as PATH_SPECS
 from edge.weight_paths import quant_methods
 from kernels.source.checkpoint import (
     INDEX_FILE,
@@ -56,7 +57,8 @@ CONVERTER_VERSION = "2"  # 2: the 8-bit set, codes from the source's own grid
 MANIFEST = "edge-convert.json"
 SHARD_BYTES = 1 << 30
 QUANTIZE_CHUNK_ROWS = 4096  # a multiple of 32, so chunks keep tinygemm's N % 16 and GPTQ's N % 32
-PATHS = ("bf16", "w4a16-tinygemm", "w4a8-gptq")
+# The paths the converter builds: every one vLLM serves (a phone's bundle is edge-export's).
+PATHS = tuple(name for name, spec in PATH_SPECS.items() if spec.served_by_vllm)
 FLOAT_DTYPES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}
 # Linears inside decoder layers, by the names HF checkpoints use (Llama, Mistral, Qwen, Gemma; Phi-3 fused).
 _KINDS = "q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj"
@@ -183,7 +185,8 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
             decisions.quantize[name] = prefix
         else:
             decisions.kept[name] = decision.why
-    if path == "w4a8-gptq" and not quant.eight_bit and source.tied and embedding is not None:
+    # a method whose head takes 4 bits but whose embedding cannot (vLLM's gptq) unties a tied head
+    if quant.method.int4_head and not quant.method.int4_embedding and source.tied and embedding is not None:
         n, k = shapes[embedding.removesuffix(".weight")]
         head = quant.weight("lm_head", n, k)
         if head.quantized:
@@ -192,7 +195,7 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
             decisions.kept["lm_head (tied)"] = head.why
     elif quant.eight_bit and source.tied and embedding and not _written_quantized(decisions, embedding):
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
-    if path == "w4a16-tinygemm" and qconfig.get("codes_from_source"):
+    if quant.method.source_codes and qconfig.get("codes_from_source"):
         _read_codes_from_source(source, qconfig, decisions)
     return decisions
 
@@ -232,30 +235,29 @@ def _written_quantized(decisions: Decisions, name: str) -> bool:
 
 
 def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
-    if path == "export-only":
-        raise InputError("path", path, "a path the converter builds (an export-only plan's bundle: edge-export)")
+    if path in PATH_SPECS and not PATH_SPECS[path].served_by_vllm:
+        raise InputError("path", path, f"a path the converter builds (an {path} plan's bundle: edge-export)")
     if path not in PATHS:
         raise InputError("path", path, f"one of {list(PATHS)}")
-    if path == "bf16":
+    weight_format = PATH_SPECS[path].weight_format
+    if weight_format == "bf16":
         if qconfig is not None:
             raise InputError("quantization_config", qconfig, "none for path bf16")
         return
     if not isinstance(qconfig, dict) or not isinstance(qconfig.get("group_size"), int):
         raise InputError("quantization_config", qconfig, f"a dict with an integer group_size for path {path}")
-    if path == "w4a16-tinygemm":
+    methods = quant_methods(path)  # cpu_int4; gptq (vLLM's own, AMX hosts) or cpu_w4a8 (the plugin's)
+    if qconfig.get("quant_method") not in methods:
+        expected = f"'{methods[0]}'" if len(methods) == 1 else f"one of {methods}"
+        raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), expected)
+    if weight_format == "tinygemm":
         from kernels.ops.int4 import check_group
 
-        if qconfig.get("quant_method") != "cpu_int4":
-            raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), "'cpu_int4'")
         check_group(qconfig["group_size"])
     else:
-        try:
-            from kernels.ops import gptq
-        except ImportError:
-            raise InputError("path", path, "a built path (kernels/ops/gptq.py is not available yet)") from None
-        methods = quant_methods(path)  # gptq (vLLM's own, AMX hosts), cpu_w4a8 (the plugin's)
-        if qconfig.get("quant_method") not in methods:
-            raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), f"one of {methods}")
+        assert weight_format == "gptq", (path, weight_format)
+        from kernels.ops import gptq
+
         if qconfig["group_size"] not in gptq.GROUP_SIZES:
             group = qconfig["group_size"]
             raise InputError("quantization_config.group_size", group, f"one of {gptq.GROUP_SIZES}")
@@ -412,7 +414,7 @@ def _convert_tensor(
     prefix = decisions.quantize.get(name)
     if prefix is None:
         return {name: tensor.to(torch.bfloat16)}  # no copy when already bf16: bit-exact passthrough
-    if path == "w4a16-tinygemm":
+    if PATH_SPECS[path].weight_format == "tinygemm":
         from kernels.ops.int4 import quantize_packed
 
         search = qconfig.get("rounding") == "search"  # kernels/ops/asym_search.py; else min/max round-to-nearest
@@ -538,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         from edge.plan_file import load_plan
 
         plan = load_plan(args.plan) if args.plan else _plan_for_this_host(args.src)
-        if plan.path == "export-only":  # a phone's plan: the deliverable is the exported bundle
+        if not PATH_SPECS[plan.path].served_by_vllm:  # a phone's plan: the deliverable is the exported bundle
             from kernels.export.export import export
 
             print(export(args.src, args.dst, plan, force=args.force))

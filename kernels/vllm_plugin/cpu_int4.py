@@ -35,6 +35,7 @@ from edge.errors import InputError
 from edge.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL, decode_rows, reads_row_major
 from edge.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
 from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
+from edge.weight_paths import METHODS
 from kernels.ops.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear, int8_embedding, int8_linear
 from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
@@ -271,7 +272,7 @@ class CpuInt4Config(PluginConfig):
     def get_name(self) -> str:
         return NAME
 
-    PATH = "w4a16-tinygemm"
+    PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
         return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod},

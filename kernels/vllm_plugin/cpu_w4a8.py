@@ -30,6 +30,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from edge.errors import InputError
 from edge.quantized_layers import EIGHT_BIT_SET
 from edge.rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
+from edge.weight_paths import METHODS
 from kernels.vllm_plugin.cpu_int4 import (
     CpuInt8EmbeddingMethod,
     CpuInt8LinearMethod,
@@ -184,7 +185,7 @@ class CpuW4A8Config(PluginConfig):
     def get_name(self) -> str:
         return NAME
 
-    PATH = "w4a8-gptq"
+    PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
         # the embedding and the head stay int8 or bf16 (edge.quantized_layers: never 4-bit on this path)
