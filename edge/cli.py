@@ -27,9 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--priority", choices=PRIORITIES, default="speed",
                         help="fidelity never quantizes activations; speed takes the fastest measured path")
-    parser.add_argument("--model", metavar="DIR|config.json",
-                        help="a local Hugging Face model directory or its config.json "
-                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", metavar="DIR|FILE.gguf|ORG/NAME",
+                        help="a Hugging Face model directory or its config.json, a .gguf file, or a repo id in the "
+                             "local Hugging Face cache (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--memory-budget", metavar="SIZE",
                         help="e.g. 3GiB or 512MiB (default: the memory the probe finds available)")
     parser.add_argument("--max-model-len", type=int, metavar="TOKENS")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -29,11 +31,21 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "Qwen3ForCausalLM": ("qwen3", False),
     "GemmaForCausalLM": ("gemma", True),  # GemmaConfig and Gemma2Config tie by default
     "Gemma2ForCausalLM": ("gemma2", True),
+    "Gemma3ForCausalLM": ("gemma3_text", True),  # Gemma3TextConfig ties by default
     "Phi3ForCausalLM": ("phi3", False),
 }
 _BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _) in ARCHITECTURES.items()}
-# Gemma/Gemma2 configs may omit vocab_size; transformers' default for both is 256000.
-_VOCAB_DEFAULTS = {"gemma": 256000, "gemma2": 256000}
+_BY_MODEL_TYPE["gemma3"] = "Gemma3ForCausalLM"  # a Gemma 3 wrapper's text_config says gemma3_text
+# What transformers' config classes default to, where a config may omit the key (Gemma configs often do):
+# GemmaConfig/Gemma2Config vocab 256000; Gemma3TextConfig vocab 262208, head_dim 256, sliding_window 4096,
+# max_position_embeddings 131072 (transformers/models/gemma*/configuration_gemma*.py).
+_DEFAULTS: dict[str, dict[str, int]] = {
+    "gemma": {"vocab_size": 256000},
+    "gemma2": {"vocab_size": 256000},
+    "gemma3_text": {"vocab_size": 262208, "head_dim": 256, "sliding_window": 4096, "max_position_embeddings": 131072},
+}
+# Gemma 3: every sliding_window_pattern-th layer attends to the full context (Gemma3TextConfig's default 6).
+GEMMA3_PATTERN = 6
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -51,12 +63,22 @@ def default_model() -> ModelShape:
 
 
 def read_model(path: str | Path) -> ModelShape:
-    """Shapes of the model in a local HF directory (its config.json) or of a config.json file; a directory's
-    edge-source.json (written by edge-model for a model built from a GGUF) adds the source's own 4-bit grid."""
-    path = Path(path)
+    """Shapes of the model `path` names: a local HF directory (its config.json), a config.json file, a `.gguf`
+    file (its header, edge.gguf_metadata), or a Hugging Face repo id found in the local Hugging Face cache
+    (resolve_model). A directory's edge-source.json (written by edge-model for a model built from a GGUF) adds the
+    source's own 4-bit grid; a GGUF's own 4-bit tensors give it theirs."""
+    path = resolve_model(path)
+    if is_gguf(path):
+        from edge import gguf_metadata
+
+        header = gguf_metadata.read_header(path)
+        shape = read_model_config(gguf_metadata.hf_config(header), path.stem)
+        grid = gguf_metadata.source_grid(header)
+        return shape.model_copy(update={"source_grid": grid}) if grid else shape
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
-        raise InputError("model", str(path), "a model directory holding config.json, or a config.json file")
+        raise InputError("model", str(path), "a model directory holding config.json, a config.json file, a .gguf "
+                         "file or a Hugging Face repo id in the local cache")  # fmt: skip
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -65,6 +87,42 @@ def read_model(path: str | Path) -> ModelShape:
     shape = read_model_config(config, name or str(path))
     grid = source_grid(config_file.parent / SOURCE_FILE)
     return shape.model_copy(update={"source_grid": grid}) if grid else shape
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" and path.is_file()
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+def hf_cache_dirs() -> list[Path]:
+    """Where huggingface_hub keeps downloads, in its own order: HF_HUB_CACHE, then HF_HOME/hub, then
+    ~/.cache/huggingface/hub (huggingface_hub/constants.py)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return [Path(os.environ["HF_HUB_CACHE"]).expanduser()]
+    home = Path(os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
+    return [home.expanduser() / "hub"]
+
+
+def resolve_model(model: str | Path) -> Path:
+    """A path as it is when it exists; else a Hugging Face repo id ("org/name") as its snapshot in the local
+    cache (refs/main, or the one snapshot there is), offline: nothing is ever downloaded."""
+    path = Path(model)
+    if path.exists() or not _REPO_ID.match(str(model)):
+        return path
+    for cache in hf_cache_dirs():
+        repo = cache / f"models--{str(model).replace('/', '--')}"
+        ref = repo / "refs" / "main"
+        snapshots = repo / "snapshots"
+        if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+            return snapshots / ref.read_text().strip()
+        found = sorted(p for p in snapshots.glob("*") if p.is_dir()) if snapshots.is_dir() else []
+        if len(found) == 1:
+            return found[0]
+    caches = ", ".join(str(c) for c in hf_cache_dirs())
+    raise InputError("model", str(model), f"a local path, or a Hugging Face repo id present in the local cache "
+                     f"({caches}); nothing is downloaded")  # fmt: skip
 
 
 SOURCE_FILE = "edge-source.json"
@@ -101,6 +159,7 @@ def read_model_config(config: dict, name: str) -> ModelShape:
             "config.json: architectures", config.get("architectures"), f"one of {list(ARCHITECTURES)}"
         )
     model_type, tie_default = ARCHITECTURES[architecture]
+    text = {**_DEFAULTS.get(model_type, {}), **text}
     return _shape(_Fields(text, source), name, architecture, model_type, tie_default, config)
 
 
@@ -165,7 +224,7 @@ def _shape(
                 f._field("head_dim"), None, f"present when hidden_size={hidden} % heads={heads} != 0"
             )
         head_dim = hidden // heads
-    vocab = f.positive_int("vocab_size", default=_VOCAB_DEFAULTS.get(model_type))
+    vocab = f.positive_int("vocab_size")
     # A multimodal wrapper may carry tie_word_embeddings at the top level rather than in text_config.
     tie = f.boolean("tie_word_embeddings", default=top.get("tie_word_embeddings", tie_default))
     max_pos = f.positive_int("max_position_embeddings")
@@ -222,6 +281,9 @@ def _attention_layout(f: _Fields, model_type: str, layers: int) -> tuple[list[st
         return None, None
     elif model_type == "gemma2":
         types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+    elif model_type == "gemma3_text":
+        pattern = f.positive_int("sliding_window_pattern", default=GEMMA3_PATTERN)
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
     elif model_type in ("qwen2", "qwen3"):
         if not f.boolean("use_sliding_window", default=False):
             return None, None

@@ -31,8 +31,11 @@ def resolve(path: str, env: Mapping[str, str] | None = None) -> str:
     return os.path.expanduser(path)
 
 
-def converted_dir(model_dir: Path, quantization_config: dict[str, Any], env: Mapping[str, str] | None = None) -> Path:
+def converted_dir(
+    model_dir: Path, quantization_config: dict[str, Any] | None, env: Mapping[str, str] | None = None
+) -> Path:
     """Where the conversion of this model for this quantization_config lives; same config, same place (edge-serve
-    converts there, edge-eval --plan evaluates there)."""
+    converts there, edge-eval --plan evaluates there). None: a bf16 checkpoint (a GGUF source's, which vLLM cannot
+    load as a file)."""
     digest = hashlib.sha256(json.dumps(quantization_config, sort_keys=True).encode()).hexdigest()[:12]
     return cache_dir(env) / "converted" / f"{Path(model_dir).name}-{digest}"

@@ -1,6 +1,6 @@
 """edge-serve: plan for this box, convert the model when the plan needs it, then serve it behind the API.
 
-  edge-serve [--model DIR] [--priority fidelity|speed] [--host 127.0.0.1] [--port 8080]
+  edge-serve [--model DIR|FILE.gguf|ORG/NAME] [--priority fidelity|speed] [--host 127.0.0.1] [--port 8080]
              [--memory-budget SIZE] [--max-model-len N] [--force] [--calibration-db URL] [--served-model-name NAME]
              [--calibrate] [--report-to URL [--report-token TOKEN]]
 
@@ -38,7 +38,7 @@ from edge.calibration import CalibrationRecord, best_match, parse
 from edge.calibration import cached_records as cached_calibrations
 from edge.describe import load_device_file, parse_size
 from edge.errors import InputError
-from edge.model_reader import read_model
+from edge.model_reader import is_gguf, read_model, resolve_model
 from edge.paths import converted_dir
 from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan
 from edge.planner import make_plan
@@ -70,7 +70,6 @@ def default_model_dir(command: Sequence[str] | None = None) -> Path:
 
 def convert(plan: Plan, model_dir: Path, command: Sequence[str] | None = None) -> Path:
     """Run `edge-convert SRC DST --plan PLAN.json`; it skips a conversion that is already up to date."""
-    assert plan.quantization_config is not None
     dst = converted_dir(model_dir, plan.quantization_config)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", suffix=".plan.json", dir=dst.parent, delete=False) as f:
@@ -112,7 +111,7 @@ class ExportOnly(Exception):
 
 def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None) -> Prepared:
     """Probe, read the model, plan, convert when the plan needs it."""
-    source = Path(args.model) if args.model else default_model_dir()
+    source = resolve_model(args.model) if args.model else default_model_dir()
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
     # A described device (the DaemonSet passes its node's NFD labels) plans for that; otherwise probe this host.
     device = load_device_file(args.device) if args.device else probe()
@@ -134,7 +133,9 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
         raise ExportOnly(plan, source, args.device)
     if args.device:
         check_block_here(plan, args.device)
-    serve_dir = convert(plan, source, converter) if plan.quantization_config is not None else source
+    # a GGUF is always converted: vLLM's CPU backend does not load GGUF files (vLLM issues #7291, #8500)
+    needs_conversion = plan.quantization_config is not None or is_gguf(source)
+    serve_dir = convert(plan, source, converter) if needs_conversion else source
     return Prepared(plan=plan, source_dir=source, serve_dir=serve_dir)
 
 
@@ -236,7 +237,9 @@ def summary(prepared: Prepared, url: str, served_model_name: str | None = None) 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edge-serve", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: the embedded model)")
+    p.add_argument("--model", metavar="DIR|FILE.gguf|ORG/NAME",
+                   help="a Hugging Face model directory, a .gguf file, or a repo id in the local Hugging Face cache "
+                        "(default: the embedded model)")
     p.add_argument("--priority", choices=PRIORITIES, default="speed")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1, or EDGE_HOST)")
     p.add_argument("--port", type=int, default=None, help="port to bind (default 8080, or EDGE_PORT)")

@@ -1,5 +1,10 @@
-"""edge-convert SRC DST [--plan PLAN.json] [--force]: a Hugging Face safetensors model -> the checkpoint
-that a plan's weight path loads.
+"""edge-convert SRC DST [--plan PLAN.json] [--force]: a model -> the checkpoint that a plan's weight path loads.
+
+SRC is a Hugging Face directory (bf16, fp16 or fp32 safetensors, sharded or not), a Hugging Face repo id found in
+the local Hugging Face cache (never downloaded), or a `.gguf` file. A GGUF is read directly, tensor by tensor
+(kernels.source.gguf_source): 4-bit tensors on a group-32 grid (Q4_0, Q4_1, Q4_K) keep their codes when the plan
+quantizes them at group 32; every other type is dequantized (gguf-py) and takes the plan's format. Its config.json
+comes from the header (edge.gguf_metadata), its tokenizer and chat template from the file (transformers).
 
     bf16            every tensor as bf16 (a bf16 source is copied bit for bit)
     w4a16-tinygemm  the `cpu_int4` format: per quantized linear `<prefix>.qweight` uint8 [N, K/2] (low
@@ -73,12 +78,15 @@ Progress = Callable[[int, int, str], None]  # (tensor i of n, 1-based; name)
 
 @dataclass
 class Source:
-    """A model directory's config and where each tensor lives, read without loading any weight."""
+    """A model's config and where each tensor lives, read without loading any weight: a Hugging Face directory
+    (safetensors), or a GGUF file (`gguf`: kernels.source.gguf_source.GgufModel, tensors by their HF names; the
+    config is edge.gguf_metadata's from the file's header)."""
 
-    directory: Path
+    directory: Path  # the model directory, or the .gguf file
     config: dict[str, Any]
-    files: dict[str, list[str]]  # safetensors file name -> tensor names, in file order
-    shapes: dict[str, tuple[list[int], str]]  # tensor name -> (shape, safetensors dtype)
+    files: dict[str, list[str]]  # safetensors file name -> tensor names, in file order (a GGUF: the file)
+    shapes: dict[str, tuple[list[int], str]]  # tensor name -> (shape, safetensors dtype or GGML type)
+    gguf: Any = None
 
     @property
     def tied(self) -> bool:
@@ -89,7 +97,15 @@ class Source:
         return bool(flag) if flag is not None else HEAD not in self.shapes
 
     def checksummed_files(self) -> list[Path]:
+        if self.gguf is not None:
+            return [self.directory]
         return [self.directory / "config.json", *(self.directory / name for name in self.files)]
+
+    @property
+    def bytes_in(self) -> int:
+        if self.gguf is not None:
+            return sum(int(t.data.nbytes) for t in self.gguf.tensors.values())
+        return sum(_numel(shape) * FLOAT_DTYPES[dtype] for shape, dtype in self.shapes.values())
 
 
 @dataclass
@@ -108,8 +124,10 @@ class Decisions:
 def read_source(src: Path) -> Source:
     from safetensors import SafetensorError, safe_open
 
+    if src.suffix == ".gguf" and src.is_file():
+        return _read_gguf_source(src)
     if not src.is_dir():
-        raise InputError("SRC", str(src), "a model directory")
+        raise InputError("SRC", str(src), "a model directory or a .gguf file")
     config_file = src / "config.json"
     try:
         config = json.loads(config_file.read_text())
@@ -135,6 +153,18 @@ def read_source(src: Path) -> Source:
         if dtype not in FLOAT_DTYPES:
             raise InputError(tensor, dtype, f"a float tensor ({', '.join(FLOAT_DTYPES)})")
     return Source(src, config, files, shapes)
+
+
+def _read_gguf_source(src: Path) -> Source:
+    """A GGUF file as a source: its header's config (edge.gguf_metadata, the planner's own reading of it) and its
+    tensors under their Hugging Face names; every tensor's type is checked here, before anything is written."""
+    from edge.gguf_metadata import hf_config, read_header
+    from kernels.source.gguf_source import read_gguf
+
+    config = hf_config(read_header(src))
+    model = read_gguf(src)
+    shapes = {name: (list(t.shape), t.type) for name, t in model.tensors.items()}
+    return Source(src, config, {src.name: list(model.tensors)}, shapes, gguf=model)
 
 
 def _weight_files(src: Path) -> list[str]:
@@ -203,8 +233,15 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
 def _read_codes_from_source(source: Source, qconfig: dict[str, Any], decisions: Decisions) -> None:
     """The 4-bit tensors the source's GGUF holds on the same grid take its codes (kernels.source.gguf_source): no
     re-rounding. The GGUF is the one edge-source.json names, checked by its sha256."""
-    from kernels.source.gguf_source import BLOCK, read_gguf
+    from kernels.source.gguf_source import BLOCK, FOUR_BIT_GRIDS, read_gguf
 
+    if source.gguf is not None:  # the source is the GGUF itself
+        if qconfig["group_size"] != BLOCK:
+            raise InputError("quantization_config.group_size", qconfig["group_size"],
+                             f"the GGUF grid's group {BLOCK} when codes_from_source is true")  # fmt: skip
+        decisions.grid = source.gguf
+        decisions.exact = {name for name in decisions.quantize if source.gguf.tensors[name].type in FOUR_BIT_GRIDS}
+        return
     record_file = source.directory / SOURCE_RECORD
     if not record_file.is_file():
         raise InputError("quantization_config.codes_from_source", True, f"a source with {SOURCE_RECORD}")
@@ -217,7 +254,7 @@ def _read_codes_from_source(source: Source, qconfig: dict[str, Any], decisions: 
     decisions.grid = read_gguf(gguf)
     decisions.exact = {
         name for name in decisions.quantize
-        if name in decisions.grid.tensors and decisions.grid.tensors[name].type in ("Q4_0", "Q4_1")
+        if name in decisions.grid.tensors and decisions.grid.tensors[name].type in FOUR_BIT_GRIDS
     }  # fmt: skip
 
 
@@ -310,7 +347,9 @@ def convert(
 ) -> Path:
     """Convert SRC into DST for `path`; returns DST. Bad input raises InputError before any writing."""
     log = log or (lambda message: print(message, file=sys.stderr))
-    src, dst = Path(src).resolve(), Path(dst).resolve()
+    from edge.model_reader import resolve_model
+
+    src, dst = resolve_model(src).resolve(), Path(dst).resolve()
     _check_request(path, quantization_config)
     if dst == src or src in dst.parents:
         raise InputError("DST", str(dst), "a directory outside SRC")
@@ -352,29 +391,22 @@ def _write(
     shard_bytes: int,
 ) -> dict[str, Any]:
     """Stream every source tensor through its conversion into shards in `out`; returns the summary."""
-    from safetensors import safe_open
-
     writer = ShardedWriter(out, shard_bytes)
     total = len(source.shapes)
-    done = 0
-    for file, names in source.files.items():
-        with safe_open(source.directory / file, framework="pt") as f:
-            for name in names:
-                done += 1
-                if progress is not None:
-                    progress(done, total, name)
-                if name in decisions.dropped:
-                    continue
-                tensor = f.get_tensor(name)
-                writer.add(_convert_tensor(name, tensor, decisions, qconfig, path))
-                if name == decisions.head_from_embedding:
-                    writer.add(_gptq("lm_head", tensor, qconfig["group_size"]))
-                del tensor  # one source tensor alive at a time
+    for done, (name, load) in enumerate(_tensors(source, decisions), start=1):
+        if progress is not None:
+            progress(done, total, name)
+        if name in decisions.dropped:
+            continue
+        tensor = load()
+        writer.add(_convert_tensor(name, tensor, decisions, qconfig, path))
+        if name == decisions.head_from_embedding:
+            writer.add(_gptq("lm_head", tensor, qconfig["group_size"]))
+        del tensor  # one source tensor alive at a time
     files = writer.finish()
-    bytes_in = sum(_numel(shape) * FLOAT_DTYPES[dtype] for shape, dtype in source.shapes.values())
     return {
         "tensors_in": total,
-        "bytes_in": bytes_in,
+        "bytes_in": source.bytes_in,
         "bytes_out": writer.bytes_written,
         "quantized": sorted(decisions.quantize),
         "int8": sorted(decisions.int8),
@@ -386,6 +418,30 @@ def _write(
         else [],
         "files": files,
     }
+
+
+def _tensors(source: Source, decisions: Decisions) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """Every source tensor's name, in file order, with how to read it (called once, when it is converted)."""
+    if source.gguf is not None:
+        import torch
+
+        from kernels.source.gguf_source import dequantized
+
+        for name in source.gguf.tensors:
+            if name in decisions.exact:  # its codes are copied from the file: no float copy at all
+                yield name, lambda: None
+                continue
+            # a tensor that is re-quantized is read in float32 (the file's values, not bf16-rounded ones)
+            requantized = name in decisions.quantize or name in decisions.int8 or name == decisions.head_from_embedding
+            dtype = torch.float32 if requantized else torch.bfloat16
+            yield name, lambda name=name, dtype=dtype: dequantized(source.gguf, name, dtype=dtype)
+        return
+    from safetensors import safe_open
+
+    for file, names in source.files.items():
+        with safe_open(source.directory / file, framework="pt") as f:
+            for name in names:
+                yield name, lambda name=name, f=f: f.get_tensor(name)
 
 
 def _numel(shape: list[int]) -> int:
@@ -463,7 +519,9 @@ def _finish_directory(
         if key in config:
             config[key] = "bfloat16"
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for pattern in _COPIED:
+    if source.gguf is not None:
+        _write_gguf_tokenizer(source, out)
+    for pattern in _COPIED if source.gguf is None else ():
         for file in source.directory.glob(pattern):
             if file.is_file():
                 shutil.copyfile(file, out / file.name)
@@ -480,6 +538,22 @@ def _finish_directory(
     }
     write_manifest(out, MANIFEST, body)
     make_readable(out)
+
+
+def _write_gguf_tokenizer(source: Source, out: Path) -> None:
+    """The tokenizer vLLM needs, built by transformers from the GGUF's own vocabulary, merges and special tokens,
+    with the file's chat template (`tokenizer.chat_template`), and the generation defaults its header names."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # everything comes from the file, never the hub
+    from transformers import AutoTokenizer, GenerationConfig
+
+    gguf = source.directory
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:
+        raise InputError("tokenizer.ggml.model", str(gguf), f"a tokenizer transformers can build ({error})") from None
+    tokenizer.save_pretrained(out)
+    ids = {key: source.config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in source.config}
+    GenerationConfig(**ids).save_pretrained(out)
 
 
 def describe(summary: dict[str, Any]) -> str:
@@ -531,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="edge-convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("src", metavar="SRC", type=Path, help="Hugging Face model directory (safetensors)")
+    parser.add_argument("src", metavar="SRC", type=Path,
+                        help="a Hugging Face model directory, a repo id in the local Hugging Face cache, or a .gguf")
     parser.add_argument("dst", metavar="DST", type=Path, help="where the converted checkpoint goes")
     parser.add_argument("--plan", type=Path, help="a Plan JSON (default: plan for this host)")
     parser.add_argument("--force", action="store_true", help="replace a DST holding another conversion")

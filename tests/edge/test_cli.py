@@ -64,6 +64,35 @@ def test_bad_input_exits_2_naming_the_field_without_a_traceback(args, named):
     assert "Traceback" not in result.stderr
 
 
+def test_a_gguf_file_is_planned_from_its_header_as_its_model_directory_is(tmp_path):
+    """`--model X.gguf`: the plan for the default model's own GGUF is the plan for a directory of the same name
+    holding the model's real config.json and a group-32 source record: the header gives the same shapes and grid."""
+    from importlib import resources
+
+    from kernels.source.default_model import source_gguf
+
+    gguf = source_gguf()
+    directory = tmp_path / gguf.stem
+    directory.mkdir()
+    config = resources.files("edge").joinpath("data/smollm2-135m-instruct.json").read_text()
+    (directory / "config.json").write_text(config)
+    (directory / "edge-source.json").write_text(json.dumps({"format": "gguf", "q4_group": 32}))
+    from_file = edge_select("--model", str(gguf), "--json")
+    from_directory = edge_select("--model", str(directory), "--json")
+    assert from_file.returncode == 0, from_file.stderr
+    plan, reference = Plan.model_validate_json(from_file.stdout), Plan.model_validate_json(from_directory.stdout)
+    assert plan.model == reference.model and plan.model.source_grid == 32
+    assert (plan.path, plan.layout, plan.quantization_config) == (
+        reference.path, reference.layout, reference.quantization_config)
+
+
+def test_a_file_that_is_not_a_gguf_exits_2_naming_it(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00 truncated")
+    result = edge_select("--model", str(bad))
+    assert result.returncode == 2 and "broken.gguf" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_nothing_fits_exits_3_and_says_what_would(tmp_path):
     result = edge_select("--memory-budget", "8MiB")
     assert result.returncode == 3, result.stderr
