@@ -161,6 +161,10 @@ def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
         assert ev.quality is not None
         why = (f"measured mean KLD {ev.quality.kld_mean:.4f} (top-1 {ev.quality.top1_agreement:.1%}) exceeds the "
                f"speed priority's quality floor --max-kld {req.max_kld:g}")
+    elif priority == "speed" and _unmeasured_loss(ev) and chosen.quality is not None:
+        why = (f"its quality is unmeasured for this model, while {chosen.option.label} is measured within --max-kld "
+               f"{req.max_kld:g} (mean KLD {chosen.quality.kld_mean:.4f}): an unmeasured path never wins over a "
+               "measured one; edge-eval --plan measures it")
     elif PATHS[ev.option.path].quantizes_activations and priority == "fidelity":
         why = "quantizes activations to int8 (+27.2% perplexity on the reference model); fidelity never does"
     elif ev.option.request_cost is not None and ev.option.request_cost == chosen.option.request_cost:
@@ -196,8 +200,17 @@ def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layo
                       and not (priority == "fidelity" and PATHS[ev.option.path].quantizes_activations)
                       and not (priority == "speed" and ev.too_lossy(max_kld))]
     assert candidates, "bf16 or export-only is always runnable"
+    if priority == "speed" and path is None and layout is None and any(ev.quality is not None for ev in candidates):
+        # A quantized path whose quality is unmeasured ranks after every one measured within the floor (the sort
+        # is stable: speed order holds within each group); bf16 is the reference and keeps its place.
+        candidates = sorted(candidates, key=_unmeasured_loss)
     fitting = [ev for ev in candidates if ev.memory.fits]
     return fitting[0] if fitting else min(candidates, key=lambda ev: ev.memory.peak_bytes)  # fmt: skip
+
+
+def _unmeasured_loss(ev: Evaluated) -> bool:
+    """A path that quantizes weights, with no edge-eval record of its weights for this model."""
+    return PATHS[ev.option.path].quantizes_weights and ev.quality is None
 
 
 def make_plan(
