@@ -174,3 +174,30 @@ def source_grid(header: GgufHeader) -> int | None:
     linears = [t for t in header.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
     on_grid = sum(t.type in FOUR_BIT_GRIDS for t in linears)
     return GRID_GROUP if linears and on_grid * 2 >= len(linears) else None
+
+
+# The file's tensor names (blk.N.<name>.weight) as the kinds of weight a plan decides (edge.quantized_layers).
+_KINDS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj", "attn_qkv": "qkv_proj",
+          "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # fmt: skip
+
+
+def source_types(header: GgufHeader) -> dict[str, dict[str, int]]:
+    """Per kind of weight, how many of its tensors the file holds in each type (a tied head counts as its
+    embedding); Phi-3's ffn_up holds the fused gate_up_proj."""
+    phi3 = header.architecture == "phi3"
+    found: dict[str, dict[str, int]] = {}
+    for t in header.tensors:
+        parts = t.name.split(".")
+        if t.name == EMBEDDING_TENSOR:
+            kind = "embed_tokens"
+        elif t.name == HEAD_TENSOR:
+            kind = "lm_head"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _KINDS:
+            kind = "gate_up_proj" if phi3 and parts[2] == "ffn_up" else _KINDS[parts[2]]
+        else:
+            continue
+        counts = found.setdefault(kind, {})
+        counts[t.type] = counts.get(t.type, 0) + 1
+    if "lm_head" not in found and "embed_tokens" in found:
+        found["lm_head"] = dict(found["embed_tokens"])
+    return {kind: dict(sorted(counts.items())) for kind, counts in found.items()}

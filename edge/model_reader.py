@@ -73,8 +73,8 @@ def read_model(path: str | Path) -> ModelShape:
 
         header = gguf_metadata.read_header(path)
         shape = read_model_config(gguf_metadata.hf_config(header), path.stem)
-        grid = gguf_metadata.source_grid(header)
-        return shape.model_copy(update={"source_grid": grid}) if grid else shape
+        types = gguf_metadata.source_types(header)
+        return shape.model_copy(update={"source_grid": gguf_metadata.source_grid(header), "source_types": types})
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise InputError("model", str(path), "a model directory holding config.json, a config.json file, a .gguf "

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from edge.errors import InputError
+from edge.gguf_metadata import FOUR_BIT_GRIDS
 from edge.shapes import ModelShape
 from edge.weight_paths import METHODS, QUANTIZED_PATHS, MethodSpec, own_method, quant_method
 
@@ -69,6 +70,7 @@ class LayerDecision(BaseModel):
     n: int
     k: int
     count: int
+    source: dict[str, int] | None = None  # what a GGUF source holds them as: {GGML type: how many}
 
 
 @dataclass(frozen=True)
@@ -272,9 +274,21 @@ def model_layers(model: ModelShape, quant: QuantRules) -> list[LayerDecision]:
         shapes[HEAD] = (model.vocab_size, model.hidden_size, 1)
     decided = quant.weights({name: (n, k) for name, (n, k, _) in shapes.items()})
     return [
-        LayerDecision(name=name, format=decided[name].format, why=decided[name].why, n=n, k=k, count=count)
+        LayerDecision(name=name, format=decided[name].format, why=_from_source(model, quant, name, decided[name]),
+                      n=n, k=k, count=count, source=(model.source_types or {}).get(name))  # fmt: skip
         for name, (n, k, count) in shapes.items()
     ]
+
+
+def _from_source(model: ModelShape, quant: QuantRules, name: str, decision: Decision) -> str:
+    """The decision's reason, and for a GGUF source's 4-bit layers on its own grid, which of its tensors keep the
+    file's codes and which are re-rounded (a Q4_K_M holds some v_proj/down_proj at Q6_K)."""
+    types = (model.source_types or {}).get(name)
+    if not types or decision.format != "int4" or quant.group_size != model.source_grid or not quant.method.source_codes:
+        return decision.why
+    kept = sum(count for kind, count in types.items() if kind in FOUR_BIT_GRIDS)
+    others = ", ".join(f"{kind} x{count}" for kind, count in types.items() if kind not in FOUR_BIT_GRIDS)
+    return f"{decision.why}: the file's codes copied ({kept})" + (f", re-rounded from {others}" if others else "")
 
 
 def kept_bf16(layers: Sequence[LayerDecision]) -> list[str]:

@@ -39,6 +39,11 @@ class ModelShape(BaseModel):
         "Q4_0/Q4_1 GGUF (its edge-source.json). A plan keeps that grid and reads the codes from the source.",
     )
     linears: list[LinearShape]  # every linear that can be quantized, the head included (name "lm_head")
+    source_types: dict[str, dict[str, int]] | None = Field(
+        default=None,
+        description="A GGUF source's tensor types per kind of weight (embed_tokens, q_proj, ..., lm_head): how "
+        "many of each, e.g. {'v_proj': {'Q4_K': 26, 'Q6_K': 4}}. None for a Hugging Face source.",
+    )
 
     @property
     def embedding_params(self) -> int:

@@ -5,6 +5,7 @@ model's GGUF and its real config.json, and against transformers' own GGUF loader
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,9 @@ def test_the_default_models_gguf_reads_as_its_real_config():
     from_config = default_model().model_dump()
     assert from_gguf.pop("name") == path.stem
     from_config.pop("name")
+    types = from_gguf.pop("source_types")
+    assert from_config.pop("source_types") is None
+    assert types["q_proj"] == {"Q4_1": 30} and types["embed_tokens"] == types["lm_head"] == {"Q8_0": 1}
     assert from_gguf == from_config  # the source grid included: its linears are Q4_1 (group 32)
 
 
@@ -163,3 +167,34 @@ def test_a_repo_id_not_in_the_cache_is_refused_without_downloading(tmp_path, mon
     with pytest.raises(InputError) as refused:
         read_model("someone/not-here")
     assert refused.value.field == "model" and "nothing is downloaded" in str(refused.value)
+
+
+def test_the_plans_layers_say_what_the_file_holds_and_what_each_kind_becomes():
+    """A Q4_K_M-like file: v_proj at Q6_K on a few layers, the rest Q4_K, the embedding Q6_K. The speed plan
+    (w4a16 at the file's group 32) says per kind what the file had, and which tensors keep their codes."""
+    from edge.describe import load_device_file
+    from edge.gguf_metadata import source_types
+    from edge.planner import make_plan
+
+    layers = 4
+    body = _json_header("qwen3", **{"qwen3.attention.key_length": 128})
+    body["metadata"]["qwen3.block_count"] = layers
+    shapes = {"attn_q": [2048, 1024], "attn_k": [1024, 1024], "attn_v": [1024, 1024], "attn_output": [1024, 2048],
+              "ffn_gate": [3072, 1024], "ffn_up": [3072, 1024], "ffn_down": [1024, 3072]}  # fmt: skip
+    body["tensors"] = [{"name": "token_embd.weight", "type": "Q6_K", "shape": [151936, 1024]}] + [
+        {"name": f"blk.{i}.{kind}.weight", "type": "Q6_K" if kind == "attn_v" and i < 1 else "Q4_K", "shape": shape}
+        for i in range(layers) for kind, shape in shapes.items()
+    ]  # fmt: skip
+    header = header_from_json(body)
+    assert source_types(header)["v_proj"] == {"Q4_K": 3, "Q6_K": 1}
+    assert source_types(header)["lm_head"] == {"Q6_K": 1}  # tied: the embedding
+    model = read_model_config(hf_config(header), "qwen3-q4km").model_copy(
+        update={"source_grid": source_grid(header), "source_types": source_types(header)})
+    device = load_device_file(str(Path(__file__).parent / "data" / "cpuinfo_host_epyc_avx2.txt"))
+    plan = make_plan(device, model, priority="speed", path="w4a16-tinygemm")
+    by_name = {layer.name: layer for layer in plan.layers}
+    assert plan.group_size == 32 and plan.quantization_config["codes_from_source"] is True
+    assert by_name["v_proj"].source == {"Q4_K": 3, "Q6_K": 1}
+    assert by_name["v_proj"].why == "quantized: the file's codes copied (3), re-rounded from Q6_K x1"
+    assert by_name["q_proj"].why == "quantized: the file's codes copied (4)"
+    assert by_name["embed_tokens"].source == {"Q6_K": 1} and by_name["embed_tokens"].format == "int8"

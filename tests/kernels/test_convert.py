@@ -372,6 +372,31 @@ def test_the_default_models_own_q4_1_codes_are_written_unchanged(tmp_path):
     assert written["model.embed_tokens.qweight"].dtype == torch.int8
 
 
+def test_the_default_gguf_converts_directly_as_its_bf16_directory_does(tmp_path):
+    """edge-convert SRC.gguf: the file itself as the source (no bf16 directory in between) gives the checkpoint
+    its bf16 build gives: every 4-bit linear and norm bit for bit, the same config shapes, the same tokenizer and
+    chat template. The one difference: the Q8_0 embedding's int8 codes come from the file's float32 values rather
+    than their bf16 rounding, so a few codes move by one."""
+    from kernels.source.default_model import ensure_default_model, source_gguf
+
+    config = {**W4A16, "group_size": 32, "codes_from_source": True, "int8": ["embed_tokens", "lm_head"]}
+    from_dir = convert(ensure_default_model(log=lambda message: None), tmp_path / "dir", config, path="w4a16-tinygemm")
+    from_gguf = convert(source_gguf(), tmp_path / "gguf", config, path="w4a16-tinygemm")
+    ours, theirs = _tensors(from_gguf), _tensors(from_dir)
+    assert sorted(ours) == sorted(theirs)
+    differ = sorted(name for name in ours if not torch.equal(ours[name], theirs[name]))
+    assert differ == ["model.embed_tokens.qweight", "model.embed_tokens.scales"]
+    moved = (ours["model.embed_tokens.qweight"].int() - theirs["model.embed_tokens.qweight"].int()).abs()
+    assert moved.max() <= 1
+    assert len(_summary(from_gguf)["codes_from_source"]) == 30 * 7
+    for file in ("tokenizer.json", "chat_template.jinja"):
+        assert (from_gguf / file).read_bytes() == (from_dir / file).read_bytes(), file
+    ours_config, theirs_config = (json.loads((d / "config.json").read_text()) for d in (from_gguf, from_dir))
+    shapes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps", "quantization_config")
+    assert {k: ours_config[k] for k in shapes} == {k: theirs_config[k] for k in shapes}
+
+
 @pytest.mark.slow
 def test_the_default_model_converted_to_cpu_int4_still_answers_paris(tmp_path):
     """End to end on real weights: the default model (built into the edge-select cache if absent, ~60 s),

@@ -55,14 +55,14 @@ def complete(url: str, model: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
 
 
-def start_wrapper(tmp_path: Path, extra_env: dict[str, str] | None = None):
+def start_wrapper(tmp_path: Path, extra_env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
     port = free_port()
     log = tmp_path / "edge-serve.log"
     env = {**os.environ, "EDGE_HEALTH_POLL_S": "2", "EDGE_BACKOFF_INITIAL_S": "1", "EDGE_READY_TIMEOUT_S": "1100",
            **(extra_env or {})}  # fmt: skip
     with log.open("w") as out:
         process = subprocess.Popen(
-            ["bash", str(REPO / "deploy" / "edge-up"), "--port", str(port), "--max-model-len", "512"],
+            ["bash", str(REPO / "deploy" / "edge-up"), "--port", str(port), "--max-model-len", "512", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -150,5 +150,30 @@ def test_under_avx2_dispatch_edge_serve_plans_block_32_serves_and_answers_paris(
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"].startswith(" Paris"), answer.json()["choices"][0]["text"]
         assert get(f"{url}/status").json()["engine"]["restarts"] == 0
+    finally:
+        stop_wrapper(process)
+
+
+def test_edge_up_serves_a_gguf_file_with_its_own_chat_template(tmp_path):
+    """deploy/edge-up --model FILE.gguf: the default model's own GGUF, converted straight from the file (vLLM's CPU
+    backend loads no GGUF), served under the file's name; a chat completion goes through the template the file
+    carries (tokenizer.chat_template), so the assistant answers the question."""
+    from kernels.source.default_model import source_gguf
+
+    gguf = source_gguf()
+    # the W4A16 path: the file's Q4_1 codes are what vLLM serves (fidelity would serve them dequantized to bf16)
+    process, url, log = start_wrapper(tmp_path, args=("--model", str(gguf), "--path", "w4a16-tinygemm"))
+    try:
+        wait_for(lambda: ready(url), process, log)
+        status = get(f"{url}/status").json()
+        assert status["plan"]["model"]["name"] == gguf.stem and status["plan"]["model"]["source_grid"] == 32
+        assert status["plan"]["quantization_config"]["codes_from_source"] is True
+        model = get(f"{url}/v1/models").json()["data"][0]["id"]
+        assert model == gguf.stem
+        body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16, "temperature": 0}  # fmt: skip
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+        assert answer.status_code == 200, answer.text
+        assert "Paris" in answer.json()["choices"][0]["message"]["content"], answer.json()
     finally:
         stop_wrapper(process)
