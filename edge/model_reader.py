@@ -71,10 +71,7 @@ def read_model(path: str | Path) -> ModelShape:
     if is_gguf(path):
         from edge import gguf_metadata
 
-        header = gguf_metadata.read_header(path)
-        shape = read_model_config(gguf_metadata.hf_config(header), path.stem)
-        types = gguf_metadata.source_types(header)
-        return shape.model_copy(update={"source_grid": gguf_metadata.source_grid(header), "source_types": types})
+        return read_gguf_header(gguf_metadata.read_header(path), path.stem)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise InputError("model", str(path), "a model directory holding config.json, a config.json file, a .gguf "
@@ -91,6 +88,16 @@ def read_model(path: str | Path) -> ModelShape:
 
 def is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf" and path.is_file()
+
+
+def read_gguf_header(header, name: str) -> ModelShape:
+    """Shapes of a GGUF's model from its header (edge.gguf_metadata.GgufHeader): its config, its 4-bit grid and
+    its tensor types per kind."""
+    from edge import gguf_metadata
+
+    shape = read_model_config(gguf_metadata.hf_config(header), name)
+    types = gguf_metadata.source_types(header)
+    return shape.model_copy(update={"source_grid": gguf_metadata.source_grid(header), "source_types": types})
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")

@@ -14,8 +14,9 @@ from edge.cpuinfo import parse_cpuinfo
 from edge.describe import parse_device_json, parse_size
 from edge.device import DeviceProfile
 from edge.errors import InputError
+from edge.gguf_metadata import header_from_json
 from edge.lscpu import parse_lscpu
-from edge.model_reader import default_model, read_model_config
+from edge.model_reader import default_model, read_gguf_header, read_model_config
 from edge.nfd import parse_nfd_labels
 from edge.plan import Plan
 from edge.planner import make_plan
@@ -25,6 +26,7 @@ from server.calibrations import CalibrationStore
 from server.schemas import (
     ConfigModel,
     CpuinfoDevice,
+    GgufModel,
     LscpuDevice,
     NfdDevice,
     PlanOptions,
@@ -74,6 +76,10 @@ def read_model(options: PlanOptions) -> ModelShape:
     if isinstance(model, ConfigModel):
         name = model.name or str(model.config.get("_name_or_path") or "model")
         return _located(["body", "model", "config"], read_model_config, model.config, name)
+    if isinstance(model, GgufModel):
+        header = _located(["body", "model", "gguf"], header_from_json, model.gguf.model_dump())
+        name = model.name or str(header.metadata.get("general.name") or "model")
+        return _located(["body", "model", "gguf"], read_gguf_header, header, name)
     return default_model()
 
 

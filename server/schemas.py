@@ -77,13 +77,34 @@ class ConfigModel(_Strict):
     name: str | None = Field(default=None, max_length=256, description="The model's name in the plan.")
 
 
+class GgufTensor(_Strict):
+    name: str = Field(max_length=256, description="The file's tensor name, e.g. blk.0.attn_q.weight.")
+    type: str = Field(max_length=16, description="Its GGML type, e.g. Q4_K.")
+    shape: list[int] = Field(max_length=4, description="Hugging Face orientation: [N, K] for a matrix.")
+
+
+class GgufHeaderBody(_Strict):
+    metadata: dict[str, Any] = Field(description="The GGUF's metadata keys (an array may be given as its length).")
+    tensors: list[GgufTensor] = Field(default=[], max_length=100_000, description="The file's tensor table.")
+
+
+class GgufModel(_Strict):
+    """A model as its GGUF file's header (what `edge.gguf_metadata.read_header` reads; no tensor data)."""
+
+    gguf: GgufHeaderBody = Field(description="{metadata, tensors}: the file's header.")
+    name: str | None = Field(default=None, max_length=256, description="The model's name in the plan.")
+
+
 class NamedModel(_Strict):
     """A model known to the server by name."""
 
     name: Literal["default"] = Field(description="'default': the embedded SmolLM2-135M-Instruct.")
 
 
-Model = Annotated[ConfigModel | NamedModel, Field(description="{config, name?} or {name: 'default'}.")]
+Model = Annotated[
+    ConfigModel | GgufModel | NamedModel,
+    Field(description="{config, name?}, {gguf: {metadata, tensors}, name?} or {name: 'default'}."),
+]
 
 MemoryBudget = Annotated[
     int | str | None,

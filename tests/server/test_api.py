@@ -82,6 +82,35 @@ def test_plan_for_a_config_json_model(client):
     assert plan["model"] == read_model_config(QWEN3_CONFIG, "Qwen3-0.6B").model_dump()
 
 
+def test_plan_for_a_gguf_header_equals_the_plan_for_the_file_itself(client):
+    """POST /plan with the default model's GGUF header as JSON (what a fleet tool reads from the file with
+    gguf-py, no tensor data) gives the plan `edge-select --model FILE.gguf` makes for that device."""
+    pytest.importorskip("gguf")
+    from edge.gguf_metadata import read_header
+    from edge.model_reader import read_model
+    from kernels.source.default_model import source_gguf
+
+    gguf = source_gguf()
+    header = read_header(gguf)
+    tensors = [{"name": t.name, "type": t.type, "shape": list(t.shape)} for t in header.tensors]
+    body = {"device": {"profile": GW17}, "model": {"gguf": {"metadata": header.metadata, "tensors": tensors},
+                                                   "name": gguf.stem}}  # fmt: skip
+    response = client.post("/plan", json=body)
+    assert response.status_code == 200, response.text
+    plan = response.json()
+    assert plan["model"] == read_model(gguf).model_dump()
+    expected = make_plan(parse_device_json(GW17), read_model(gguf), quality=cached_records())
+    assert (plan["path"], plan["quantization_config"]) == (expected.path, expected.quantization_config)
+
+
+def test_a_gguf_header_of_an_unknown_architecture_is_422_naming_it(client):
+    body = {"device": {"profile": GW17}, "model": {"gguf": {"metadata": {"general.architecture": "rwkv7"}}}}
+    response = client.post("/plan", json=body)
+    assert response.status_code == 422
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "model", "gguf"] and "rwkv7" in error["msg"]
+
+
 def test_memory_budget_as_a_size_string_equals_the_same_bytes(client):
     by_text = client.post("/plan", json={"device": {"profile": GW17}, "memory_budget": "3GiB"}).json()
     by_int = client.post("/plan", json={"device": {"profile": GW17}, "memory_budget": 3 << 30}).json()
