@@ -1,23 +1,43 @@
-"""Read a Llama GGUF's quantized blocks as they are: the cpu_int4 grid (and int8 codes) without re-quantizing.
+"""Read a GGUF's tensors as they are: HF names and row order, the cpu_int4 grid of its 4-bit blocks (and Q8_0's
+int8 codes) without re-quantizing, and any supported type dequantized.
 
-GGUF Q4_1 blocks of 32 weights hold d (fp16), m (fp16) and 4-bit codes q, meaning w = d*q + m: exactly the
-cpu_int4 grid at group 32 (kernels/ops/int4.py: w = (q - 8) * scale + zero) with scale = d, zero = m + 8*d. Q4_0
-(w = d*(q - 8)) is scale = d, zero = 0. The one loss is rounding scale and zero to bf16 (the kernel's dtype).
+Architectures (`general.architecture`): llama (Mistral and SmolLM files are written as llama too), qwen2, qwen3,
+gemma2, gemma3, phi3. Types: the ones in the files people download, SUPPORTED below. Anything else is refused by
+`read_gguf` itself, naming the field or the tensor, before any conversion starts.
+
+The 4-bit grids, FOUR_BIT_GRIDS (cpu_int4 at group 32, kernels/ops/int4.py: w = (q - 8) * scale + zero):
+    Q4_0  w = d*(q - 8)                scale = d,        zero = 0
+    Q4_1  w = d*q + m                  scale = d,        zero = m + 8d
+    Q4_K  w = d*sc_j*q - dmin*m_j      scale = d*sc_j,   zero = 8*d*sc_j - dmin*m_j     (sub-block j of 32)
+scale and zero are exact in float32: d*sc_j and dmin*m_j are fp16 times a 6-bit integer, and a sum or difference of
+such values (multiples of 2^-24, fp16's smallest step) is exact in float32's 24-bit significand below 1 in magnitude,
+as every zero is. The one loss is rounding them to bf16, the kernel's dtype. With them unrounded,
+(q - 8)*scale + zero is the same exact value gguf-py's float32 dequantization rounds once, so the two agree bit for
+bit (tests/kernels/test_gguf_source.py checks it per type, and reports what bf16 adds).
 Q8_0 blocks (fp16 d, 32 int8 q, w = d*q) are returned as int8 codes and float32 scales (exact) for an 8-bit path.
 
-Block layouts, read in gguf-py's gguf/quants.py (`Q4_0`, `Q4_1`, `Q8_0`.dequantize_blocks), 32 weights a block:
-    Q4_0  fp16 d | 16 bytes qs                  byte j: element j in the low nibble, element j+16 in the high
-    Q4_1  fp16 d | fp16 m | 16 bytes qs         same nibble order
-    Q8_0  fp16 d | 32 int8 qs
+Block layouts, read in gguf-py's gguf/quants.py (`*.dequantize_blocks`):
+    Q4_0  32 weights: fp16 d | 16 bytes qs                 byte i: element i in the low nibble, i+16 in the high
+    Q4_1  32 weights: fp16 d | fp16 m | 16 bytes qs        same nibble order
+    Q8_0  32 weights: fp16 d | 32 int8 qs
+    Q4_K  256 weights: fp16 d | fp16 dmin | 12 bytes of 6-bit (sc, m) for 8 sub-blocks | 128 bytes qs
+          bytes 32p..32p+31 of qs hold sub-block 2p in their low nibbles and sub-block 2p+1 in their high ones
+          (element i of the sub-block in byte 32p + i); the 12 scale bytes b: for j < 4, sc_j = b[j] & 63 and
+          m_j = b[j+4] & 63; for j >= 4, the low 4 bits are b[j+4]'s low (sc) or high (m) nibble and the top 2
+          bits are those of b[j-4] (sc) or b[j] (m)
+Q5_0, Q5_1, Q5_K, Q6_K (and the floats) are read through `dequantized` only: gguf-py's own dequantize does it.
 
 Orientation: GGUF lists dims innermost first ([K, N]); rows are output channels and blocks run along K, so
 the HF [N, K] weight is the file's row-major data and a block never straddles two rows.
 
-Names and row order follow transformers' legacy GGUF loader, which built the bf16 default model
-(transformers/modeling_gguf_pytorch_utils.py): names from `get_gguf_hf_weights_map` (gguf-py's
-`get_tensor_name_map`, applied to the HF names), and `LlamaTensorProcessor._reverse_permute_weights`, which undoes
-llama.cpp's rotary permutation of attn_q (num_attention_heads) and attn_k (num_key_value_heads) rows. That
-permutation moves whole rows, so it is applied to rows of codes, scales and zeros alike (`rotary_row_order`).
+Names and row order follow transformers' legacy GGUF loader (transformers/modeling_gguf_pytorch_utils.py), which
+built the bf16 default model: names from gguf-py's `get_tensor_name_map` applied to the HF module names of the
+architecture (`_ARCHITECTURES`), and two per-architecture undos of what llama.cpp's converter did:
+  - llama only: the rotary permutation of attn_q (num_attention_heads) and attn_k (num_key_value_heads) rows
+    (`LlamaTensorProcessor`). It moves whole rows, so it is applied to rows of codes, scales and zeros alike
+    (`rotary_row_order`). Qwen, Gemma and Phi-3 use the NeoX rotary layout, which llama.cpp stores unpermuted.
+  - gemma2 and gemma3: every norm weight (the layer norms, the final norm, and Gemma 3's q_norm / k_norm) is
+    stored as 1 + w (`Gemma2TensorProcessor`: "norm.weight" in the GGUF name); 1 is subtracted in float32.
 """
 
 from __future__ import annotations
@@ -30,33 +50,54 @@ import torch
 
 from edge.errors import InputError
 
-BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block: the cpu_int4 group size of what we return
-QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")
-FLOATS = ("F16", "BF16", "F32")
-SUPPORTED = QUANTIZED + FLOATS
+BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block and per Q4_K sub-block: the cpu_int4 group size we return
+FLOATS = ("F32", "F16", "BF16")
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED = FLOATS + QUANTIZED
+FOUR_BIT_GRIDS = ("Q4_0", "Q4_1", "Q4_K")  # their codes go to cpu_int4 at group 32 unchanged
 ZERO_CODE = 8  # cpu_int4's w = (q - 8) * scale + zero
-_BLOCK_BYTES = {"Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16, "Q8_0": 2 + 32}
-_LLAMA_LAYER = (  # HF module names inside model.layers.N of a LlamaForCausalLM
-    "input_layernorm", "post_attention_layernorm",
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-)  # fmt: skip
+_K_SCALE_BYTES = 12  # Q4_K's packed 6-bit scales and mins
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    layer_modules: tuple[str, ...]  # HF module names inside model.layers.N
+    rotary_permuted: bool = False  # llama.cpp permuted q/k rows (transformers' LlamaTensorProcessor undoes it)
+    norm_offset: float = 0.0  # llama.cpp stored norm weights as offset + w (Gemma)
+
+
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+_GEMMA_NORMS = _NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_ARCHITECTURES = {  # general.architecture -> what its tensors are called and how llama.cpp stored them
+    "llama": _Architecture(_NORMS + _ATTENTION + _MLP, rotary_permuted=True),
+    "qwen2": _Architecture(_NORMS + _ATTENTION + _MLP),  # q/k/v carry biases
+    "qwen3": _Architecture(_NORMS + _ATTENTION + _QK_NORMS + _MLP),
+    "gemma2": _Architecture(_GEMMA_NORMS + _ATTENTION + _MLP, norm_offset=1.0),
+    "gemma3": _Architecture(_GEMMA_NORMS + _ATTENTION + _QK_NORMS + _MLP, norm_offset=1.0),
+    "phi3": _Architecture(_NORMS + ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")),
+}
+ARCHITECTURES = tuple(_ARCHITECTURES)
+_MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 
 
 @dataclass(frozen=True)
 class GgufTensor:
     hf_name: str  # e.g. model.layers.0.self_attn.q_proj.weight
     gguf_name: str  # e.g. blk.0.attn_q.weight
-    type: str  # GGML type name: Q4_1, Q8_0, F32, ...
+    type: str  # GGML type name: Q4_1, Q8_0, F32, ... (one of SUPPORTED)
     shape: tuple[int, ...]  # HF orientation: [N, K] for a matrix, [N] for a vector
     rotary_heads: int | None  # heads whose rows llama.cpp permuted (q: attention heads, k: kv heads), else None
-    data: np.ndarray = field(repr=False)  # the file's data, memory-mapped: [N, K/32 * block bytes] uint8 if quantized
+    data: np.ndarray = field(repr=False)  # the file's data, memory-mapped: [N, row bytes] uint8 if quantized or BF16
+    norm_offset: float = 0.0  # llama.cpp stored this norm as norm_offset + w (Gemma: 1.0); undone when read
 
 
 @dataclass(frozen=True)
 class GgufModel:
     path: Path
-    architecture: str
+    architecture: str  # general.architecture: one of ARCHITECTURES
     num_heads: int
     num_kv_heads: int
     tensors: dict[str, GgufTensor]  # by HF name, in file order
@@ -70,7 +111,8 @@ class GgufModel:
 
 def read_gguf(path: str | Path) -> GgufModel:
     """The tensors' HF names, types and shapes, from the header only (data stays memory-mapped, nothing is
-    dequantized). Takes ~3-4 s on the default model here: gguf-py parses the 49152-token vocabulary field by field."""
+    dequantized). Refuses an architecture or a tensor type not read here. Takes ~3-4 s on the default model here:
+    gguf-py parses the 49152-token vocabulary field by field."""
     import gguf
 
     path = Path(path)
@@ -83,28 +125,32 @@ def read_gguf(path: str | Path) -> GgufModel:
     if reader.byte_order != "I":
         raise InputError("gguf", str(path), "a little-endian GGUF file")
     architecture = _field(reader, "general.architecture", path)
-    if architecture != "llama":
-        raise InputError("general.architecture", architecture, "llama (the names and q/k row order known here)")
-    layers = int(_field(reader, "llama.block_count", path))
-    heads = int(_field(reader, "llama.attention.head_count", path))
-    kv_heads = int(_field(reader, "llama.attention.head_count_kv", path, default=heads))
+    spec = _ARCHITECTURES.get(architecture)
+    if spec is None:
+        raise InputError("general.architecture", architecture,
+                         f"one of {', '.join(ARCHITECTURES)} (the names and row orders known here; Mistral and "
+                         "SmolLM files are llama)")  # fmt: skip
+    layers = int(_field(reader, f"{architecture}.block_count", path))
+    heads = int(_field(reader, f"{architecture}.attention.head_count", path))
+    kv_heads = int(_field(reader, f"{architecture}.attention.head_count_kv", path, default=heads))
 
-    arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
-    name_map = gguf.get_tensor_name_map(arch, layers)
-    hf_modules = ["model.embed_tokens", "model.norm", "lm_head"]
-    hf_modules += [f"model.layers.{i}.{module}" for i in range(layers) for module in _LLAMA_LAYER]
-    to_hf = {f"{name_map.get_name(module)}.weight": f"{module}.weight" for module in hf_modules}
-
+    to_hf = _hf_names(architecture, layers)
     tensors: dict[str, GgufTensor] = {}
     unmapped: list[str] = []
     for t in reader.tensors:
-        hf_name = to_hf.get(t.name)
+        hf_name, module = to_hf.get(t.name, (None, ""))
         if hf_name is None:
             unmapped.append(t.name)
             continue
-        rotary = heads if ".attn_q." in t.name else kv_heads if ".attn_k." in t.name else None
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED:
+            raise InputError(hf_name, f"{t.name} of type {kind}", f"one of the types read here: {', '.join(SUPPORTED)}")
+        rotary = None
+        if spec.rotary_permuted:
+            rotary = heads if module.endswith(".q_proj") else kv_heads if module.endswith(".k_proj") else None
+        offset = spec.norm_offset if module.endswith("norm") and hf_name.endswith(".weight") else 0.0
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF [K, N] -> HF [N, K]
-        tensors[hf_name] = GgufTensor(hf_name, t.name, t.tensor_type.name, shape, rotary, t.data)
+        tensors[hf_name] = GgufTensor(hf_name, t.name, kind, shape, rotary, t.data, offset)
     return GgufModel(path, architecture, heads, kv_heads, tensors, tuple(unmapped))
 
 
@@ -120,21 +166,16 @@ def rotary_row_order(rows: int, heads: int) -> np.ndarray:
 
 
 def cpu_int4_tensors(model: GgufModel, hf_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 tensor as cpu_int4 at group 32: (qweight uint8 [N, K/2], scales bf16 [N, K/32], zeros bf16
-    [N, K/32]), the file's codes unchanged; scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0), rounded to bf16."""
-    t = _tensor(model, hf_name, ("Q4_0", "Q4_1"), "cpu_int4_tensors")
-    blocks = _blocks(t)  # [N, K/32, 18 or 20] uint8
-    d = _fp16(blocks, 0)  # [N, K/32] float32
-    qs = blocks[..., -16:]  # [N, K/32, 16] uint8: element j low nibble, element j+16 high
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, K/32, 32] uint8 in 0..15, in K order
+    """A Q4_0/Q4_1/Q4_K tensor as cpu_int4 at group 32: (qweight uint8 [N, K/2], scales bf16 [N, K/32], zeros bf16
+    [N, K/32]), the file's codes unchanged; scale and zero as in the module docstring, computed in float32 (exact)
+    and rounded once to bf16."""
+    t = _tensor(model, hf_name, FOUR_BIT_GRIDS, "cpu_int4_tensors")
+    codes, scales, zeros = _grid(t)  # uint8 [N, K] in 0..15; float32 [N, K/32] twice
     pairs = codes.reshape(t.shape[0], -1, 2)  # [N, K/2, 2]
     qweight = pairs[..., 0] | (pairs[..., 1] << 4)  # [N, K/2] uint8: k=2j low nibble, k=2j+1 high
-    # Q4_1: d and m are fp16 (multiples of 2^-24), so m + 8d is exact in float32 while |m + 8d| < 1 (every weight
-    # here): the only rounding is the one to bf16.
-    zeros = _fp16(blocks, 2) + ZERO_CODE * d if t.type == "Q4_1" else np.zeros_like(d)  # [N, K/32] float32
     return (
         torch.from_numpy(np.ascontiguousarray(qweight)),
-        torch.from_numpy(d).to(torch.bfloat16),
+        torch.from_numpy(scales).to(torch.bfloat16),
         torch.from_numpy(zeros).to(torch.bfloat16),
     )
 
@@ -148,7 +189,9 @@ def int8_tensors(model: GgufModel, hf_name: str) -> tuple[torch.Tensor, torch.Te
 
 
 def float_tensor(model: GgufModel, hf_name: str) -> torch.Tensor:
-    """An F16/BF16/F32 tensor (norms, or unquantized weights) in its own dtype, HF shape, q/k rows reordered."""
+    """An F16/BF16/F32 tensor (norms, or unquantized weights) in its own dtype, HF shape, q/k rows reordered.
+    A Gemma norm comes back with llama.cpp's +1 undone, in float32 (w - 1 is exact there; in F16/BF16 it would not
+    be: an F32 norm, which is what llama.cpp writes, keeps its dtype)."""
     t = _tensor(model, hf_name, FLOATS, "float_tensor")
     if t.type == "BF16":  # the reader gives raw bytes: numpy has no bfloat16
         values = torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
@@ -157,7 +200,46 @@ def float_tensor(model: GgufModel, hf_name: str) -> torch.Tensor:
     values = values.reshape(t.shape)
     if t.rotary_heads:
         values = values[torch.from_numpy(rotary_row_order(t.shape[0], t.rotary_heads))]
+    if t.norm_offset:
+        values = values.to(torch.float32) - t.norm_offset
     return values
+
+
+def dequantized(
+    model: GgufModel, hf_name: str, dtype: torch.dtype = torch.bfloat16, chunk_rows: int = 4096
+) -> torch.Tensor:
+    """Any supported tensor as floats [N, K] (or [N]) in `dtype`, HF orientation and row order (q/k rows reordered,
+    Gemma's norm offset undone), decoded by gguf-py's `gguf.quants.dequantize` `chunk_rows` rows at a time: at most
+    one chunk is in float32 at once (besides the result, when `dtype` is float32). Equals transformers' legacy
+    loader's tensor (float32 dequantization, then the same undos) rounded once to `dtype`."""
+    from gguf import GGMLQuantizationType
+
+    t = _tensor(model, hf_name, SUPPORTED, "dequantized")
+    if not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise InputError("chunk_rows", chunk_rows, "a positive whole number of rows")
+    kind = GGMLQuantizationType[t.type]
+    out = torch.empty(t.shape, dtype=dtype)
+    order = rotary_row_order(t.shape[0], t.rotary_heads) if t.rotary_heads else None
+    if len(t.shape) == 1:  # a vector (a norm, a bias): one chunk; a q/k bias has its elements permuted
+        values = _decoded(t.data.reshape(1, -1), kind, t.norm_offset)[0]  # float32 [N]
+        out.copy_(torch.from_numpy(values if order is None else values[order]))
+        return out
+    rows, flat_out = t.data.reshape(t.shape[0], -1), out.view(t.shape[0], -1)  # [N, row bytes], [N, K]
+    for start in range(0, t.shape[0], chunk_rows):
+        stop = min(start + chunk_rows, t.shape[0])
+        raw = rows[start:stop] if order is None else rows[order[start:stop]]  # whole rows: blocks stay whole
+        flat_out[start:stop] = torch.from_numpy(_decoded(raw, kind, t.norm_offset))
+    return out
+
+
+def _decoded(raw: np.ndarray, kind, norm_offset: float) -> np.ndarray:
+    """gguf-py's float32 dequantization of raw rows [rows, row bytes] -> [rows, K], offset undone, writable."""
+    from gguf import quants
+
+    values = quants.dequantize(raw, kind)  # float32 [rows, K]
+    if norm_offset:
+        return values - np.float32(norm_offset)  # a new array
+    return values if values.flags.writeable else values.copy()  # F32 straight from the memory map: copy the chunk
 
 
 def _tensor(model: GgufModel, hf_name: str, types: tuple[str, ...], reader: str) -> GgufTensor:
@@ -169,23 +251,73 @@ def _tensor(model: GgufModel, hf_name: str, types: tuple[str, ...], reader: str)
         raise InputError(hf_name, f"{t.gguf_name} of type {t.type}", f"one of the types read here: {SUPPORTED}")
     if t.type not in types:
         raise InputError(hf_name, f"{t.gguf_name} of type {t.type}", f"a {'/'.join(types)} tensor for {reader}()")
-    if t.type in QUANTIZED and len(t.shape) != 2:
+    if reader != "dequantized" and t.type in QUANTIZED and len(t.shape) != 2:
         raise InputError(hf_name, t.shape, "a 2-D quantized tensor [N, K]")
     return t
 
 
-def _blocks(t: GgufTensor) -> np.ndarray:
-    """The tensor's blocks as uint8 [N, K/32, block bytes], rows in HF order."""
+def _grid(t: GgufTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 4-bit tensor's codes uint8 [N, K] (0..15, K order), scales and zeros float32 [N, K/32], rows in HF order:
+    w = (q - 8) * scale + zero, exactly gguf-py's value before its float32 rounding."""
     n, k = t.shape
-    blocks = t.data.reshape(n, k // BLOCK, _BLOCK_BYTES[t.type])
+    blocks = _blocks(t)  # [N, K/block, block bytes]
+    d = _fp16(blocks, 0)  # [N, K/block] float32
+    if t.type == "Q4_K":
+        dmin = _fp16(blocks, 2)
+        sc, mins = _k_scales(blocks[..., 4 : 4 + _K_SCALE_BYTES])  # [N, K/256, 8] uint8 each, 0..63
+        qs = blocks[..., 4 + _K_SCALE_BYTES :].reshape(n, -1, 4, 32)  # [N, K/256, pair p, 32]
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [N, K/256, p, 2, 32]: sub-block 2p low, 2p+1 high
+        scales = (d[..., None] * sc).reshape(n, -1)  # [N, K/32] float32: fp16 x 6-bit integer, exact
+        zeros = ZERO_CODE * scales - (dmin[..., None] * mins).reshape(n, -1)  # exact: see the module docstring
+        return codes.reshape(n, k), scales, zeros
+    qs = blocks[..., -16:]  # [N, K/32, 16] uint8: element i low nibble, element i+16 high
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, K/32, 32] uint8 in 0..15, in K order
+    # Q4_1: d and m are fp16 (multiples of 2^-24), so m + 8d is exact in float32 while |m + 8d| < 1 (every weight
+    # here): the only rounding is the one to bf16.
+    zeros = _fp16(blocks, 2) + ZERO_CODE * d if t.type == "Q4_1" else np.zeros_like(d)  # [N, K/32] float32
+    return codes.reshape(n, k), d, zeros
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes [..., 12] -> (sc, m) uint8 [..., 8], 6 bits each (the layout in the module docstring)."""
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 6) << 4)], axis=-1)
+    return sc, mins
+
+
+def _blocks(t: GgufTensor) -> np.ndarray:
+    """The tensor's blocks as uint8 [N, K/block, block bytes], rows in HF order."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    n, k = t.shape
+    size, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.type]]
+    blocks = t.data.reshape(n, k // size, nbytes)
     if t.rotary_heads:
         blocks = blocks[rotary_row_order(n, t.rotary_heads)]  # whole rows: a block never straddles two
     return blocks
 
 
 def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The fp16 at byte `offset` of every block, as float32 [N, K/32] (exact)."""
+    """The fp16 at byte `offset` of every block, as float32 [N, K/block] (exact)."""
     return np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _hf_names(architecture: str, layers: int) -> dict[str, tuple[str, str]]:
+    """GGUF tensor name -> (HF tensor name, HF module name), through gguf-py's name map for the architecture."""
+    import gguf
+
+    arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
+    name_map = gguf.get_tensor_name_map(arch, layers)
+    per_layer = _ARCHITECTURES[architecture].layer_modules
+    modules = [*_MODEL_MODULES, *(f"model.layers.{i}.{module}" for i in range(layers) for module in per_layer)]
+    names: dict[str, tuple[str, str]] = {}
+    for module in modules:
+        base = name_map.get_name(module)
+        if base is not None:  # e.g. gemma2 has no output tensor: always tied
+            for suffix in (".weight", ".bias"):
+                names[base + suffix] = (module + suffix, module)
+    return names
 
 
 def _field(reader, key: str, path: Path, default=None):
