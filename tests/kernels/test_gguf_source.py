@@ -11,12 +11,27 @@ relative, allowed as 2^-20). Measured on the AVX-512 host, 2026-11-30: the large
 block's step d, 65.5 % of the weights are bit-identical in bf16. Q8_0 codes * scale is exact in float32 (8-bit
 code times an fp16 scale), so in bf16 it equals the reference bit for bit.
 
-The small synthetic GGUFs (gguf-py's GGUFWriter) cover what the default model lacks: Q4_0, F16 and BF16 tensors,
-a type this module does not read (Q5_K), another architecture.
+The small synthetic GGUFs (tests/kernels/gguf_fixtures.py, gguf-py's GGUFWriter) cover what the default model
+lacks: every other supported type (F16, BF16, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), each architecture read here
+(checked against transformers' own GGUF loader), and the files refused (another architecture, Q2_K, IQ4_NL).
+
+What bf16 adds to the 4-bit grids, measured by test_what_bf16_adds_to_each_4bit_grid (run with -s to see it) on
+the synthetic tensors here (weights ~ N(0.01, 0.05) quantized by gguf-py for Q4_0 and Q4_1; random valid Q4_K
+blocks: uniform 6-bit sc and m), 2026-12-01: the error of cpu_int4's bf16 scale and zero vs gguf-py's float32
+dequantization, relative to the largest |w| of each 32-weight group (an element's own |w| can be ~0, so an
+elementwise relative error has no useful maximum), in 4-bit steps (|scale|), and as ||error|| / ||w||:
+            max     mean     max steps   ||error|| / ||w||
+    Q4_0    0.0039  0.0004   0.031       0.0017     (zero = 0: only the scale's rounding, times |q - 8| <= 8)
+    Q4_1    0.0043  0.0006   0.041       0.0025
+    Q4_K    0.0040  0.0008   2.0         0.0017     (a random sub-block can pair sc = 1 with m = 63: a step far
+                                                     below its zero's rounding; real weights centre their zeros)
+Analytically bf16 moves scale and zero by at most 2^-8 of themselves, and 8 |scale| and |zero| are each at most the
+group's max |w|: at most 2^-7 of it, which the test asserts along with the per-element bound.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -26,15 +41,21 @@ import torch
 from safetensors import safe_open
 
 from edge.errors import InputError
-from kernels.ops.int4 import dequantize, unpack_nibbles
+from kernels.ops.int4 import apply_scales, dequantize, unpack_nibbles
 from kernels.source.gguf_source import (
+    ARCHITECTURES,
+    BLOCK,
+    FOUR_BIT_GRIDS,
+    SUPPORTED,
     GgufModel,
     cpu_int4_tensors,
+    dequantized,
     float_tensor,
     int8_tensors,
     read_gguf,
     rotary_row_order,
 )
+from tests.kernels import gguf_fixtures as fx
 
 GROUP = 32
 FP32_SLACK = 2.0**-20  # relative: each side rounds once in float32 (2^-24); generous, still far below a bf16 ulp
@@ -183,18 +204,8 @@ def test_a_row_count_the_heads_do_not_split_is_refused():
 
 
 def _write(path: Path, tensors: dict[str, tuple[np.ndarray, object]], arch: str = "llama") -> Path:
-    """A GGUF with llama metadata (4 heads, 2 kv heads, 1 block) and `tensors`: gguf name -> (data, raw type)."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    for name, (data, raw_dtype) in tensors.items():
-        writer.add_tensor(name, data, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    """A GGUF with `arch` metadata (4 heads, 2 kv heads, 1 block) and `tensors`: gguf name -> (data, raw type)."""
+    return fx.write_gguf(path, arch, tensors, fx.Dims(layers=1))
 
 
 def _reference(data: np.ndarray, qtype, heads: int | None) -> torch.Tensor:
@@ -217,6 +228,7 @@ def small(tmp_path_factory) -> tuple[GgufModel, dict[str, tuple[np.ndarray, obje
         "blk.0.attn_k.weight": (gguf.quantize(weight(32, 96), q.Q4_0), q.Q4_0),  # permuted rows, 2 kv heads
         "blk.0.attn_v.weight": (gguf.quantize(weight(32, 96), q.Q8_0), q.Q8_0),
         "blk.0.ffn_down.weight": (rng.integers(0, 256, (8, 176), dtype=np.uint8), q.Q5_K),  # [8, 256] as Q5_K
+        "blk.0.attn_q.bias": (weight(1, 64)[0], q.F32),  # permuted like attn_q's rows
         "blk.0.attn_norm.weight": (weight(1, 96)[0].astype(np.float16), q.F16),
         "blk.0.ffn_norm.weight": (gguf.quantize(weight(1, 96)[0], q.BF16), q.BF16),
         "rope_freqs.weight": (np.ones(16, dtype=np.float32), q.F32),
@@ -225,7 +237,7 @@ def small(tmp_path_factory) -> tuple[GgufModel, dict[str, tuple[np.ndarray, obje
     return read_gguf(path), tensors
 
 
-def test_read_gguf_lists_names_types_and_hf_shapes_without_failing_on_q5k(small):
+def test_read_gguf_lists_names_types_and_hf_shapes(small):
     model, _ = small
     summary = {name: (t.gguf_name, t.type, t.shape, t.rotary_heads) for name, t in model.tensors.items()}
     assert summary == {
@@ -233,11 +245,21 @@ def test_read_gguf_lists_names_types_and_hf_shapes_without_failing_on_q5k(small)
         "model.layers.0.self_attn.k_proj.weight": ("blk.0.attn_k.weight", "Q4_0", (32, 96), 2),
         "model.layers.0.self_attn.v_proj.weight": ("blk.0.attn_v.weight", "Q8_0", (32, 96), None),
         "model.layers.0.mlp.down_proj.weight": ("blk.0.ffn_down.weight", "Q5_K", (8, 256), None),
+        "model.layers.0.self_attn.q_proj.bias": ("blk.0.attn_q.bias", "F32", (64,), 4),
         "model.layers.0.input_layernorm.weight": ("blk.0.attn_norm.weight", "F16", (96,), None),
         "model.layers.0.post_attention_layernorm.weight": ("blk.0.ffn_norm.weight", "BF16", (96,), None),
     }
     assert model.unmapped == ("rope_freqs.weight",) and model.tied
-    assert (model.num_heads, model.num_kv_heads) == (4, 2)
+    assert (model.num_heads, model.num_kv_heads, model.architecture) == (4, 2, "llama")
+
+
+def test_a_q_bias_is_permuted_like_its_rows(small):
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    model, tensors = small
+    expected = torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(tensors["blk.0.attn_q.bias"][0], 4, 4))
+    assert torch.equal(float_tensor(model, "model.layers.0.self_attn.q_proj.bias"), expected)
+    assert torch.equal(dequantized(model, "model.layers.0.self_attn.q_proj.bias", torch.float32), expected)
 
 
 @pytest.mark.parametrize(("gguf_name", "hf_name"), [
@@ -285,14 +307,15 @@ def test_float_tensors_come_back_in_their_own_dtype(small, hf_name, dtype):
 
 
 @pytest.mark.parametrize("reader", [cpu_int4_tensors, int8_tensors, float_tensor])
-def test_an_unsupported_type_is_refused_naming_the_tensor(small, reader):
+def test_a_reader_of_other_types_refuses_q5k_naming_the_tensor(small, reader):
     model, _ = small
     with pytest.raises(InputError, match=r"down_proj.*blk\.0\.ffn_down\.weight of type Q5_K"):
         reader(model, "model.layers.0.mlp.down_proj.weight")
+    assert dequantized(model, "model.layers.0.mlp.down_proj.weight").shape == (8, 256)  # dequantized() reads it
 
 
 def test_a_missing_path_is_refused(tmp_path):
-    with pytest.raises(InputError, match="gguf"):
+    with pytest.raises(InputError, match=r"gguf: expected an existing GGUF file, got '.*absent\.gguf'"):
         read_gguf(tmp_path / "absent.gguf")
 
 
@@ -302,7 +325,305 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         read_gguf(tmp_path / "not.gguf")
 
 
-def test_another_architecture_is_refused(tmp_path):
-    path = _write(tmp_path / "gpt2.gguf", {}, arch="gpt2")
-    with pytest.raises(InputError, match="general.architecture"):
+@pytest.mark.parametrize("arch", ["gpt2", "mistral3", "qwen2moe", "gemma"])
+def test_another_architecture_is_refused_listing_the_supported_ones(tmp_path, arch):
+    path = _write(tmp_path / f"{arch}.gguf", {}, arch=arch)
+    expected = rf"general\.architecture: expected one of {', '.join(ARCHITECTURES)} \(.*\), got '{arch}'"
+    with pytest.raises(InputError, match=expected):
         read_gguf(path)
+
+
+def test_dequantized_is_the_bf16_default_model(default_gguf, bf16_weights):
+    """The real file through gguf-py's dequantization, chunked: every tensor (Q4_1 linears with their q/k rows
+    reordered, the Q8_0 embedding, F32 norms) equals the bf16 weight transformers built from it, bit for bit."""
+    for name in default_gguf.tensors:
+        assert torch.equal(dequantized(default_gguf, name, chunk_rows=1024), bf16_weights[name]), name
+
+
+# --- every type ------------------------------------------------------------------------------------------------
+
+Q = gguf.GGMLQuantizationType
+TYPES = tuple(Q[name] for name in SUPPORTED)
+# (gguf leaf, HF module, N, K, heads llama.cpp permuted the rows of): q by the 4 heads, k by the 2 kv heads; down has
+# K = 512, two K-quant super-blocks a row
+TYPE_TENSORS = (("attn_q", "self_attn.q_proj", 256, 256, 4), ("attn_k", "self_attn.k_proj", 128, 256, 2),
+                ("ffn_down", "mlp.down_proj", 256, 512, None))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def typed(tmp_path_factory) -> tuple[GgufModel, dict[str, tuple[np.ndarray, object]]]:
+    """A llama GGUF with one layer per supported type: layer i's attn_q, attn_k and ffn_down in SUPPORTED[i]
+    (gguf-py's quantizer where it has one, else random valid blocks: gguf_fixtures.encoded). ~2.2M weights."""
+    rng = np.random.default_rng(1)
+    tensors = {
+        f"blk.{layer}.{leaf}.weight": (fx.encoded(kind, rng, n, k), kind)
+        for layer, kind in enumerate(TYPES) for leaf, _, n, k, _ in TYPE_TENSORS
+    }  # fmt: skip
+    path = fx.write_gguf(tmp_path_factory.mktemp("types") / "types.gguf", "llama", tensors, layers=len(TYPES))
+    return read_gguf(path), tensors
+
+
+def _of_type(model: GgufModel, tensors, kind) -> list[tuple[str, np.ndarray, int | None]]:
+    """(HF name, the raw data written, heads of its permuted rows) of the three `kind` tensors of the `typed` file."""
+    layer = TYPES.index(kind)
+    found = []
+    for leaf, module, _, _, heads in TYPE_TENSORS:
+        hf_name = f"model.layers.{layer}.{module}.weight"
+        assert hf_name in model.tensors
+        found.append((hf_name, tensors[f"blk.{layer}.{leaf}.weight"][0], heads))
+    return found
+
+
+def _hf_rows(values: np.ndarray, heads: int | None) -> torch.Tensor:
+    """The file's row order -> HF's, by transformers' own reverse permutation (the oracle, not our row order)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    if heads:
+        values = LlamaTensorProcessor()._reverse_permute_weights(values, heads, heads)
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
+def test_the_supported_types_are_the_downloaded_ones():
+    assert SUPPORTED == ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+    assert FOUR_BIT_GRIDS == ("Q4_0", "Q4_1", "Q4_K") and BLOCK == 32
+
+
+def test_every_type_is_read_with_its_type_and_hf_shape(typed):
+    model, _ = typed
+    for layer, kind in enumerate(TYPES):
+        for _, module, n, k, heads in TYPE_TENSORS:
+            t = model.tensors[f"model.layers.{layer}.{module}.weight"]
+            assert (t.type, t.shape, t.rotary_heads) == (kind.name, (n, k), heads)
+
+
+@pytest.mark.parametrize("chunk_rows", [4096, 48])  # 48: neither divides 128 or 256 nor stays within a head
+@pytest.mark.parametrize("kind", TYPES, ids=lambda kind: kind.name)
+def test_dequantized_is_gguf_pys_dequantization_in_hf_row_order(typed, kind, chunk_rows):
+    model, tensors = typed
+    for hf_name, data, heads in _of_type(model, tensors, kind):
+        reference = _hf_rows(gguf.quants.dequantize(data, kind), heads)  # float32 [N, K]
+        values = dequantized(model, hf_name, torch.float32, chunk_rows=chunk_rows)
+        assert values.dtype == torch.float32 and torch.equal(values, reference), hf_name
+        assert torch.equal(dequantized(model, hf_name, chunk_rows=chunk_rows), reference.to(torch.bfloat16)), hf_name
+
+
+def test_dequantized_decodes_one_chunk_of_rows_at_a_time(typed, monkeypatch):
+    model, _ = typed
+    calls: list[int] = []
+    decode = gguf.quants.dequantize
+
+    def counting(data, kind):
+        calls.append(data.shape[0])
+        return decode(data, kind)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", counting)
+    dequantized(model, f"model.layers.{TYPES.index(Q.Q4_K)}.self_attn.q_proj.weight", chunk_rows=48)
+    assert calls == [48] * 5 + [16]  # 256 rows: only 48 of them in float32 at once
+
+
+@pytest.mark.parametrize("chunk_rows", [0, -1, 2.5])
+def test_a_chunk_size_that_is_not_a_positive_row_count_is_refused(typed, chunk_rows):
+    model, _ = typed
+    with pytest.raises(InputError, match="chunk_rows"):
+        dequantized(model, "model.layers.0.self_attn.q_proj.weight", chunk_rows=chunk_rows)
+
+
+# --- the 4-bit grids -------------------------------------------------------------------------------------------
+
+# Where gguf-py's blocks keep their fields, to edit them for the probes below: (d, offset field or None, codes)
+_FIELDS = {Q.Q4_0: (0, None, slice(2, 18)), Q.Q4_1: (0, 2, slice(4, 20)), Q.Q4_K: (0, 2, slice(16, 144))}
+_Q4K_UNIT_SCALES = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)  # every sc = 1, every m = 0
+
+
+def _gguf_grid(data: np.ndarray, kind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The 4-bit grid as gguf-py's own dequantize reads it, with no unpacking of ours: (codes uint8 [N, K],
+    scales and zeros float32 [N, K/32]) such that w = (q - 8) * scale + zero, found by dequantizing edited blocks:
+    codes with d = 1 and no offset (Q4_K: every sc = 1), each group's step with every code 1 and no offset, its
+    offset (m, or -dmin*m_j) with d = 0."""
+    d_at, offset_at, codes_at = _FIELDS[kind]
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, gguf.constants.GGML_QUANT_SIZES[kind][1])
+
+    def probe(**fields) -> np.ndarray:
+        edited = blocks.copy()
+        for at, value in fields.values():
+            edited[..., at] = value
+        return gguf.quants.dequantize(edited.reshape(n, -1), kind)  # float32 [N, K]
+
+    one, zero = (np.array([value], dtype=np.float16).view(np.uint8) for value in (1, 0))
+    no_offset = {"offset": (slice(offset_at, offset_at + 2), zero)} if offset_at is not None else {}
+    unit = {"scales": (slice(4, 16), _Q4K_UNIT_SCALES)} if kind == Q.Q4_K else {}
+    codes = probe(d=(slice(d_at, d_at + 2), one), **no_offset, **unit)
+    codes = codes + 8 if kind == Q.Q4_0 else codes  # Q4_0 reads d * (q - 8)
+    ones = probe(codes=(codes_at, 0x99 if kind == Q.Q4_0 else 0x11), **no_offset)  # q - 8 = 1, or q = 1
+    scales = ones[:, ::BLOCK]  # [N, K/32]: d, or d * sc_j
+    zeros = np.zeros_like(scales)  # Q4_0: w = d * (q - 8)
+    if kind != Q.Q4_0:  # w = scale * q + offset = (q - 8) * scale + (offset + 8 * scale)
+        offsets = probe(d=(slice(d_at, d_at + 2), zero))[:, ::BLOCK]  # m (Q4_1) or -dmin * m_j (Q4_K)
+        zeros = offsets + 8 * scales  # float32
+    assert np.array_equal(codes, codes.round()) and codes.min() >= 0 and codes.max() <= 15
+    return codes.astype(np.uint8), scales, zeros
+
+
+def test_the_q4k_probe_sets_every_scale_to_one():
+    sc, m = gguf.quants.Q4_K.get_scale_min(_Q4K_UNIT_SCALES.reshape(1, 12))
+    assert (sc == 1).all() and (m == 0).all()
+
+
+@pytest.mark.parametrize("kind", [Q[name] for name in FOUR_BIT_GRIDS], ids=lambda kind: kind.name)
+def test_the_4bit_codes_scales_and_zeros_are_gguf_pys_up_to_bf16(typed, kind):
+    """Our codes are gguf-py's; our scale and zero are its per-group step and offset, rounded once to bf16; with them
+    unrounded, the cpu_int4 formula is gguf-py's float32 dequantization bit for bit; so the only difference between
+    our weights and gguf-py's is that rounding (our weights equal the formula over the rounded pair, exactly)."""
+    model, tensors = typed
+    for hf_name, data, heads in _of_type(model, tensors, kind):
+        codes, scales, zeros = (_hf_rows(part, heads) for part in _gguf_grid(data, kind))
+        reference = _hf_rows(gguf.quants.dequantize(data, kind), heads)
+        qweight, our_scales, our_zeros = cpu_int4_tensors(model, hf_name)
+        n, k = reference.shape
+        assert qweight.shape == (n, k // 2) and our_scales.shape == our_zeros.shape == (n, k // BLOCK)
+        assert torch.equal(unpack_nibbles(qweight), codes), hf_name
+        assert torch.equal(our_scales, scales.to(torch.bfloat16)) and torch.equal(our_zeros, zeros.to(torch.bfloat16))
+        assert torch.equal(apply_scales(codes, scales, zeros, BLOCK, torch.float32), reference), hf_name
+        rounded = apply_scales(codes, scales.to(torch.bfloat16), zeros.to(torch.bfloat16), BLOCK, torch.float32)
+        assert torch.equal(dequantize(qweight, our_scales, our_zeros, BLOCK, torch.float32), rounded), hf_name
+
+
+@pytest.mark.parametrize("kind", [Q[name] for name in FOUR_BIT_GRIDS], ids=lambda kind: kind.name)
+def test_what_bf16_adds_to_each_4bit_grid(typed, kind, record_property):
+    """Within the bf16 rounding bound, and measured (the module docstring has the numbers: run with -s)."""
+    model, tensors = typed
+    worst, total, count, worst_steps, squared_error, squared = 0.0, 0.0, 0, 0.0, 0.0, 0.0
+    for hf_name, data, heads in _of_type(model, tensors, kind):
+        reference = _hf_rows(gguf.quants.dequantize(data, kind), heads)  # float32 [N, K]
+        qweight, scales, zeros = cpu_int4_tensors(model, hf_name)
+        ours = dequantize(qweight, scales, zeros, BLOCK, torch.float32)
+        diff = (ours - reference).abs()
+        _, exact_scales, exact_zeros = (_hf_rows(part, heads) for part in _gguf_grid(data, kind))
+        centred = (unpack_nibbles(qweight).float() - 8).abs()
+        bound = centred * _per_element((scales.float() - exact_scales).abs()) + _per_element(
+            (zeros.float() - exact_zeros).abs()
+        )
+        assert (diff <= bound + FP32_SLACK * (ours.abs() + reference.abs())).all(), hf_name
+        group_max = _per_element(reference.abs().view(reference.shape[0], -1, BLOCK).amax(-1))
+        relative = diff / group_max.clamp(min=torch.finfo(torch.float32).tiny)
+        worst, total, count = max(worst, float(relative.max())), total + float(relative.sum()), count + diff.numel()
+        steps = diff / _per_element(exact_scales.abs())
+        worst_steps = max(worst_steps, float(steps[_per_element(exact_scales) != 0].max()))
+        squared_error, squared = squared_error + float(diff.square().sum()), squared + float(reference.square().sum())
+    mean, l2 = total / count, (squared_error / squared) ** 0.5
+    record_property(f"{kind.name}_bf16_error", {"max": worst, "mean": mean, "max_steps": worst_steps, "l2": l2})
+    print(f"\n{kind.name}: bf16 scale/zero error vs gguf-py float32, relative to the group's max |w|: "
+          f"max {worst:.4f}, mean {mean:.4f}; max {worst_steps:.3f} steps; ||error|| / ||w|| {l2:.4f}")  # fmt: skip
+    # bf16 rounds scale and zero by at most 2^-8 of themselves; 8 * |scale| and |zero| are each at most the group's
+    # max |w| (zero is the middle of the group's range): 2^-7 of it in all
+    assert worst < 2**-7
+    if kind != Q.Q4_K:  # Q4_K's step can be tiny next to its zero (sc = 1, m = 63), as in random blocks: not bounded
+        assert worst_steps < 1 / 8
+
+
+@pytest.mark.parametrize("kind", [kind for kind in TYPES if kind.name not in FOUR_BIT_GRIDS], ids=lambda k: k.name)
+def test_cpu_int4_tensors_refuses_the_other_types(typed, kind):
+    model, tensors = typed
+    hf_name = _of_type(model, tensors, kind)[0][0]
+    expected = rf"{re.escape(hf_name)}: expected a Q4_0/Q4_1/Q4_K tensor.*of type {kind.name}"
+    with pytest.raises(InputError, match=expected):
+        cpu_int4_tensors(model, hf_name)
+
+
+# --- refused files ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ2_XS, Q.TQ1_0, Q.MXFP4], ids=lambda k: k.name)
+def test_read_gguf_refuses_an_unsupported_type_up_front(tmp_path, kind):
+    rng = np.random.default_rng(2)
+    tensors = {
+        "blk.0.attn_q.weight": (fx.encoded(Q.Q4_K, rng, 8, 256), Q.Q4_K),
+        "blk.0.ffn_down.weight": (fx.raw_blocks(kind, rng, 8, 256), kind),
+    }
+    path = _write(tmp_path / f"{kind.name}.gguf", tensors)
+    expected = (rf"model\.layers\.0\.mlp\.down_proj\.weight: expected one of the types read here: "
+                rf"{', '.join(SUPPORTED)}, got 'blk\.0\.ffn_down\.weight of type {kind.name}'")  # fmt: skip
+    with pytest.raises(InputError, match=expected):
+        read_gguf(path)
+
+
+def test_an_unsupported_type_in_a_tensor_no_hf_name_takes_is_skipped(tmp_path):
+    rope = fx.raw_blocks(Q.Q2_K, np.random.default_rng(3), 1, 256)
+    path = _write(tmp_path / "rope.gguf", {"rope_freqs.weight": (rope, Q.Q2_K)})
+    model = read_gguf(path)
+    assert model.tensors == {} and model.unmapped == ("rope_freqs.weight",)
+
+
+# --- each architecture, against transformers' own GGUF loader ---------------------------------------------------
+
+# HF names that show each architecture's own modules, beyond Llama's (transformers' names for them)
+ARCH_NAMES = {
+    "llama": ("model.layers.1.self_attn.q_proj.weight", "lm_head.weight"),
+    "qwen2": ("model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.v_proj.bias", "lm_head.weight"),
+    "qwen3": ("model.layers.1.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"),
+    "gemma2": ("model.layers.1.pre_feedforward_layernorm.weight", "model.layers.1.post_feedforward_layernorm.weight"),
+    "gemma3": ("model.layers.1.pre_feedforward_layernorm.weight", "model.layers.1.self_attn.q_norm.weight"),
+    "phi3": ("model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight", "lm_head.weight"),
+}
+
+
+def _transformers_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """transformers' legacy GGUF loader's tensors, by HF name: float32 dequantization and its per-architecture
+    undos (TENSOR_PROCESSORS). In transformers 5.24, `load_gguf_checkpoint(path, return_tensors=True)` needs
+    `model_to_load` (it reads the name map off the model's state_dict; without one: AttributeError on None.config),
+    so this builds that model, on the meta device, from the config the same loader reads out of the file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = dict(load_gguf_checkpoint(str(path))["config"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+
+
+@pytest.fixture(scope="module")
+def architectures(tmp_path_factory) -> dict[str, tuple[GgufModel, dict, dict[str, torch.Tensor]]]:
+    """Per architecture: our reading of a tiny f16 file of it, what was written, and transformers' tensors."""
+    found = {}
+    for number, arch in enumerate(ARCHITECTURES):
+        tensors = fx.float_model(arch, np.random.default_rng(10 + number))
+        path = fx.write_gguf(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch, tensors)
+        found[arch] = read_gguf(path), tensors, _transformers_tensors(path)
+    return found
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_architecture_reads_as_transformers_loads_it(architectures, arch):
+    model, _, reference = architectures[arch]
+    assert list(model.tensors) == list(reference)  # the same names, in file order
+    assert set(ARCH_NAMES[arch]) <= set(reference)
+    for name, expected in reference.items():
+        assert torch.equal(dequantized(model, name, torch.float32), expected.float()), name
+        assert torch.equal(dequantized(model, name, chunk_rows=100), expected.to(torch.bfloat16)), name
+        assert torch.equal(float_tensor(model, name).float(), expected.float()), name
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_architecture_keeps_its_heads_tying_and_skipped_tensors(architectures, arch):
+    model, tensors, _ = architectures[arch]
+    assert (model.architecture, model.num_heads, model.num_kv_heads) == (arch, fx.DIMS.heads, fx.DIMS.kv_heads)
+    assert model.tied == ("output.weight" not in tensors) == (arch not in ("llama", "qwen2", "phi3"))
+    skipped = {"llama": ("rope_freqs.weight",), "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
+    assert model.unmapped == skipped.get(arch, ())
+
+
+def test_only_llama_rows_are_permuted_and_only_gemma_norms_offset(architectures):
+    """The undos are not idle: transformers' llama q/k rows differ from the file's, its Gemma norms are the file's
+    minus 1; every other architecture's tensors are the file's as written."""
+    for arch, (model, tensors, reference) in architectures.items():
+        for name, t in model.tensors.items():
+            written = torch.from_numpy(tensors[t.gguf_name][0].astype(np.float32))
+            permuted = arch == "llama" and (".q_proj." in name or ".k_proj." in name)
+            offset = arch.startswith("gemma") and name.endswith("norm.weight")
+            assert (t.rotary_heads is not None, t.norm_offset) == (permuted, 1.0 if offset else 0.0), name
+            if permuted:  # the same rows, in another order
+                assert not torch.equal(reference[name], written), name
+                assert torch.equal(reference[name][rotary_row_order(len(written), t.rotary_heads).argsort()], written)
+            else:
+                assert torch.equal(reference[name], written - 1 if offset else written), name
