@@ -106,14 +106,14 @@ def write_source_record(gguf: Path, out: Path) -> None:
     (edge.model_reader.source_grid) and the converter reads the codes of (kernels.convert.convert,
     kernels.source.gguf_source). q4_group is 32 when every linear of the GGUF is Q4_0/Q4_1 (the default model: 210 Q4_1
     linears, a Q8_0 embedding, F32 norms)."""
-    from kernels.source.gguf_source import BLOCK, read_gguf
+    from kernels.source.gguf_source import BLOCK, FOUR_BIT_GRIDS, read_gguf
 
     model = read_gguf(gguf)
     types: dict[str, int] = {}
     for tensor in model.tensors.values():
         types[tensor.type] = types.get(tensor.type, 0) + 1
     linears = [t for t in model.tensors.values() if len(t.shape) == 2 and "embed_tokens" not in t.hf_name]
-    on_grid = bool(linears) and all(t.type in ("Q4_0", "Q4_1") for t in linears if t.hf_name != "lm_head.weight")
+    on_grid = bool(linears) and all(t.type in FOUR_BIT_GRIDS for t in linears if t.hf_name != "lm_head.weight")
     source = {"dist": f"{SOURCE_DIST}=={SOURCE_VERSION}", "file": SOURCE_FILE, "sha256": sha256_file(gguf)}
     record = {"format": "gguf", **source, "q4_group": BLOCK if on_grid else None, "types": types}
     (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")

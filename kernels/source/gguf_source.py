@@ -49,12 +49,13 @@ import numpy as np
 import torch
 
 from edge.errors import InputError
+from edge.gguf_metadata import FOUR_BIT_GRIDS  # their codes go to cpu_int4 at group 32 unchanged
 
 BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block and per Q4_K sub-block: the cpu_int4 group size we return
 FLOATS = ("F32", "F16", "BF16")
 QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED = FLOATS + QUANTIZED
-FOUR_BIT_GRIDS = ("Q4_0", "Q4_1", "Q4_K")  # their codes go to cpu_int4 at group 32 unchanged
+# their codes go to cpu_int4 at group 32 unchanged (the one list: edge.gguf_metadata, which the planner reads)
 ZERO_CODE = 8  # cpu_int4's w = (q - 8) * scale + zero
 _K_SCALE_BYTES = 12  # Q4_K's packed 6-bit scales and mins
 

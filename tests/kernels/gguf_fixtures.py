@@ -127,11 +127,16 @@ def raw_blocks(kind: Q, rng: np.random.Generator, n: int, k: int) -> np.ndarray:
 
 
 def write_gguf(
-    path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], dims: Dims = DIMS, *, layers: int | None = None
+    path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Q]], dims: Dims = DIMS, *, layers: int | None = None,
+    tokenizer_from: Path | None = None,
 ) -> Path:
     """A GGUF at `path`: `arch`'s metadata for `dims` (what transformers' loader reads into a config) and `tensors`
-    (gguf name -> (data, type)), in that order."""
+    (gguf name -> (data, type)), in that order. `tokenizer_from`: a GGUF whose tokenizer.* fields (vocabulary,
+    merges, special tokens, chat template) are copied, so that the file converts and serves like a real one; its
+    vocabulary size must be `dims.vocab`."""
     writer = gguf.GGUFWriter(str(path), arch)
+    if tokenizer_from is not None:
+        _copy_tokenizer(tokenizer_from, writer)
     writer.add_name(f"tiny {arch}")
     writer.add_context_length(128)
     writer.add_embedding_length(dims.hidden)
@@ -145,9 +150,10 @@ def write_gguf(
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(dims.vocab)
-    writer.add_bos_token_id(1)  # ids inside the tiny vocabulary (Phi-3's config defaults pad to 32000)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
+    if tokenizer_from is None:
+        writer.add_bos_token_id(1)  # ids inside the tiny vocabulary (Phi-3's config defaults pad to 32000)
+        writer.add_eos_token_id(2)
+        writer.add_pad_token_id(0)
     for name, (data, kind) in tensors.items():
         writer.add_tensor(name, data, raw_dtype=kind)
     writer.write_header_to_file()
@@ -155,3 +161,13 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _copy_tokenizer(source: Path, writer: gguf.GGUFWriter) -> None:
+    reader = gguf.GGUFReader(source)
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)

@@ -1,0 +1,180 @@
+"""edge-convert on a GGUF, per family: a tiny model of each architecture written as llama.cpp writes it (Q4_K
+linears with a Q6_K and a Q5_0 among them, a Q6_K embedding and head, F32 norms, the default model's real
+tokenizer), planned by the real planner from the file's header, converted straight from the file, then run in
+transformers from what the converter wrote (its config.json, its weights dequantized) against transformers' own
+GGUF loader on the same file (the file's weights dequantized, float32): the same logits up to the bf16 rounding of
+the 4-bit scales and the int8 embedding and head the plan asks for.
+
+This checks, per family, what no unit test of one piece can: the config the header becomes (edge.gguf_metadata),
+the tensor names and row orders (kernels.source.gguf_source), the 4-bit codes copied and the other types re-rounded,
+Gemma's norm offset, and the plan's layer rules, against the library vLLM's model code mirrors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.kernels.gguf_fixtures import Dims, architecture_shapes, encoded, write_gguf
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.slow  # about 25 s a family here: transformers loads each file twice
+Q = gguf.GGMLQuantizationType
+DATA = Path(__file__).parents[1] / "edge" / "data"
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+VOCAB = 49152  # the default model's tokenizer, copied into every file
+DIMS = Dims(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=VOCAB)
+# Qwen3 at head_dim 128, as every Qwen3 has: transformers 5.24's GGUF loader drops the file's key length for qwen3
+# (GGUF_CONFIG_MAPPING maps it to nothing) and takes Qwen3Config's default 128, so the reference loads only then.
+FAMILY_DIMS = {"qwen3": Dims(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=128, intermediate=512, vocab=VOCAB)}
+
+
+def _types(name: str, mixed: bool) -> Q:
+    """Q4_K linears, the embedding and head at Q6_K (as Q4_K_M files hold them); `mixed` adds llama.cpp's
+    fallbacks: one attn_v at Q6_K and one ffn_down at Q5_0, which a group-32 plan re-rounds to 4 bits."""
+    if name in ("token_embd.weight", "output.weight") or (mixed and name == "blk.0.attn_v.weight"):
+        return Q.Q6_K
+    return Q.Q5_0 if mixed and name == "blk.1.ffn_down.weight" else Q.Q4_K
+
+
+@pytest.fixture(scope="module")
+def tokenizer_source() -> Path:
+    from edge.errors import InputError
+    from kernels.source.default_model import source_gguf
+
+    try:
+        return source_gguf()
+    except InputError as missing:
+        pytest.skip(f"the default model's GGUF (its tokenizer) is not installed: {missing}")
+
+
+def tiny_gguf(directory: Path, arch: str, tokenizer: Path, *, mixed: bool = False) -> Path:
+    rng = np.random.default_rng(7)
+    tensors = {}
+    dims = FAMILY_DIMS.get(arch, DIMS)
+    for name, (shape, role) in architecture_shapes(arch, dims).items():
+        if role == "matrix":
+            tensors[name] = (encoded(_types(name, mixed), rng, *shape), _types(name, mixed))
+        else:
+            values = rng.standard_normal(shape).astype(np.float32) * 0.1 + (1.0 if role == "norm" else 0.0)
+            tensors[name] = (values, Q.F32)
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_gguf(directory / f"tiny-{arch}.gguf", arch, tensors, dims, tokenizer_from=tokenizer)
+
+
+def _reference(path: Path):
+    """transformers' own reading of the file: its weights dequantized, in float32."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    extra = {}
+    if hasattr(transformers, "GgufConfig"):
+        extra["quantization_config"] = transformers.GgufConfig(gguf_file=path.name, dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                local_files_only=True, **extra).eval()  # fmt: skip
+
+
+def _ours(dst: Path):
+    """What the converter wrote, as transformers runs it: its config.json (no quantization_config), its int4 and
+    int8 tensors dequantized to float32."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kernels.ops.int4 import dequantize
+    from kernels.ops.int8 import dequantize_int8
+
+    config = json.loads((dst / "config.json").read_text())
+    group = config.pop("quantization_config")["group_size"]
+    (dst.parent / "plain").mkdir(exist_ok=True)
+    (dst.parent / "plain" / "config.json").write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(dst.parent / "plain"), dtype=torch.float32)
+    written = {}
+    for file in sorted(dst.glob("*.safetensors")):
+        written |= load_file(file)
+    state = {}
+    for name, tensor in written.items():
+        if name.endswith((".scales", ".zeros")):
+            continue
+        if name.endswith(".qweight"):
+            prefix = name.removesuffix(".qweight")
+            scales = written[f"{prefix}.scales"]
+            state[f"{prefix}.weight"] = (dequantize_int8(tensor, scales, torch.float32) if tensor.dtype == torch.int8
+                                         else dequantize(tensor, scales, written[f"{prefix}.zeros"], group).float())
+        else:
+            state[name] = tensor.float()
+    loaded = model.load_state_dict(state, strict=False)
+    assert loaded.unexpected_keys == [], loaded.unexpected_keys
+    assert set(loaded.missing_keys) <= {"lm_head.weight"}, loaded.missing_keys  # a tied head is the embedding
+    if config.get("tie_word_embeddings"):
+        model.tie_weights()
+    return model.eval()
+
+
+def _convert(path: Path, dst: Path) -> Path:
+    from edge.describe import load_device_file
+    from edge.model_reader import read_model
+    from edge.planner import make_plan
+    from kernels.convert.convert import convert
+
+    plan = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
+                     path="w4a16-tinygemm")  # fmt: skip
+    assert plan.quantization_config["codes_from_source"] is True and plan.group_size == 32
+    return convert(path, dst, plan.quantization_config, path=plan.path, log=lambda message: None)
+
+
+def _relative_errors(theirs, ours) -> dict[str, float]:
+    mine = ours.state_dict()
+    return {name: ((t.float() - mine[name].float()).norm() / t.float().norm()).item()
+            for name, t in theirs.state_dict().items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_gguf_of_each_family_converts_to_what_transformers_reads_from_the_file(arch, tmp_path, tokenizer_source):
+    path = tiny_gguf(tmp_path / "src", arch, tokenizer_source)
+    dst = _convert(path, tmp_path / "dst")
+    summary = json.loads((dst / "edge-convert.json").read_text())["summary"]
+    linears = [t for t in architecture_shapes(arch, FAMILY_DIMS.get(arch, DIMS)) if t.startswith("blk.")
+               and t.endswith(".weight") and "norm" not in t]  # fmt: skip
+    assert len(summary["codes_from_source"]) == len(linears)  # every Q4_K linear keeps the file's codes
+    reference, ours = _reference(path), _ours(dst)
+    errors = _relative_errors(reference, ours)
+    # the copied codes: only the bf16 rounding of scale and zero; the int8 embedding and head from Q6_K: ~6e-3;
+    # norms and biases: their rounding to bf16 (at most 2^-9 of each value)
+    assert max(errors.values()) < 1e-2, sorted(errors.items(), key=lambda item: -item[1])[:3]
+    assert all(errors[name] <= 2**-9 for name in errors if "norm" in name or name.endswith(".bias"))
+
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, VOCAB, (1, 24)))
+    with torch.no_grad():
+        theirs = torch.log_softmax(reference(ids).logits[0].float(), -1)
+        mine = torch.log_softmax(ours(ids).logits[0].float(), -1)
+    kld = (theirs.exp() * (theirs - mine)).sum(-1)
+    print(f"{arch}: mean KLD {kld.mean():.2e} (max {kld.max():.2e}) over {ids.shape[1]} positions; "
+          f"largest weight error {max(errors.values()):.2e}")  # fmt: skip
+    assert kld.mean() < 1e-3  # measured 2e-5 to 1.3e-4 (Zen 5, 2026-12-01)
+    assert (dst / "tokenizer.json").is_file() and (dst / "chat_template.jinja").is_file()
+
+
+def test_the_tensors_off_the_grid_are_re_rounded_and_said_so(tmp_path, tokenizer_source):
+    """A Q4_K_M's fallbacks (an attn_v at Q6_K, an ffn_down at Q5_0) under a group-32 plan: re-rounded to 4 bits
+    from the file's float values (the plan's layers say so), every Q4_K tensor's codes copied as before."""
+    from edge.model_reader import read_model
+    from edge.planner import make_plan
+
+    path = tiny_gguf(tmp_path / "src", "llama", tokenizer_source, mixed=True)
+    dst = _convert(path, tmp_path / "dst")
+    summary = json.loads((dst / "edge-convert.json").read_text())["summary"]
+    off_grid = {"model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.down_proj.weight"}
+    assert off_grid <= set(summary["quantized"]) and not off_grid & set(summary["codes_from_source"])
+    errors = _relative_errors(_reference(path), _ours(dst))
+    assert all(errors[name] < 1e-2 for name in errors if name not in off_grid)
+    assert all(0.02 < errors[name] < 0.15 for name in off_grid), {name: errors[name] for name in off_grid}
+    from edge.describe import load_device_file
+
+    plan = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
+                     path="w4a16-tinygemm")  # fmt: skip
+    layers = {layer.name: layer for layer in plan.layers}
+    assert layers["v_proj"].why.endswith("re-rounded from Q6_K x1")
+    assert layers["down_proj"].why.endswith("re-rounded from Q5_0 x1")
