@@ -206,9 +206,12 @@ def evaluate(args: argparse.Namespace, plan: Plan) -> None:
 
     if importlib.util.find_spec("torch") is None:
         raise InputError("--evaluate", True, "torch installed (the project's vllm extra): edge-eval runs the kernels")
-    if args.model is not None and not Path(args.model).is_dir():
-        raise InputError("--model", args.model, "a model directory with weights when --evaluate is given")
-    source = args.model or _run([sys.executable, "-m", "kernels.source.default_model", "default"], "edge-model default")
+    from edge.model_reader import is_gguf, resolve_model
+
+    if args.model is not None and not (resolve_model(args.model).is_dir() or is_gguf(resolve_model(args.model))):
+        raise InputError("--model", args.model, "a model directory with weights, or a .gguf, when --evaluate is given")
+    source = str(resolve_model(args.model)) if args.model else _run(
+        [sys.executable, "-m", "kernels.source.default_model", "default"], "edge-model default")
     plans, seen = [plan], [quality_key(plan.path, plan.quantization_config)]
     for alt in plan.alternatives:
         if len(plans) > 1 or alt.status != "runnable" or not PATHS[alt.path].quantizes_weights:

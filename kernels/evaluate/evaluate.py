@@ -95,7 +95,8 @@ def evaluate(
 ) -> QualityReport:
     """Score CANDIDATE against SOURCE on `text` (None: the default prose); InputError on bad input.
     decode_kernel: run a cpu_int4 candidate with this decode kernel (module docstring)."""
-    source_dir, candidate = Path(source_dir).resolve(), Path(candidate).resolve()
+    source_label = str(Path(source_dir).resolve())
+    source_dir, candidate = gguf_reference(Path(source_dir)).resolve(), Path(candidate).resolve()
     source_config = read_config(source_dir, "SOURCE")
     candidate_config = read_config(candidate, "CANDIDATE")
     method = quant_method(candidate_config)
@@ -120,6 +121,7 @@ def evaluate(
         report.cached = True
         return report
     report = _measure(source_dir, candidate, method, body, tokens, chunk_len, threads, progress, key, qconfig)
+    report.source = source_label  # the user's SOURCE: a GGUF's records carry its name, as its plans do
     report.record = quality_record(report, qconfig) if recorded else None
     store(key, report.to_json())
     return report
@@ -139,13 +141,14 @@ def _with_decode_kernel(config: dict[str, Any], method: str, decode_kernel: str)
 
 
 def quality_record(report: QualityReport, qconfig: dict[str, Any] | None) -> dict[str, Any]:
-    """The report as an edge.quality.QualityRecord: the source's directory name is the model's name (as
-    edge.model_reader names a model read from a directory), the key is quality_key(path, quantization_config)."""
+    """The report as an edge.quality.QualityRecord: the source's directory name (a GGUF's file name without
+    .gguf) is the model's name, as edge.model_reader names the model; the key is quality_key(path, config)."""
     from edge.quality import QualityRecord, quality_key
 
     m = report.metrics
+    source = Path(report.source)
     record = QualityRecord(
-        model=Path(report.source).name,
+        model=source.stem if source.suffix == ".gguf" else source.name,
         key=quality_key(path_of_method(report.quant_method), qconfig),
         kld_mean=m["mean_kld"]["value"], kld_mean_se=m["mean_kld"]["se"], kld_p99=m["p99_kld"]["value"],
         top1_agreement=m["top1_agreement"]["value"], top1_agreement_se=m["top1_agreement"]["se"],
@@ -258,6 +261,20 @@ def format_report(report: QualityReport) -> str:
     return "\n".join(lines)
 
 
+def gguf_reference(source: Path) -> Path:
+    """The reference a candidate is scored against: SOURCE itself, or for a GGUF its weights dequantized from the
+    file to bf16 (edge-convert's bf16 path, into the cache's converted/), as the default model's bf16 directory is
+    its GGUF's weights dequantized."""
+    from edge.model_reader import is_gguf
+
+    if not is_gguf(source):
+        return source
+    from edge.paths import converted_dir
+    from kernels.convert.convert import convert
+
+    return convert(source, converted_dir(source.resolve(), None), None, path="bf16", log=lambda message: None)
+
+
 def apply_plan(source: Path, plan_file: Path) -> Path:
     """The checkpoint a plan makes of SOURCE: converted by kernels.convert.convert into the cache's converted/ (the
     place edge-serve uses, edge.paths.converted_dir), or SOURCE itself for a bf16 plan."""
@@ -279,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="edge-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("source", metavar="SOURCE", type=Path, help="the bf16 source model directory")
+    parser.add_argument("source", metavar="SOURCE", type=Path,
+                        help="the source model: its bf16 directory, or a .gguf (scored against its own weights)")
     parser.add_argument("candidate", metavar="CANDIDATE", type=Path, nargs="?",
                         help="the converted checkpoint directory (or --plan)")
     parser.add_argument("--plan", type=Path, help="a Plan JSON (edge-select --json): convert SOURCE by it (into the "

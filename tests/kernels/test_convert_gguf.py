@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.gguf_fixtures import Dims, architecture_shapes, encoded, write_gguf
+from benchmarks.make_random_gguf import Dims, architecture_shapes, encoded, write_gguf
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow  # about 25 s a family here: transformers loads each file twice
@@ -26,10 +26,11 @@ Q = gguf.GGMLQuantizationType
 DATA = Path(__file__).parents[1] / "edge" / "data"
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 VOCAB = 49152  # the default model's tokenizer, copied into every file
-DIMS = Dims(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=VOCAB)
+DIMS = Dims(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=VOCAB, context=2048)
 # Qwen3 at head_dim 128, as every Qwen3 has: transformers 5.24's GGUF loader drops the file's key length for qwen3
 # (GGUF_CONFIG_MAPPING maps it to nothing) and takes Qwen3Config's default 128, so the reference loads only then.
-FAMILY_DIMS = {"qwen3": Dims(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=128, intermediate=512, vocab=VOCAB)}
+FAMILY_DIMS = {"qwen3": Dims(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=128, intermediate=512, vocab=VOCAB,
+                             context=2048)}
 
 
 def _types(name: str, mixed: bool) -> Q:
@@ -178,3 +179,26 @@ def test_the_tensors_off_the_grid_are_re_rounded_and_said_so(tmp_path, tokenizer
     layers = {layer.name: layer for layer in plan.layers}
     assert layers["v_proj"].why.endswith("re-rounded from Q6_K x1")
     assert layers["down_proj"].why.endswith("re-rounded from Q5_0 x1")
+
+
+def test_edge_select_evaluate_scores_a_gguf_against_the_files_own_weights(tmp_path, tokenizer_source, monkeypatch):
+    """edge-select --model FILE.gguf --evaluate: edge-eval converts the file by the plan and scores it against
+    the file's own weights (dequantized to bf16, as the default model's source is its GGUF's); the record carries
+    the file's name, so the next plan for that file quotes it."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("EDGE_SELECT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tiny_gguf(tmp_path / "src", "llama", tokenizer_source)
+    args = [str(Path(sys.executable).parent / "edge-select"), "--model", str(path), "--path", "w4a16-tinygemm",
+            "--json"]  # fmt: skip
+    before = json.loads(subprocess.run(args, capture_output=True, text=True, check=True, timeout=300).stdout)
+    assert before["quality"]["status"] == "unmeasured"
+    done = subprocess.run([*args, "--evaluate"], capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = json.loads(done.stdout)
+    assert after["quality"]["status"] == "measured"
+    record = after["quality"]["record"]
+    assert record["model"] == path.stem and 0 < record["kld_mean"] < 0.05, record

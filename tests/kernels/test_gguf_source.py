@@ -11,7 +11,7 @@ relative, allowed as 2^-20). Measured on the AVX-512 host, 2026-11-30: the large
 block's step d, 65.5 % of the weights are bit-identical in bf16. Q8_0 codes * scale is exact in float32 (8-bit
 code times an fp16 scale), so in bf16 it equals the reference bit for bit.
 
-The small synthetic GGUFs (tests/kernels/gguf_fixtures.py, gguf-py's GGUFWriter) cover what the default model
+The small synthetic GGUFs (benchmarks/make_random_gguf.py, gguf-py's GGUFWriter) cover what the default model
 lacks: every other supported type (F16, BF16, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), each architecture read here
 (checked against transformers' own GGUF loader), and the files refused (another architecture, Q2_K, IQ4_NL).
 
@@ -40,6 +40,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from benchmarks import make_random_gguf as fx
 from edge.errors import InputError
 from kernels.ops.int4 import apply_scales, dequantize, unpack_nibbles
 from kernels.source.gguf_source import (
@@ -55,7 +56,6 @@ from kernels.source.gguf_source import (
     read_gguf,
     rotary_row_order,
 )
-from tests.kernels import gguf_fixtures as fx
 
 GROUP = 32
 FP32_SLACK = 2.0**-20  # relative: each side rounds once in float32 (2^-24); generous, still far below a bf16 ulp
@@ -353,7 +353,7 @@ TYPE_TENSORS = (("attn_q", "self_attn.q_proj", 256, 256, 4), ("attn_k", "self_at
 @pytest.fixture(scope="module")
 def typed(tmp_path_factory) -> tuple[GgufModel, dict[str, tuple[np.ndarray, object]]]:
     """A llama GGUF with one layer per supported type: layer i's attn_q, attn_k and ffn_down in SUPPORTED[i]
-    (gguf-py's quantizer where it has one, else random valid blocks: gguf_fixtures.encoded). ~2.2M weights."""
+    (gguf-py's quantizer where it has one, else random valid blocks: make_random_gguf.encoded). ~2.2M weights."""
     rng = np.random.default_rng(1)
     tensors = {
         f"blk.{layer}.{leaf}.weight": (fx.encoded(kind, rng, n, k), kind)

@@ -1,6 +1,9 @@
-"""Small GGUF files for the gguf_source tests, written with gguf-py's GGUFWriter.
+"""Random-weight GGUF files, written with gguf-py's GGUFWriter: tiny ones of each architecture for the tests, and
+a ~1.2B Llama as llama.cpp's Q4_K_M holds it for the conversion memory benchmark (benchmarks/convert_gguf_rss.py):
 
-A tiny model of each architecture, with the tensor names llama.cpp's converter writes for it (written out here by
+    python benchmarks/make_random_gguf.py OUT.gguf --preset 1b [--tokenizer-from DEFAULT.gguf]
+
+A model of each architecture, with the tensor names llama.cpp's converter writes for it (written out here by
 hand, not derived from the code under test), and encoders for every type: gguf-py's own quantizer where it has one
 (`gguf.quants.quantize`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16, F16), else random but valid raw blocks of the right
 byte size (`gguf.constants.GGML_QUANT_SIZES`): the K-quants, whose quantizer gguf-py lacks, and types gguf_source
@@ -29,6 +32,7 @@ class Dims:
     head_dim: int = 64
     intermediate: int = 512
     vocab: int = 64
+    context: int = 128
 
 
 DIMS = Dims()
@@ -138,7 +142,7 @@ def write_gguf(
     if tokenizer_from is not None:
         _copy_tokenizer(tokenizer_from, writer)
     writer.add_name(f"tiny {arch}")
-    writer.add_context_length(128)
+    writer.add_context_length(dims.context)
     writer.add_embedding_length(dims.hidden)
     writer.add_feed_forward_length(dims.intermediate)
     writer.add_block_count(dims.layers if layers is None else layers)
@@ -171,3 +175,51 @@ def _copy_tokenizer(source: Path, writer: gguf.GGUFWriter) -> None:
         value = field.contents()
         sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+
+
+# ~1.2B parameters at TinyLlama-1.1B's shape with the default model's 49152-token vocabulary (its tokenizer is
+# copied in), hidden and intermediate multiples of 256 so every matrix takes K-quant blocks.
+PRESETS = {"1b": Dims(layers=22, hidden=2048, heads=32, kv_heads=4, head_dim=64, intermediate=5632, vocab=49152,
+                   context=2048)}
+
+
+def q4_k_m_type(name: str, layers: int) -> Q:
+    """The types llama.cpp's Q4_K_M gives a Llama (llama-quant.cpp): Q6_K for the output and the embedding, and
+    for attn_v and ffn_down on the first eighth, the last eighth and every third layer between (use_more_bits: about
+    half of them); Q4_K elsewhere. Rows whose width is not a multiple of 256 would fall back; none here."""
+    if name in ("token_embd.weight", "output.weight"):
+        return Q.Q6_K
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down"):
+        i = int(parts[1])
+        if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
+            return Q.Q6_K
+    return Q.Q4_K
+
+
+def write_q4_k_m(path: Path, dims: Dims, tokenizer_from: Path | None, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, tuple[np.ndarray, Q]] = {}
+    for name, (shape, role) in architecture_shapes("llama", dims).items():
+        if role == "matrix":
+            kind = q4_k_m_type(name, dims.layers)
+            tensors[name] = (raw_blocks(kind, rng, *shape), kind)
+        else:
+            tensors[name] = (np.ones(shape, np.float32) if role == "norm" else rng.uniform(1, 4, shape).astype(
+                np.float32), Q.F32)  # fmt: skip
+    return write_gguf(path, "llama", tensors, dims, tokenizer_from=tokenizer_from)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    parser.add_argument("--tokenizer-from", type=Path, help="a GGUF whose tokenizer is copied (vocabulary 49152)")
+    args = parser.parse_args()
+    print(write_q4_k_m(args.out, PRESETS[args.preset], args.tokenizer_from))
+
+
+if __name__ == "__main__":
+    main()
