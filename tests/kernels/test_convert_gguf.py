@@ -185,20 +185,9 @@ def test_edge_select_evaluate_scores_a_gguf_against_the_files_own_weights(tmp_pa
     """edge-select --model FILE.gguf --evaluate: edge-eval converts the file by the plan and scores it against
     the file's own weights (dequantized to bf16, as the default model's source is its GGUF's); the record carries
     the file's name, so the next plan for that file quotes it."""
-    import os
-    import subprocess
-    import sys
+    from tests.kernels.test_evaluate import plan_then_evaluate
 
     monkeypatch.setenv("EDGE_SELECT_CACHE_DIR", str(tmp_path / "cache"))
     path = tiny_gguf(tmp_path / "src", "llama", tokenizer_source)
-    args = [str(Path(sys.executable).parent / "edge-select"), "--model", str(path), "--path", "w4a16-tinygemm",
-            "--json"]  # fmt: skip
-    before = json.loads(subprocess.run(args, capture_output=True, text=True, check=True, timeout=300).stdout)
-    assert before["quality"]["status"] == "unmeasured"
-    done = subprocess.run([*args, "--evaluate"], capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    after = json.loads(done.stdout)
-    assert after["quality"]["status"] == "measured"
-    record = after["quality"]["record"]
+    record = plan_then_evaluate(path)
     assert record["model"] == path.stem and 0 < record["kld_mean"] < 0.05, record

@@ -600,15 +600,22 @@ def test_cli_without_a_candidate_or_a_plan_exits_2(tiny):
     assert proc.returncode == 2 and "CANDIDATE" in proc.stderr and "--plan" in proc.stderr
 
 
-def test_edge_select_evaluate_measures_the_plan_which_then_quotes_it(tiny, cache):
-    """edge-select --evaluate: edge-eval the plan first (a child process), then plan again with the record."""
+def plan_then_evaluate(model: Path) -> dict:
+    """`edge-select --model MODEL --path w4a16-tinygemm --json`, which must say unmeasured, then the same with
+    --evaluate (edge-eval in a child process, then the plan again with the record): that plan's quality record."""
     exe = Path(sys.executable).parent / "edge-select"
-    args = [str(exe), "--model", str(tiny), "--path", "w4a16-tinygemm", "--json"]
-    before = json.loads(subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout)
+    args = [str(exe), "--model", str(model), "--path", "w4a16-tinygemm", "--json"]
+    before = json.loads(subprocess.run(args, capture_output=True, text=True, check=True, timeout=300).stdout)
     assert before["quality"]["status"] == "unmeasured"
-    done = subprocess.run([*args, "--evaluate"], capture_output=True, text=True, timeout=900,
+    done = subprocess.run([*args, "--evaluate"], capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     after = json.loads(done.stdout)
     assert after["quality"]["status"] == "measured"
-    assert after["quality"]["record"]["model"] == tiny.name and after["quality"]["record"]["kld_mean"] > 0
+    return after["quality"]["record"]
+
+
+def test_edge_select_evaluate_measures_the_plan_which_then_quotes_it(tiny, cache):
+    """edge-select --evaluate: edge-eval the plan first (a child process), then plan again with the record."""
+    record = plan_then_evaluate(tiny)
+    assert record["model"] == tiny.name and record["kld_mean"] > 0
