@@ -71,9 +71,12 @@ class GgufHeader:
 
 def read_header(path: str | Path) -> GgufHeader:
     """The metadata and the tensor table of a GGUF file; InputError naming the file when it is not one."""
-    import gguf
-
     path = Path(path)
+    try:
+        import gguf
+    except ImportError:  # the planner's own install has no numpy; the engine side's (the vllm extra) has gguf
+        raise InputError("model", str(path), "gguf-py installed to read a GGUF header (pip install gguf, or the "
+                         "project's vllm extra)") from None
     if not path.is_file():
         raise InputError("model", str(path), "an existing GGUF file")
     try:
