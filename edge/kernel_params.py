@@ -132,7 +132,8 @@ def for_device(device: DeviceProfile, record: CalibrationRecord | None = None,
     if record is None or not shapes:
         # torch's AVX2 tinygemm: the AVX2 kernels measured 3.5x (int16) and 5.2x (int8 activations) faster at 1
         # row, 4096x4096 (facts avx2.1t.gemm.m1.*); without a compiler cpu_int4 logs why and keeps tinygemm.
-        decode, lossy = default_decode_kernel(capability), offered_lossy_decode_kernel(capability)
+        decode = default_decode_kernel(capability, device.isa_class)
+        lossy = offered_lossy_decode_kernel(capability, device.isa_class)
         why = (f"{DECODE_KERNELS[lossy].decode.label}, faster than {DECODE_KERNELS[decode].decode.label} at 1 row "
                f"under {capability} dispatch (facts table; no calibration record)") if lossy else None  # fmt: skip
         return replace(base, decode_kernel=decode, lossy_decode=lossy, lossy_decode_why=why)

@@ -180,15 +180,17 @@ def decode_rows(name: str) -> int | None:
 LOSSY_DECODE_KERNELS: tuple[str, ...] = tuple(name for name, spec in DECODE_KERNELS.items() if spec.lossy)
 
 
-def default_decode_kernel(capability: str | None) -> str:
-    """The decode kernel a device at this torch CPU capability gets without a calibration record."""
-    return next((name for name, spec in DECODE_KERNELS.items() if capability in spec.decode.default_at),
-                DEFAULT_DECODE_KERNEL)  # fmt: skip
+def default_decode_kernel(capability: str | None, isa_class: str) -> str:
+    """The decode kernel a device of this ISA class at this torch CPU capability gets without a calibration
+    record: one whose spec runs on the class (`isa_classes`) and defaults at the capability."""
+    return next((name for name, spec in DECODE_KERNELS.items()
+                 if isa_class in spec.isa_classes and capability in spec.decode.default_at), DEFAULT_DECODE_KERNEL)
 
 
-def offered_lossy_decode_kernel(capability: str | None) -> str | None:
-    """The lossy decode kernel the speed priority tries at this capability without a calibration record."""
-    return next((name for name, spec in DECODE_KERNELS.items() if capability in spec.decode.offered_at), None)
+def offered_lossy_decode_kernel(capability: str | None, isa_class: str) -> str | None:
+    """The lossy decode kernel the speed priority tries on such a device without a calibration record."""
+    return next((name for name, spec in DECODE_KERNELS.items()
+                 if isa_class in spec.isa_classes and capability in spec.decode.offered_at), None)
 
 
 def reads_row_major(decode: str) -> bool:

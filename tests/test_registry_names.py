@@ -122,3 +122,13 @@ def test_a_paths_config_names_its_own_method_on_either_kind_of_host():
             kernel = KernelParams(block=32, dequant_threshold=16, prefill_dtype="bfloat16", repack_chunk_rows=4096)
             config = quantization_config(model, name, layout, group, layers, kernel, amx=amx)
             assert config["quant_method"] == quant_method(name, amx=amx)
+
+
+def test_a_decode_kernel_is_offered_only_on_the_isa_classes_its_spec_names():
+    from edge.kernel_registry import default_decode_kernel, offered_lossy_decode_kernel
+
+    x86 = {name for name, spec in DECODE_KERNELS.items() if "avx2" in spec.isa_classes}
+    assert default_decode_kernel("AVX2", "avx2") in x86 - {"tinygemm"}  # this project's AVX2 kernel
+    assert default_decode_kernel("AVX2", "arm") == "tinygemm"  # no spec of an AVX2 kernel names ARM
+    assert offered_lossy_decode_kernel("AVX2", "avx2") is not None
+    assert offered_lossy_decode_kernel("AVX2", "arm") is None
