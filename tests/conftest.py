@@ -44,7 +44,7 @@ CORE_SLOW = {
         "edge-model: the embedded default model built from its GGUF",
     "tests/kernels/test_convert.py::test_the_default_model_converted_to_cpu_int4_still_answers_paris":
         "edge-convert on the real default model",
-    "tests/kernels/test_convert_gguf.py":
+    "tests/kernels/test_convert_gguf.py::test_a_gguf_of_each_family_converts_to_what_transformers_reads_from_the_file":
         "edge-convert on a GGUF of each family (llama, qwen2, qwen3, gemma2, gemma3, phi3) against transformers",
     "tests/server/test_real_vllm.py::test_edge_up_serves_a_gguf_file_with_its_own_chat_template":
         "deploy/edge-up --model FILE.gguf with the real vLLM: the file converted, served, its chat template used",
