@@ -13,7 +13,7 @@ llama.cpp files carry; Mistral and SmolLM files say `llama`. A tied head is a fi
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ class GgufHeader:
     path: Path | None
     metadata: dict[str, Any]  # scalars and strings; an array field is its length (`tokenizer.ggml.tokens`: 49152)
     tensors: tuple[GgufTensorInfo, ...]
+    reader: Any = field(default=None, repr=False, compare=False)  # gguf-py's, from a file: reused, not re-read
 
     @property
     def architecture(self) -> str:
@@ -84,20 +85,20 @@ def read_header(path: str | Path) -> GgufHeader:
     except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as error:
         raise InputError("model", str(path), f"a readable GGUF file ({error})") from None
     metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if not field.types:
+    for key, entry in reader.fields.items():
+        if not entry.types:
             continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            metadata[key] = len(field.data)
-        elif field.types[0] == gguf.GGUFValueType.STRING:
-            metadata[key] = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+        if entry.types[0] == gguf.GGUFValueType.ARRAY:
+            metadata[key] = len(entry.data)
+        elif entry.types[0] == gguf.GGUFValueType.STRING:
+            metadata[key] = bytes(entry.parts[entry.data[0]]).decode("utf-8", errors="replace")
         else:
-            metadata[key] = field.parts[field.data[0]][0].item()
+            metadata[key] = entry.parts[entry.data[0]][0].item()
     tensors = tuple(
         GgufTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
         for t in reader.tensors
     )
-    return GgufHeader(path, metadata, tensors)
+    return GgufHeader(path, metadata, tensors, reader)
 
 
 def header_from_json(body: Mapping[str, Any]) -> GgufHeader:

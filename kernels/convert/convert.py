@@ -161,8 +161,9 @@ def _read_gguf_source(src: Path) -> Source:
     from edge.gguf_metadata import hf_config, read_header
     from kernels.source.gguf_source import read_gguf
 
-    config = hf_config(read_header(src))
-    model = read_gguf(src)
+    header = read_header(src)
+    config = hf_config(header)
+    model = read_gguf(src, header.reader)  # the same parse of the header
     shapes = {name: (list(t.shape), t.type) for name, t in model.tensors.items()}
     return Source(src, config, {src.name: list(model.tensors)}, shapes, gguf=model)
 

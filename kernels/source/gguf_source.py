@@ -110,17 +110,18 @@ class GgufModel:
         return "lm_head.weight" not in self.tensors
 
 
-def read_gguf(path: str | Path) -> GgufModel:
+def read_gguf(path: str | Path, reader=None) -> GgufModel:
     """The tensors' HF names, types and shapes, from the header only (data stays memory-mapped, nothing is
     dequantized). Refuses an architecture or a tensor type not read here. Takes ~3-4 s on the default model here:
-    gguf-py parses the 49152-token vocabulary field by field."""
+    gguf-py parses the 49152-token vocabulary field by field. `reader`: gguf-py's reader of the same file, already
+    made (edge.gguf_metadata.read_header's), so the header is parsed once."""
     import gguf
 
     path = Path(path)
     if not path.is_file():
         raise InputError("gguf", str(path), "an existing GGUF file")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = reader if reader is not None else gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError, OSError) as error:  # bad magic, version, unknown type number
         raise InputError("gguf", str(path), f"a readable GGUF file ({error})") from None
     if reader.byte_order != "I":
