@@ -85,7 +85,7 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
     """W4A8 = vLLM's int4_scaled_mm_cpu with int8 activations: runnable where the native library vLLM loads
     registers the op. `calibration` (this device's record, edge.calibration.best_match) settles it when it timed
     the op (ok) or found it missing or crashing; without one the ISA flags and the known library decide, and the
-    gate says so. AMX hosts run it through vLLM's own GPTQ method, others through the plugin's cpu_w4a8."""
+    gate says so. Every host runs it through the plugin's cpu_w4a8 (AMX ones too: edge.weight_paths)."""
     gate = Gate(_gated(gate_w4a8))
     if refusal := _phone_refusal(device):
         gate.refusals.append(refusal)
@@ -111,8 +111,9 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
         gate.notes.append(DERIVED_NOTE)
     if gate.runnable and device.has_amx:
         gate.notes.append(
-            "the reference study measured W4A8 on AMX; this project's GPTQ export has only been loaded "
-            "through vLLM's weight loader on an AVX2 host, never run on AMX (unverified end to end)"
+            f"the reference study measured W4A8 on AMX through vLLM's own GPTQ method; the plugin's cpu_w4a8 "
+            f"calls the same {W4A8_OP} with an 8-bit head and embedding, but has never run on AMX here "
+            "(unverified end to end)"
         )
     return gate
 

@@ -76,10 +76,14 @@ class PathSpec:
 PATHS: dict[str, PathSpec] = {
     spec.name: spec
     for spec in (
-        PathSpec("w4a8-gptq", (), True, True, 9, {True: "gptq", False: "cpu_w4a8"}, "gptq", "gate_w4a8",
+        # AMX hosts too run the plugin's cpu_w4a8: the op vLLM's own GPTQ W4A8 calls there (int4_scaled_mm_cpu),
+        # with the 8-bit embedding and head, so a cpu_w4a8 quality record measured elsewhere is the same weights
+        # through the same int8 arithmetic (issue 22); vLLM's gptq (4-bit head, bf16 embedding) stays a method
+        # for GPTQ checkpoints
+        PathSpec("w4a8-gptq", (), True, True, 9, {True: "cpu_w4a8", False: "cpu_w4a8"}, "gptq", "gate_w4a8",
                  Reference("amx.w4a8.prefill_tok_s", "amx.w4a8.decode_tok_s", "W4A8 decodes fastest on AMX",
                            "amx.w4a8.perplexity_delta"),
-                 measured={(None, "amx"): _REFERENCE + " (this project's GPTQ export has not run on AMX)",
+                 measured={(None, "amx"): _REFERENCE + " (through vLLM's own gptq; the plugin's cpu_w4a8 has not run on AMX)",
                            (None, "avx512"): _HERE_AVX512.replace("served through edge-serve", "served by vLLM "
                            "through the plugin's cpu_w4a8") + " (decode 131 tok/s vs direct 104)"}),
         PathSpec("w4a16-tinygemm", ("direct", "dual", "kernel-only"), True, False, 1,

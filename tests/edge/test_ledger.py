@@ -185,16 +185,18 @@ def test_rope_has_nothing_to_avoid_at_full_context():
     )
 
 
-def test_gptq_untie_cost_equals_vocab_times_hidden_in_bf16():
+def test_w4a8_keeps_a_tied_head_as_its_8_bit_embedding_with_no_untie_cost():
+    """cpu_w4a8 (every host's W4A8, AMX included) runs the head from the int8 embedding it is tied to."""
     items = by_kind(ledger(default_model(), "w4a8-gptq", group=64))
-    assert items["untie-cost", "embed_tokens"].bytes == 49152 * 576 * 2
-    assert ("int4-weights", "lm_head") in items
+    assert items["int8-weights", "embed_tokens"].bytes == 49152 * 576 + 49152 * 2  # codes + a bf16 scale per row
+    assert ("int4-weights", "lm_head") not in items and not layers_of(ledger(default_model(), "w4a8-gptq", group=64),
+                                                                       "untie-cost")  # fmt: skip
 
 
-def test_gptq_on_an_untied_model_names_no_untie_cost():
+def test_w4a8_on_an_untied_model_holds_the_head_at_8_bits():
     model = read_model(CONFIGS / "mistral-7b-v0.3.json")
     items = by_kind(ledger(model, "w4a8-gptq", group=128))
-    assert ("bf16-weights", "embed_tokens") in items
+    assert ("int8-weights", "embed_tokens") in items and ("int8-weights", "lm_head") in items
     assert not layers_of(ledger(model, "w4a8-gptq", group=128), "untie-cost")
 
 
