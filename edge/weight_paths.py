@@ -83,7 +83,8 @@ PATHS: dict[str, PathSpec] = {
         PathSpec("w4a8-gptq", (), True, True, 9, {True: "cpu_w4a8", False: "cpu_w4a8"}, "gptq", "gate_w4a8",
                  Reference("amx.w4a8.prefill_tok_s", "amx.w4a8.decode_tok_s", "W4A8 decodes fastest on AMX",
                            "amx.w4a8.perplexity_delta"),
-                 measured={(None, "amx"): _REFERENCE + " (through vLLM's own gptq; the plugin's cpu_w4a8 has not run on AMX)",
+                 measured={(None, "amx"): _REFERENCE + " (through vLLM's own gptq; the plugin's cpu_w4a8 has not run "
+                           "on AMX)",
                            (None, "avx512"): _HERE_AVX512.replace("served through edge-serve", "served by vLLM "
                            "through the plugin's cpu_w4a8") + " (decode 131 tok/s vs direct 104)"}),
         PathSpec("w4a16-tinygemm", ("direct", "dual", "kernel-only"), True, False, 1,
