@@ -110,6 +110,22 @@ METHOD_CONFIGS = {"cpu_int4": _cpu_int4, "cpu_w4a8": _cpu_w4a8, "gptq": _gptq}
 METHOD_ENV: dict[str, dict[str, str]] = {"gptq": {"VLLM_CPU_INT4_W4A8": "1"}}
 
 
+# vLLM 0.28's CPU attention fails the first request of a model whose every layer attends through a sliding window
+# (Mistral v0.1, Phi-3 mini 4k: a model-level sliding_window; a Gemma 3 with fewer layers than its pattern) at a
+# KV block of 32 or more: "cpu_attn.cpp:244 Check failed: input.block_size % attn_impl::BlockSizeAlignment == 0
+# (16 vs. 0)"; at 16 it serves (seen 2026-12-01 on the Zen 5 host, docs/FACTS.md). A model with at least one full
+# attention layer (Gemma 2, a real Gemma 3) serves at the default block size.
+ALL_SLIDING_BLOCK_SIZE = 16
+
+
+def attention_block_size(model: ModelShape) -> int | None:
+    """The KV block size vLLM must be started with for this model, or None for its default."""
+    types = model.layer_types
+    if types and all(t == "sliding_attention" for t in types):
+        return ALL_SLIDING_BLOCK_SIZE
+    return None
+
+
 def _cache_key(model: ModelShape, path: WeightPath, qconfig: dict[str, Any] | None) -> str:
     blob = json.dumps({"model": model.name, "path": path, "quantization_config": qconfig}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -135,6 +151,8 @@ def vllm_config(
         # reserves 92% of the node's memory.
         "--kv-cache-memory-bytes", str(kv_cache_bytes),
     ]  # fmt: skip
+    if (block := attention_block_size(model)) is not None:
+        args += ["--block-size", str(block)]
     if PATHS[path].quantizes_weights:
         assert qconfig is not None
         args += ["--quantization", qconfig["quant_method"]]  # cpu_int4, gptq or cpu_w4a8: the checkpoint's method

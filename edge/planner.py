@@ -13,7 +13,7 @@ from edge import kernel_params, ledger, rules
 from edge.calibration import CalibrationRecord
 from edge.cost import engine_linears, thread_choice
 from edge.device import DeviceProfile
-from edge.engine_config import quantization_config, vllm_config
+from edge.engine_config import attention_block_size, quantization_config, vllm_config
 from edge.errors import InputError
 from edge.export_plan import export_section
 from edge.facts import fact
@@ -287,6 +287,9 @@ def make_plan(
     )  # fmt: skip
     if decode_reason is not None and option.path == TINYGEMM_PATH:
         plan.reasons.append(decode_reason)
+    if plan.vllm is not None and (block := attention_block_size(model)) is not None:
+        plan.reasons.append(Reason(text=f"every layer attends through a sliding window: vLLM's CPU attention then "
+                                   f"serves only at --block-size {block} (vLLM 0.28, docs/FACTS.md)"))  # fmt: skip
     _set_threads(plan, req)
     return plan
 

@@ -7,10 +7,12 @@ import pytest
 from edge.errors import InputError
 from edge.gates import all_gates
 from edge.kernel_params import for_device
+from edge.model_reader import read_model
 from edge.plan import Plan
 from edge.planner import PlanRefused, make_plan
 from edge.quality import QualityRecord, quality_key
 from edge.rank import RankInput, rank, speed_options
+from tests.edge.conftest import DATA
 
 
 def _rank_input(device, model) -> RankInput:
@@ -348,3 +350,16 @@ def test_a_calibration_record_that_could_not_run_the_op_refuses_w4a8_with_its_re
     assert status in gate.refusals[0] and reason in gate.refusals[0]
 
 
+
+
+@pytest.mark.parametrize(("config", "block"), [
+    ("phi-3-mini-4k-instruct.json", "16"),  # a model-level sliding_window 2047: every layer slides
+    ("gemma-2-2b.json", None),  # alternating sliding and full layers
+    ("llama-3.2-1b.json", None),
+])  # fmt: skip
+def test_a_model_whose_every_layer_slides_starts_vllm_at_block_size_16(zen5, config, block):
+    """vLLM 0.28's CPU attention fails such a model's first request at a KV block of 32 or more (docs/FACTS.md)."""
+    plan = make_plan(zen5, read_model(DATA / "configs" / config))
+    args = plan.vllm.args
+    assert (args[args.index("--block-size") + 1] if "--block-size" in args else None) == block
+    assert any("--block-size 16" in r.text for r in plan.reasons) == (block is not None)
