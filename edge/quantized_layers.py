@@ -13,10 +13,11 @@ The embedding and the head:
     w4a16-tinygemm  plans give both HEAD_FORMAT[priority]: the 8-bit set (EIGHT_BIT_SET) for speed, bf16 (listed
                     in `ignore`) for fidelity; a tied head follows its embedding. A config with neither quantizes
                     the embedding to int4 when `quantize_embedding` says so; an untied head is then a linear
-    w4a8-gptq       `quant_method: gptq` (vLLM's own method, AMX hosts): the embedding stays bf16; the head is
-                    quantized (`lm_head: true`; a tied one is untied)
-                    `quant_method: cpu_w4a8` (the plugin's method, hosts without AMX): as w4a16 plans, both take
+    w4a8-gptq       `quant_method: cpu_w4a8` (the plugin's method, every host's plan): as w4a16 plans, both take
                     HEAD_FORMAT[priority] (int8 or bf16, never 4 bits) and a tied head follows its embedding
+                    `quant_method: gptq` (vLLM's own method, a GPTQ checkpoint's): the embedding stays bf16; the
+                    head is quantized (`lm_head: true`; a tied one is untied)
+    Gemma and Gemma 2 (BF16_EMBEDDING_ARCHITECTURES) keep both bf16: vLLM's classes cannot load them quantized.
 Pure: no torch, no I/O.
 """
 
@@ -51,6 +52,11 @@ HEAD_FORMAT: dict[str, Format] = {"speed": "int8", "fidelity": "bf16"}
 # 16.6 M weights, about 7 times gate/up's cost per weight; on a plain bf16 source at group 64, moving q/k/v to
 # int8 cut the whole model's KLD from 0.170 to 0.097 and raised top-1 from 77.9 to 82.8 % for ~8 MB (135M model).
 SENSITIVE_SET: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+# vLLM 0.28's classes for these build their VocabParallelEmbedding without the quantization config (models/gemma.py,
+# gemma2.py), so the engine cannot load a quantized embedding ("no module or parameter named
+# model.embed_tokens.qweight in Gemma2ForCausalLM", seen 2026-12-01); their head is that embedding (tied), so
+# both stay bf16 whatever the priority. Gemma 3's class passes the config, so it takes the 8-bit set.
+BF16_EMBEDDING_ARCHITECTURES: tuple[str, ...] = ("GemmaForCausalLM", "Gemma2ForCausalLM")
 # When vLLM fuses weights of different formats into one layer, all take the widest.
 _WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
 # vLLM's fused layers and the checkpoint weights they load (Llama's packed_modules_mapping).
@@ -246,18 +252,21 @@ def rules_for(
     """The rules a plan writes for this model: w4a16, and w4a8 on a device without AMX (`amx=False`: the plugin's
     cpu_w4a8), give the embedding and the head HEAD_FORMAT[priority] (the 8-bit set for speed; bf16, listed in
     `ignore`, for fidelity); fidelity also keeps SENSITIVE_SET at 8 bits unless the source's own grid holds them
-    already (a GPTQ checkpoint never takes codes from the source). w4a8 on AMX is vLLM's own GPTQ method."""
+    already (a GPTQ checkpoint never takes codes from the source). An architecture whose vLLM class cannot load a
+    quantized embedding (BF16_EMBEDDING_ARCHITECTURES) keeps the embedding and its tied head bf16."""
     method = quant_method(path, amx=amx)
     spec = METHODS.get(method) if method else None
     eight_bit = spec is not None and spec.eight_bit
-    head_format = HEAD_FORMAT[priority] if eight_bit else None
+    plain_embedding = model.architecture in BF16_EMBEDDING_ARCHITECTURES
+    head_format = ("bf16" if plain_embedding else HEAD_FORMAT[priority]) if eight_bit else None
     own_grid = bool(model.source_grid) and spec is not None and spec.source_codes
     sensitive = SENSITIVE_SET if eight_bit and priority == "fidelity" and not own_grid else ()
     return QuantRules(
         path=path,
         group_size=group_size,
         ignore=tuple(ignore) + ((HEAD,) if head_format == "bf16" else ()),
-        quantize_embedding=model.tie_word_embeddings,  # a tied head listed in `ignore` keeps it bf16 all the same
+        # a tied head listed in `ignore` keeps it bf16 all the same
+        quantize_embedding=model.tie_word_embeddings and not plain_embedding,
         quantize_head=True,
         int8=(EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive,
         tied=model.tie_word_embeddings,

@@ -363,3 +363,24 @@ def test_a_model_whose_every_layer_slides_starts_vllm_at_block_size_16(zen5, con
     args = plan.vllm.args
     assert (args[args.index("--block-size") + 1] if "--block-size" in args else None) == block
     assert any("--block-size 16" in r.text for r in plan.reasons) == (block is not None)
+
+
+@pytest.mark.parametrize("config", ["gemma-2-2b.json", "gemma-2b.json"])
+@pytest.mark.parametrize("path", ["w4a16-tinygemm", "w4a8-gptq"])
+def test_gemma_and_gemma_2_keep_the_embedding_and_head_bf16_which_vllms_classes_cannot_load_quantized(zen5, config,
+                                                                                                     path):
+    plan = make_plan(zen5, read_model(DATA / "configs" / config), priority="speed", path=path)
+    formats = {layer.name: layer.format for layer in plan.layers}
+    assert formats["embed_tokens"] == formats["lm_head"] == "bf16" and formats["q_proj"] == "int4"
+    # the converter and the vLLM method read the same: a tied head in `ignore` keeps its embedding bf16
+    assert not plan.quantization_config.get("int8") and "lm_head" in plan.quantization_config["ignore"]
+
+
+def test_gemma_3_takes_the_8_bit_embedding_and_head(zen5):
+    from edge.model_reader import read_model_config
+
+    model = read_model_config({"model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048,
+                              "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
+                              "head_dim": 256, "vocab_size": 262144, "tie_word_embeddings": True}, "gemma-3-270m")  # fmt: skip
+    plan = make_plan(zen5, model, priority="speed", path="w4a16-tinygemm")
+    assert {layer.name: layer.format for layer in plan.layers}["embed_tokens"] == "int8"
