@@ -7,18 +7,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from edge.bounds import MAX_LABELS, MAX_TENSOR_DIM
 from edge.plan import Layout, Plan, Priority, WeightPath
 from server.supervisor import EngineStatus
 
 # Texts and label maps are bounded here as well as by the body limit, so one field cannot take all of it.
 MAX_TEXT_CHARS = 512 * 1024
-MAX_LABELS = 1024
 MAX_MODEL_LEN = 1 << 24  # 16 Mi tokens: past any model's context
 MAX_NUM_SEQS = 4096
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ProfileDevice(_Strict):
@@ -80,7 +80,9 @@ class ConfigModel(_Strict):
 class GgufTensor(_Strict):
     name: str = Field(max_length=256, description="The file's tensor name, e.g. blk.0.attn_q.weight.")
     type: str = Field(max_length=16, description="Its GGML type, e.g. Q4_K.")
-    shape: list[int] = Field(max_length=4, description="Hugging Face orientation: [N, K] for a matrix.")
+    shape: list[Annotated[int, Field(gt=0, le=MAX_TENSOR_DIM)]] = Field(
+        max_length=4, description="Hugging Face orientation: [N, K] for a matrix."
+    )
 
 
 class GgufHeaderBody(_Strict):
@@ -186,9 +188,15 @@ class CalibrationSummary(BaseModel):
     model: str | None = Field(description="Whose linear shapes were timed, when one model's were.")
     measured_at: str = Field(description="When the box measured it (ISO 8601).")
     received_at: datetime = Field(description="When this service stored it.")
+    posted_by: str | None = Field(
+        default=None, description="The role of the token that posted it ('api' or 'report'); null: stored before."
+    )
 
 
 class CalibrationStored(BaseModel):
     key: str = Field(description="The record's key (CPU, torch, vLLM, native library).")
     digest: str = Field(description="The record's digest, under which it is stored.")
-    created: bool = Field(description="True: stored now (201); false: it was already stored (200).")
+    created: bool = Field(
+        description="True: stored now (201); false (200): it was already stored, or it is older than the newest "
+        "records its key keeps (server.calibrations.KEEP_PER_KEY) and was not kept."
+    )
