@@ -64,6 +64,8 @@ def check_finite_numbers(obj: Any, field: str, depth: int = 0) -> None:
     Infinity and 1e400, which is inf); InputError naming the path of the first that is not."""
     if isinstance(obj, bool) or obj is None or isinstance(obj, str):
         return
+    if not isinstance(obj, int | float | dict | list | tuple):  # e.g. the server's stand-in for a NaN it was sent
+        raise InputError(field, obj, "a finite number (JSON has no NaN or Infinity)")
     if isinstance(obj, int | float):
         if not (isinstance(obj, int) or math.isfinite(obj)) or abs(obj) > MAX_NUMBER:
             raise InputError(field, obj, "a finite number of magnitude at most 2**63 (JSON has no NaN or inf)")

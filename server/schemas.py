@@ -2,23 +2,70 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
-from edge.bounds import MAX_LABELS, MAX_TENSOR_DIM
+from edge.bounds import MAX_DIMENSIONS, MAX_LABELS, MAX_TENSOR_DIM
 from edge.plan import Layout, Plan, Priority, WeightPath
 from server.supervisor import EngineStatus
 
 # Texts and label maps are bounded here as well as by the body limit, so one field cannot take all of it.
 MAX_TEXT_CHARS = 512 * 1024
-MAX_MODEL_LEN = 1 << 24  # 16 Mi tokens: past any model's context
+MAX_MODEL_LEN = MAX_DIMENSIONS["max_position_embeddings"]  # 16 Mi tokens: past any model's context
 MAX_NUM_SEQS = 4096
 
 
+class NotFinite:
+    """Stands in for a NaN or an infinity (Python's json reads NaN, Infinity and 1e400) anywhere in a request body: no
+    typed field accepts it, edge.bounds.check_finite_numbers refuses it inside a free-form object (a profile, a
+    config) naming its path, and the 422 can print it. The float itself cannot be printed as JSON: a validation error
+    carrying it (a union's error carries the whole object it was given) would answer 500."""
+
+    def __init__(self, number: float) -> None:
+        self.not_finite = str(number)
+
+    def __repr__(self) -> str:
+        return self.not_finite
+
+
+def _mark_non_finite(data: Any) -> Any:
+    """`data` with every non-finite float in it replaced by a NotFinite, in place (the body just parsed); iterative,
+    so that nesting as deep as json accepts costs no recursion."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return NotFinite(data)
+    pending = [data]
+    while pending:
+        node = pending.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in list(items):
+            if isinstance(value, float) and not math.isfinite(value):
+                node[key] = NotFinite(value)
+            elif isinstance(value, dict | list):
+                pending.append(value)
+    return data
+
+
 class _Strict(BaseModel):
+    """Unknown keys refused; a non-finite number given for a field (or in a list field) refused naming it. Numbers
+    inside free-form objects (a profile, a config) are checked by edge.bounds.check_finite_numbers instead."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _non_finite_marked(cls, data: Any) -> Any:
+        return _mark_non_finite(data)
 
 
 class ProfileDevice(_Strict):
@@ -140,10 +187,28 @@ class PlanRequest(PlanOptions):
     force: bool = Field(default=False, description="Plan a pinned choice even where a gate refuses it.")
 
 
-class BatchRequest(PlanOptions):
-    """Plan one model with one priority on many devices."""
+class InvalidDevice:
+    """A batch's device that is not one of the device shapes: its own error in the answer, not the whole batch's."""
 
-    devices: list[Device] = Field(min_length=1, description="The devices, at most the server's batch limit.")
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        self.errors = errors
+
+
+def _device_or_invalid(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError as error:
+        return InvalidDevice(error.errors(include_url=False))
+
+
+# The schema is Device's; a value that fails it becomes an InvalidDevice in its place.
+BatchDevice = Annotated[Device, WrapValidator(_device_or_invalid)]
+
+
+class BatchRequest(PlanOptions):
+    """Plan one model with one priority on many devices; a device that cannot be read gets its own error."""
+
+    devices: list[BatchDevice] = Field(min_length=1, description="The devices, at most the server's batch limit.")
 
 
 class ErrorItem(BaseModel):
