@@ -12,65 +12,84 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from edge.bounds import MAX_BYTES, MAX_CPUS, MAX_TENSOR_DIM
 from edge.device import ISA_FEATURES, DeviceProfile
 
 CALIBRATION_SCHEMA = "1"
 KernelStatus = Literal["ok", "absent", "crashed", "failed"]
+# What one record may hold: a calibration times ~10 kernels at a model's ~8 shapes and ~6 row counts, and a
+# thread sweep of a few counts; the caps sit well past that, so that no posted record costs more than a real one.
+MAX_KERNELS = 64
+MAX_TIMES = 4096  # per kernel
+MAX_THREAD_TIMES = 256
+MAX_NAME_CHARS = 256  # a CPU model, a model or a kernel name, a version
+MAX_REASON_CHARS = 2048
+MAX_MS = 1e7  # ~3 hours for one call: a longer one is no measurement
+# A record measured "in the future" by more than a box's clock can drift is forged or from a broken clock: it
+# would outrank every honest record of its CPU (the newest wins).
+MAX_CLOCK_SKEW = timedelta(minutes=10)
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 
-class KernelTime(BaseModel):
+class _Bounded(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class KernelTime(_Bounded):
     """Median milliseconds of one call of a kernel on an [M, K] x [K, N] problem."""
 
-    n: int = Field(gt=0)
-    k: int = Field(gt=0)
-    m: int = Field(gt=0)
-    ms: float = Field(gt=0)
-    calls: int = Field(default=1, gt=0)  # how many timed calls the median is of
+    n: int = Field(gt=0, le=MAX_TENSOR_DIM)
+    k: int = Field(gt=0, le=MAX_TENSOR_DIM)
+    m: int = Field(gt=0, le=MAX_TENSOR_DIM)
+    ms: float = Field(gt=0, le=MAX_MS)
+    calls: int = Field(default=1, gt=0, le=1 << 32)  # how many timed calls the median is of
 
 
-class KernelResult(BaseModel):
-    kernel: str  # a name in edge.kernel_registry.KERNELS
+class KernelResult(_Bounded):
+    kernel: Name  # a name in edge.kernel_registry.KERNELS
     status: KernelStatus  # ok: timed; absent: the host's library has no such op; crashed: the child died
-    reason: str | None = None  # why not ok, in words ("killed by SIGILL", "_C_AVX2 registers no ...")
-    times: list[KernelTime] = []
+    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)  # why not ok ("killed by SIGILL", ...)
+    times: list[KernelTime] = Field(default=[], max_length=MAX_TIMES)
 
     def at(self, n: int, k: int) -> dict[int, float]:
         """{m: ms} measured at exactly this shape."""
         return {t.m: t.ms for t in self.times if t.n == n and t.k == k}
 
 
-class ThreadTime(BaseModel):
+class ThreadTime(_Bounded):
     """One decode step of the calibrated shapes (M=1, every shape once) with this many threads."""
 
-    threads: int = Field(gt=0)
-    kernel: str
-    ms: float = Field(gt=0)
+    threads: int = Field(gt=0, le=MAX_CPUS)
+    kernel: Name
+    ms: float = Field(gt=0, le=MAX_MS)
 
 
-class CalibrationRecord(BaseModel):
+class CalibrationRecord(_Bounded):
     schema_version: Literal["1"] = CALIBRATION_SCHEMA
-    cpu_model: str = Field(min_length=1)
-    isa_flags: list[str]  # the flags of edge.device.ISA_FEATURES the CPU has
-    isa_class: str
-    cores: int = Field(gt=0)  # cores the calibration could use
-    threads: int = Field(gt=0)  # threads every kernel time was measured with (vLLM's serving count)
-    torch_version: str | None = None
-    vllm_version: str | None = None
-    native_library: str | None = None  # "_C", "_C_AVX512", "_C_AVX2": what vLLM loads on this CPU
-    torch_capability: str | None = None  # torch.backends.cpu.get_cpu_capability()
-    group_size: int = Field(gt=0)  # of the int4 weights timed
-    model: str | None = None  # whose linear shapes were timed
-    llc_bytes: int | None = None  # last-level cache; decode weights rotate through a buffer larger than it
-    read_bandwidth_gb_s: float | None = None
-    thread_scaling: list[ThreadTime] = []
-    kernels: list[KernelResult]
-    measured_at: str  # ISO 8601
-    duration_s: float | None = None
+    cpu_model: Name = Field(min_length=1)
+    isa_flags: list[Name] = Field(max_length=4 * len(ISA_FEATURES))  # the flags of edge.device.ISA_FEATURES it has
+    isa_class: Name
+    cores: int = Field(gt=0, le=MAX_CPUS)  # cores the calibration could use
+    threads: int = Field(gt=0, le=MAX_CPUS)  # threads every kernel time was measured with (vLLM's serving count)
+    torch_version: Name | None = None
+    vllm_version: Name | None = None
+    native_library: Name | None = None  # "_C", "_C_AVX512", "_C_AVX2": what vLLM loads on this CPU
+    torch_capability: Name | None = None  # torch.backends.cpu.get_cpu_capability()
+    group_size: int = Field(gt=0, le=MAX_TENSOR_DIM)  # of the int4 weights timed
+    model: Name | None = None  # whose linear shapes were timed
+    llc_bytes: int | None = Field(default=None, gt=0, le=MAX_BYTES)  # last-level cache (decode weights rotate
+    # through a buffer larger than it)
+    read_bandwidth_gb_s: float | None = Field(default=None, gt=0, le=1e6)
+    thread_scaling: list[ThreadTime] = Field(default=[], max_length=MAX_THREAD_TIMES)
+    kernels: list[KernelResult] = Field(max_length=MAX_KERNELS)
+    measured_at: str = Field(max_length=64)  # ISO 8601; naive means UTC
+    duration_s: float | None = Field(default=None, ge=0, le=1e7)
 
     @field_validator("isa_flags")
     @classmethod
@@ -79,6 +98,17 @@ class CalibrationRecord(BaseModel):
         if unknown:
             raise ValueError(f"expected ISA flags from {', '.join(ISA_FEATURES)}, got {', '.join(unknown)}")
         return sorted(set(flags))
+
+    @field_validator("measured_at")
+    @classmethod
+    def _iso_timestamp(cls, text: str) -> str:
+        measured_time(text)
+        return text
+
+    @property
+    def measured_time(self) -> datetime:
+        """measured_at as an aware datetime (naive: UTC), for ordering records whatever offset they were written in."""
+        return measured_time(self.measured_at)
 
     @property
     def key(self) -> str:
@@ -104,6 +134,15 @@ class CalibrationRecord(BaseModel):
         return (f"calibrated on {self.cpu_model}, {self.measured_at[:10]}, {self.threads} thread"
                 f"{'s' if self.threads != 1 else ''}, torch {self.torch_version}, vLLM {self.vllm_version} "
                 f"({self.native_library})")  # fmt: skip
+
+
+def measured_time(text: str) -> datetime:
+    """An ISO 8601 timestamp ("2026-11-20T10:00:00+00:00"; naive means UTC); ValueError naming the format otherwise."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"expected an ISO 8601 timestamp such as 2026-11-20T10:00:00+00:00, got {text!r}") from None
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when
 
 
 def record_key(cpu_model: str, isa_flags: Iterable[str], torch_version: str | None, vllm_version: str | None,
@@ -137,15 +176,16 @@ def best_match(records: Iterable[CalibrationRecord], device: DeviceProfile,
     found = [r for r in records if matches(r, device)]
     if not found:
         return None
-    return max(found, key=lambda r: (model is not None and r.model == model, r.measured_at))
+    return max(found, key=lambda r: (model is not None and r.model == model, r.measured_time))
 
 
-def parse(data: object, field: str = "calibration") -> CalibrationRecord:
-    """A record from JSON-decoded data; InputError naming the field and the value otherwise."""
+def parse(data: object, field: str = "calibration", now: datetime | None = None) -> CalibrationRecord:
+    """A record from JSON-decoded data, measured no later than `now` (default: the clock) plus MAX_CLOCK_SKEW;
+    InputError naming the field and the value otherwise."""
     from edge.errors import InputError
 
     try:
-        return CalibrationRecord.model_validate(data)
+        record = CalibrationRecord.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or field
@@ -153,6 +193,12 @@ def parse(data: object, field: str = "calibration") -> CalibrationRecord:
         value = None if first["type"] == "missing" else first.get("input")
         raise InputError(f"{field}.{where}" if where != field else field, value,
                          f"a valid record field ({message})") from None  # fmt: skip
+    latest = (now or datetime.now(UTC)) + MAX_CLOCK_SKEW
+    if record.measured_time > latest:
+        raise InputError(f"{field}.measured_at", record.measured_at,
+                         f"a time no later than {latest.isoformat(timespec='seconds')} (now, plus "
+                         f"{MAX_CLOCK_SKEW.seconds // 60} minutes of clock skew)")  # fmt: skip
+    return record
 
 
 def load_file(path: Path) -> CalibrationRecord:

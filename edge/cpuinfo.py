@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from edge.bounds import MAX_BYTES, MAX_LINE_CHARS, MAX_TEXT_CHARS, small_int
 from edge.device import ARM_FEATURES, ISA_FEATURES, X86_FEATURES, DeviceProfile, Fact
 from edge.errors import InputError
 
@@ -35,7 +36,8 @@ ARM_PARTS = {
 # A `Hardware` line naming one of these is a phone/tablet SoC, not a board or a server.
 PHONE_SOC_WORDS = ("qualcomm", "snapdragon", "mediatek", "exynos", "kirin", "tensor", "unisoc", "dimensity")
 
-_LINE = re.compile(r"^([^:\n]+?)\s*:\s?(.*)$")
+# "MemTotal:       32594904 kB": no two adjacent runs over the same characters, so a failed match is linear.
+_MEMINFO_LINE = re.compile(r"(\w+):\s+(\d{1,20})\s*kB")
 
 
 @dataclass
@@ -64,15 +66,18 @@ def split_cpuinfo(text: str) -> CpuinfoText:
     """Split the text into processor blocks; raise InputError when there is none."""
     if not isinstance(text, str) or "\x00" in text:
         raise InputError("cpuinfo", text, CPUINFO_EXPECTED)
+    check_lines("cpuinfo", text)
     parsed = CpuinfoText()
     current: dict[str, str] | None = None
     for line in text.splitlines():
-        match = _LINE.match(line.strip())
-        if not match:
+        # "key<TAB>: value", split at the first colon. A regex with a lazy key and \s* before the colon (both
+        # take spaces) backtracked quadratically: a 32,000-character line without a colon took 1.6 s.
+        key, colon, value = line.strip().partition(":")
+        key, value = key.strip(), value.strip()
+        if not colon or not key:
             if not line.strip():
                 current = None  # a blank line ends a processor block
             continue
-        key, value = match.group(1).strip(), match.group(2).strip()
         # "processor : 0" opens a block; old ARM kernels also print "Processor : AArch64 Processor rev 4".
         if key == "processor" and value.isdigit():
             current = {"processor": value}
@@ -84,6 +89,15 @@ def split_cpuinfo(text: str) -> CpuinfoText:
     if not parsed.processors:
         raise InputError("cpuinfo", text, CPUINFO_EXPECTED)
     return parsed
+
+
+def check_lines(field: str, text: str) -> None:
+    """InputError naming `field` for text over MAX_TEXT_CHARS or with a line over MAX_LINE_CHARS."""
+    if len(text) > MAX_TEXT_CHARS:
+        raise InputError(field, text, f"text of at most {MAX_TEXT_CHARS} characters")
+    longest = max(map(len, text.splitlines()), default=0)
+    if longest > MAX_LINE_CHARS:
+        raise InputError(field, text, f"lines of at most {MAX_LINE_CHARS} characters, got one of {longest}")
 
 
 def cpu_flags(text: str) -> frozenset[str]:
@@ -99,13 +113,19 @@ class MemInfo:
 
 def parse_meminfo(text: str) -> MemInfo:
     """MemTotal and MemAvailable (kB in the file) in bytes."""
+    if not isinstance(text, str):
+        raise InputError("meminfo", text, MEMINFO_EXPECTED)
+    check_lines("meminfo", text)
     values: dict[str, int] = {}
-    for line in (text or "").splitlines():
-        match = re.match(r"^(\w+):\s+(\d+)\s*kB\s*$", line.strip())
+    for line in text.splitlines():
+        match = _MEMINFO_LINE.fullmatch(line.strip())
         if match:
             values[match.group(1)] = int(match.group(2)) * 1024
     if not values.get("MemTotal"):
         raise InputError("meminfo", text, MEMINFO_EXPECTED)
+    for key in ("MemTotal", "MemAvailable"):
+        if values.get(key, 0) > MAX_BYTES:
+            raise InputError(f"meminfo: {key}", values[key], f"at most {MAX_BYTES} bytes (1 EiB)")
     return MemInfo(values["MemTotal"], values.get("MemAvailable"))
 
 
@@ -165,8 +185,9 @@ def _physical_cores(info: CpuinfoText) -> Fact[int]:
     per_package = {
         b["physical id"]: b["cpu cores"] for b in info.processors if "physical id" in b and "cpu cores" in b
     }
-    if per_package and all(v.isdigit() for v in per_package.values()):
-        total = sum(int(v) for v in per_package.values())
+    counts = [small_int(v) for v in per_package.values()]
+    if per_package and all(counts):
+        total = sum(c for c in counts if c)
         return Fact(value=total, source="cpuinfo", detail="`cpu cores` summed over physical ids")
     return Fact(detail="no core id / physical id / cpu cores lines (ARM cpuinfo has no core topology)")
 

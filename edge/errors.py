@@ -15,7 +15,8 @@ class InputError(ValueError):
         self.field = field
         self.value = value
         self.expected = expected
-        shown = repr(value)
+        # A prefix of a long string is all that is shown: repr() of a 1 MiB value would cost more than refusing it.
+        shown = repr(value[:160]) if isinstance(value, str | bytes) and len(value) > 160 else repr(value)
         if len(shown) > 120:
             shown = shown[:117] + "..."
         super().__init__(f"{field}: expected {expected}, got {shown}")

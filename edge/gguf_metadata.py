@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge.bounds import MAX_TENSOR_DIM
 from edge.errors import InputError
 
 # general.architecture -> (HF architecture, model_type)
@@ -114,8 +115,10 @@ def header_from_json(body: Mapping[str, Any]) -> GgufHeader:
     for i, t in enumerate(tensors):
         ok = isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("type"), str)
         shape = t.get("shape") if isinstance(t, Mapping) else None
-        if not ok or not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape):
-            raise InputError(f"gguf.tensors[{i}]", t, "{name: str, type: str, shape: [positive ints]}")
+        dims_ok = isinstance(shape, list) and all(_is_int(d) and 0 < d <= MAX_TENSOR_DIM for d in shape)
+        if not ok or not dims_ok:
+            raise InputError(f"gguf.tensors[{i}]", t, f"{{name: str, type: str, shape: [positive ints, each at most "
+                             f"{MAX_TENSOR_DIM}]}}")  # fmt: skip
         infos.append(GgufTensorInfo(t["name"], t["type"], tuple(shape)))
     values = {k: (len(v) if isinstance(v, list) else v) for k, v in metadata.items()}
     return GgufHeader(None, values, tuple(infos))
@@ -140,18 +143,32 @@ def hf_config(header: GgufHeader) -> dict[str, Any]:
         embedding = _tensor(header, EMBEDDING_TENSOR)
         vocab = embedding.shape[0] if embedding else None
     if vocab is not None:
-        config["vocab_size"] = int(vocab)
+        config["vocab_size"] = _int(f"{arch}.vocab_size", vocab)
     if "intermediate_size" not in config and (gate := _tensor(header, "blk.0.ffn_gate.weight")):
         config["intermediate_size"] = gate.shape[0]
     config["tie_word_embeddings"] = _tensor(header, HEAD_TENSOR) is None
     for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
                       ("pad_token_id", "tokenizer.ggml.padding_token_id")):  # fmt: skip
         if meta.get(name) is not None:
-            config[key] = int(meta[name])
+            config[key] = _int(name, meta[name])
     if arch == "qwen3" and "head_dim" not in config and (q := _tensor(header, "blk.0.attn_q.weight")):
-        config["head_dim"] = q.shape[0] // int(config["num_attention_heads"])
+        heads = _int(f"{arch}.attention.head_count", config.get("num_attention_heads"))
+        if heads <= 0:
+            raise InputError(f"{arch}.attention.head_count", heads, "a positive integer")
+        config["head_dim"] = q.shape[0] // heads
     config["torch_dtype"] = "bfloat16"
     return config
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(key: str, value: Any) -> int:
+    """An integer metadata value (gguf-py reads them as ints; JSON may send anything); InputError naming the key."""
+    if not _is_int(value):
+        raise InputError(key, value, "an integer metadata value")
+    return value
 
 
 def _tensor(header: GgufHeader, name: str) -> GgufTensorInfo | None:

@@ -12,9 +12,11 @@ Hypervisor vendor. lscpu says nothing of memory: a plan for an lscpu device has 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge.bounds import MAX_CPUS, MAX_LINE_CHARS, MAX_LSCPU_ENTRIES, MAX_NUMBER, small_int
 from edge.cpuinfo import parse_meminfo
 from edge.device import ARM_FEATURES, ISA_FEATURES, X86_FEATURES, DeviceProfile, Fact
 from edge.errors import InputError
@@ -39,9 +41,9 @@ class CoreType:
 
     def number(self, *keys: str) -> int | None:
         for key in keys:
-            value = self.fields.get(key, "")
-            if value.isdigit() and int(value) > 0:
-                return int(value)
+            value = small_int(self.fields.get(key, ""))
+            if value:
+                return value
         return None
 
     @property
@@ -56,24 +58,42 @@ def looks_like_lscpu(obj: Any) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("lscpu"), list)
 
 
-def _entries(items: Any, path: str = "lscpu", depth: int = 0) -> list[tuple[str, str]]:
+def _entries(items: Any, path: str = "lscpu", depth: int = 0, flat: list | None = None) -> list[tuple[str, str]]:
     """(field without its colon, data) in document order, children after their parent."""
+    flat = [] if flat is None else flat
     if not isinstance(items, list):
         raise InputError(path, items, "a list of {field, data} entries")
     if depth > MAX_DEPTH:
         raise InputError(path, "...", f"children nested at most {MAX_DEPTH} deep")
-    flat: list[tuple[str, str]] = []
     for index, item in enumerate(items):
         where = f"{path}[{index}]"
+        if len(flat) >= MAX_LSCPU_ENTRIES:
+            raise InputError(where, "...", f"at most {MAX_LSCPU_ENTRIES} entries, children included")
         if not isinstance(item, dict) or not isinstance(item.get("field"), str):
             raise InputError(where, item, 'an entry {"field": "Name:", "data": ...}')
-        data = item.get("data")
-        if isinstance(data, bool) or (data is not None and not isinstance(data, str | int | float)):
-            raise InputError(f"{where}.data", data, "a string, a number or null")
-        flat.append((item["field"].strip().removesuffix(":"), "" if data is None else str(data).strip()))
+        flat.append((_text(f"{where}.field", item["field"]).strip().removesuffix(":"), _data(where, item.get("data"))))
         if "children" in item:
-            flat += _entries(item["children"], f"{where}.children", depth + 1)
+            _entries(item["children"], f"{where}.children", depth + 1, flat)
     return flat
+
+
+def _text(field: str, text: str) -> str:
+    if len(text) > MAX_LINE_CHARS:
+        raise InputError(field, text, f"at most {MAX_LINE_CHARS} characters")
+    return text
+
+
+def _data(where: str, data: Any) -> str:
+    """An entry's data as text; numbers must be finite and of a size str() can print."""
+    if data is None:
+        return ""
+    if isinstance(data, str):
+        return _text(f"{where}.data", data).strip()
+    if isinstance(data, bool) or not isinstance(data, int | float):
+        raise InputError(f"{where}.data", data, "a string, a number or null")
+    if (isinstance(data, float) and not math.isfinite(data)) or abs(data) > MAX_NUMBER:
+        raise InputError(f"{where}.data", data, "a finite number of magnitude at most 2**63")
+    return str(data)
 
 
 def _split(entries: list[tuple[str, str]]) -> tuple[dict[str, str], list[CoreType]]:
@@ -122,8 +142,7 @@ def _isa(common: set[str], listed: int, arch: str | None) -> Fact[list[str]]:
 
 
 def _count(machine: dict[str, str], key: str) -> int | None:
-    value = machine.get(key, "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    return small_int(machine.get(key, ""), MAX_CPUS)
 
 
 def _physical_cores(types: list[CoreType], logical: int | None) -> Fact[int]:

@@ -13,6 +13,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from edge.bounds import MAX_DIMENSIONS, check_dimension
 from edge.errors import InputError
 from edge.shapes import LinearShape, ModelShape
 
@@ -189,10 +190,11 @@ class _Fields:
         return f"{self.source}: {key}" if self.source == "config.json" else f"{self.source}.{key}"
 
     def positive_int(self, key: str, default: int | None = None) -> int:
+        """A positive integer, at most edge.bounds.MAX_DIMENSIONS[key]."""
         value = self.config.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InputError(self._field(key), value, "a positive integer")
-        return value
+        return check_dimension(self._field(key), key, value)
 
     def optional_positive_int(self, key: str) -> int | None:
         return None if self.config.get(key) is None else self.positive_int(key)
@@ -231,6 +233,9 @@ def _shape(
                 f._field("head_dim"), None, f"present when hidden_size={hidden} % heads={heads} != 0"
             )
         head_dim = hidden // heads
+        if head_dim > MAX_DIMENSIONS["head_dim"]:
+            raise InputError(f._field("head_dim"), None, f"present when hidden_size={hidden} // heads={heads} is "
+                             f"over {MAX_DIMENSIONS['head_dim']} (no real model's head_dim is larger)")  # fmt: skip
     vocab = f.positive_int("vocab_size")
     # A multimodal wrapper may carry tie_word_embeddings at the top level rather than in text_config.
     tie = f.boolean("tie_word_embeddings", default=top.get("tie_word_embeddings", tie_default))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from edge.bounds import MAX_CPUS, MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS
 from edge.device import ISA_FEATURES, DeviceProfile, Fact
 from edge.errors import InputError
 from edge.sizes import parse_size
@@ -42,23 +43,52 @@ K8S_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}
 def _unwrap(obj: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], str | None]:
     """(labels, capacity, allocatable, node name) from any of the accepted shapes."""
     if isinstance(obj.get("metadata"), dict):
-        metadata, status = obj["metadata"], obj.get("status") or {}
+        metadata, status = obj["metadata"], _object(obj, "status", "status")
         return (
-            metadata.get("labels") or {},
-            status.get("capacity") or {},
-            status.get("allocatable") or {},
-            metadata.get("name"),
+            _object(metadata, "labels", "metadata.labels"),
+            _object(status, "capacity", "status.capacity"),
+            _object(status, "allocatable", "status.allocatable"),
+            _name(metadata, "metadata.name"),
         )
     if isinstance(obj.get("labels"), dict):
-        return obj["labels"], obj.get("capacity") or {}, obj.get("allocatable") or {}, obj.get("name")
+        capacity, allocatable = _object(obj, "capacity", "capacity"), _object(obj, "allocatable", "allocatable")
+        return obj["labels"], capacity, allocatable, _name(obj, "name")
     return obj, {}, {}, None
+
+
+def _object(obj: dict[str, Any], key: str, field: str) -> dict[str, Any]:
+    value = obj.get(key) or {}
+    if not isinstance(value, dict):
+        raise InputError(field, value, "a JSON object")
+    return value
+
+
+def _name(obj: dict[str, Any], field: str) -> str | None:
+    value = obj.get("name")
+    if value is not None and not isinstance(value, str):
+        raise InputError(field, value, "a string")
+    return value
+
+
+def _check_label_map(labels: dict[str, Any]) -> None:
+    """Kubernetes' own limits on a label map (edge.bounds), so that no map costs more than a real node's."""
+    if len(labels) > MAX_LABELS:
+        raise InputError("labels", f"{len(labels)} labels", f"at most {MAX_LABELS} labels")
+    for key, value in labels.items():
+        if not isinstance(key, str) or len(key) > MAX_LABEL_KEY_CHARS:
+            raise InputError("labels", key, f"label names of at most {MAX_LABEL_KEY_CHARS} characters")
+        if not isinstance(value, str) or len(value) > MAX_LABEL_VALUE_CHARS:
+            raise InputError(key, value, f"a label value string of at most {MAX_LABEL_VALUE_CHARS} characters")
 
 
 def looks_like_nfd(obj: Any) -> bool:
     """True when a JSON object carries NFD labels in any accepted shape."""
     if not isinstance(obj, dict):
         return False
-    labels = _unwrap(obj)[0]
+    try:
+        labels = _unwrap(obj)[0]
+    except InputError:  # e.g. a description with a `metadata` key of its own
+        return False
     return isinstance(labels, dict) and any(isinstance(k, str) and k.startswith(NFD_PREFIX) for k in labels)
 
 
@@ -75,13 +105,14 @@ def _cpus(capacity: dict[str, Any]) -> int | None:
     value = capacity.get("cpu")
     if value is None:
         return None
-    text = str(value)
+    if isinstance(value, bool) or not isinstance(value, str | int) or (isinstance(value, str) and len(value) > 16):
+        raise InputError("capacity.cpu", value, 'a CPU count like "8" or "8000m"')
     try:
-        cpus = int(text[:-1]) // 1000 if text.endswith("m") else int(text)
+        cpus = value if isinstance(value, int) else int(value[:-1]) // 1000 if value.endswith("m") else int(value)
     except ValueError:
         raise InputError("capacity.cpu", value, 'a CPU count like "8" or "8000m"') from None
-    if cpus <= 0:
-        raise InputError("capacity.cpu", value, "a positive CPU count")
+    if not 0 < cpus <= MAX_CPUS:
+        raise InputError("capacity.cpu", value, f"a positive CPU count of at most {MAX_CPUS}")
     return cpus
 
 
@@ -90,6 +121,7 @@ def parse_nfd_labels(labels: dict[str, Any], name: str | None = None) -> DeviceP
     if not isinstance(labels, dict):
         raise InputError("labels", labels, "a JSON object of node-feature-discovery labels")
     label_map, capacity, allocatable, node_name = _unwrap(labels)
+    _check_label_map(label_map)
     features: dict[str, str] = {}
     for key, value in label_map.items():
         if isinstance(key, str) and key.startswith(NFD_PREFIX):

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, Field
+
+from edge.bounds import MAX_DIMENSIONS
+
+
+def _dimension(key: str) -> type[int]:
+    """A positive int bounded as config.json's `key` is when read (edge.bounds; edge.model_reader names the field)."""
+    return Annotated[int, Field(gt=0, le=MAX_DIMENSIONS[key])]  # type: ignore[return-value]
 
 
 class LinearShape(BaseModel):
@@ -18,15 +27,15 @@ class ModelShape(BaseModel):
     name: str
     architecture: str  # e.g. "LlamaForCausalLM"
     model_type: str  # e.g. "llama"
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+    hidden_size: _dimension("hidden_size")
+    intermediate_size: _dimension("intermediate_size")
+    num_layers: _dimension("num_hidden_layers")
+    num_heads: _dimension("num_attention_heads")
+    num_kv_heads: _dimension("num_key_value_heads")
+    head_dim: _dimension("head_dim")
+    vocab_size: _dimension("vocab_size")
     tie_word_embeddings: bool
-    max_position_embeddings: int
+    max_position_embeddings: _dimension("max_position_embeddings")
     rotary_dim: int  # channels per head that RoPE rotates (head_dim unless partial rotary)
     layer_types: list[str] | None = Field(
         default=None, description="Per-layer attention type where the config has one (e.g. sliding/full)."

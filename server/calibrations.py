@@ -4,6 +4,8 @@
 SQLite in the cache directory by default (one API process); PostgreSQL given a URL (EDGE_CALIBRATION_DB,
 `edge-serve --calibration-db`), so that replicas behind a load balancer share what any of them was sent.
 A record is stored once, by its digest: posting it again, to any replica, at the same time or not, is a no-op.
+Each record names the role of the token that posted it (`posted_by`); only the newest KEEP_PER_KEY records of a
+key (same CPU, flags, torch, vLLM, native library) are kept, so that no key grows without bound.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, SQLAlchemyError
 
-from edge.calibration import CalibrationRecord
+from edge.calibration import CalibrationRecord, measured_time
 from edge.errors import InputError
 from edge.paths import cache_dir
 from server.schemas import CalibrationSummary
@@ -27,6 +29,7 @@ from server.schemas import CalibrationSummary
 log = logging.getLogger(__name__)
 
 SQLITE_FILE = "calibrations.sqlite"
+KEEP_PER_KEY = 8  # records kept per key: the newest decides a plan; a few older ones show how it moved
 URL_EXAMPLE = "postgresql://user:password@host:5432/database or sqlite:////path/to/calibrations.sqlite"
 
 metadata = sa.MetaData()
@@ -41,6 +44,7 @@ calibrations = sa.Table(
     sa.Column("measured_at", sa.String(64), nullable=False),  # ISO 8601, as the record states it
     sa.Column("received_at", sa.DateTime(timezone=True), nullable=False),
     sa.Column("record", sa.Text, nullable=False),  # record.model_dump_json(): the digest is of exactly this text
+    sa.Column("posted_by", sa.String(16), nullable=True),  # the token's role ("api", "report"); null: stored before
 )
 
 
@@ -98,6 +102,7 @@ class CalibrationStore:
                 if not self._has_table():
                     raise StoreUnavailable(f"calibration store {self.describe()}: {err.__class__.__name__}: "
                                            f"{str(err).splitlines()[0]}") from err  # fmt: skip
+            self._add_posted_by()
             self._created = True
 
     def _has_table(self) -> bool:
@@ -106,21 +111,38 @@ class CalibrationStore:
         except SQLAlchemyError:
             return False
 
+    def _columns(self) -> set[str]:
+        return {column["name"] for column in sa.inspect(self.engine).get_columns(calibrations.name)}
+
+    def _add_posted_by(self) -> None:
+        """A table created before records named their poster gets the column (null for the rows it has). Replicas
+        may race to add it: the loser's ALTER fails, and the column is then there."""
+        try:
+            if "posted_by" in self._columns():
+                return
+            with self.engine.begin() as connection:
+                connection.execute(sa.text(f"ALTER TABLE {calibrations.name} ADD COLUMN posted_by VARCHAR(16)"))
+        except SQLAlchemyError as err:
+            if "posted_by" not in self._columns():
+                raise self._unavailable(err) from err
+
     def close(self) -> None:
         self.engine.dispose()
 
-    def add(self, record: CalibrationRecord) -> bool:
-        """Store the record; False when a record with its digest was already there."""
+    def add(self, record: CalibrationRecord, posted_by: str = "api") -> bool:
+        """Store the record, then drop its key's records past the newest KEEP_PER_KEY; False when a record with its
+        digest was already there, or when it is older than the newest KEEP_PER_KEY of its key (not kept)."""
         self.open()
         row = dict(
             digest=record.digest, key=record.key, cpu_model=record.cpu_model.strip(), isa_flags=record.isa_flags,
             model=record.model, measured_at=record.measured_at, received_at=datetime.now(UTC),
-            record=record.model_dump_json(),
+            record=record.model_dump_json(), posted_by=posted_by,
         )  # fmt: skip
         try:
             with self.engine.begin() as connection:
                 connection.execute(sa.insert(calibrations).values(**row))
-            return True
+                dropped = self._drop_older(connection, record.key)
+            return record.digest not in dropped
         except IntegrityError:
             # Another request (here or on another replica) stored it first: the primary key refused the copy.
             if self._stored(record.digest):
@@ -129,19 +151,42 @@ class CalibrationStore:
         except SQLAlchemyError as err:
             raise self._unavailable(err) from err
 
+    def _drop_older(self, connection: sa.Connection, key: str) -> set[str]:
+        """Delete the key's records past the newest KEEP_PER_KEY (by measurement time, then arrival); their
+        digests. Ordered here, not in SQL: measured_at is ISO 8601 text in whatever offset the box wrote."""
+        c = calibrations.c
+        rows = connection.execute(sa.select(c.digest, c.measured_at, c.received_at).where(c.key == key)).all()
+        if len(rows) <= KEEP_PER_KEY:
+            return set()
+        rows.sort(key=lambda row: (_measured(row.measured_at), _utc_time(row.received_at), row.digest), reverse=True)
+        dropped = {row.digest for row in rows[KEEP_PER_KEY:]}
+        connection.execute(sa.delete(calibrations).where(c.digest.in_(sorted(dropped))))
+        return dropped
+
+    def delete(self, digest: str) -> bool:
+        """Remove the record with this digest; False when there was none."""
+        self.open()
+        try:
+            with self.engine.begin() as connection:
+                return connection.execute(sa.delete(calibrations).where(calibrations.c.digest == digest)).rowcount > 0
+        except SQLAlchemyError as err:
+            raise self._unavailable(err) from err
+
     def _stored(self, digest: str) -> bool:
         query = sa.select(calibrations.c.digest).where(calibrations.c.digest == digest)
         with self.engine.connect() as connection:
             return connection.execute(query).first() is not None
 
-    def summaries(self, cpu_model: str | None = None) -> list[CalibrationSummary]:
-        """What is stored, newest measurement first; only this CPU model's when one is named."""
+    def summaries(self, cpu_model: str | None = None, limit: int = 100, offset: int = 0) -> list[CalibrationSummary]:
+        """What is stored, newest measurement first, `limit` of them from `offset`; only this CPU model's when one
+        is named."""
         self.open()
         c = calibrations.c
-        query = sa.select(c.digest, c.key, c.cpu_model, c.isa_flags, c.model, c.measured_at, c.received_at)
+        query = sa.select(c.digest, c.key, c.cpu_model, c.isa_flags, c.model, c.measured_at, c.received_at,
+                          c.posted_by)  # fmt: skip
         if cpu_model is not None:
             query = query.where(c.cpu_model == cpu_model.strip())
-        query = query.order_by(c.measured_at.desc(), c.digest)
+        query = query.order_by(c.measured_at.desc(), c.digest).limit(limit).offset(offset)
         return [CalibrationSummary.model_validate(_utc(row._asdict())) for row in self._fetch(query)]
 
     def records(self, cpu_models: Iterable[str]) -> list[CalibrationRecord]:
@@ -157,7 +202,7 @@ class CalibrationStore:
                 records.append(CalibrationRecord.model_validate_json(text))
             except ValidationError as err:  # e.g. stored by a newer schema than this process reads
                 log.warning("calibration %s skipped: not a record this server reads (%s)", digest, err.errors()[0])
-        return records
+        return newest_per_key(records)
 
     def _fetch(self, query) -> list[sa.Row]:
         try:
@@ -169,6 +214,25 @@ class CalibrationStore:
     def _unavailable(self, err: SQLAlchemyError) -> StoreUnavailable:
         first = str(err.orig if getattr(err, "orig", None) is not None else err).splitlines()[0]
         return StoreUnavailable(f"calibration store {self.describe()}: {first}")
+
+
+def newest_per_key(records: Iterable[CalibrationRecord], keep: int = KEEP_PER_KEY) -> list[CalibrationRecord]:
+    """The newest `keep` records of each key (a store written before the cap may hold more)."""
+    by_key: dict[str, list[CalibrationRecord]] = {}
+    for record in records:
+        by_key.setdefault(record.key, []).append(record)
+    return [r for group in by_key.values() for r in sorted(group, key=lambda r: r.measured_time, reverse=True)[:keep]]
+
+
+def _measured(text: str) -> datetime:
+    try:
+        return measured_time(text)
+    except ValueError:  # stored before measured_at was checked: older than any real record
+        return datetime.min.replace(tzinfo=UTC)
+
+
+def _utc_time(when: datetime) -> datetime:
+    return when.replace(tzinfo=UTC) if when.tzinfo is None else when
 
 
 def _utc(row: dict) -> dict:

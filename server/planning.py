@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from edge import calibration
+from edge.bounds import check_finite_numbers
 from edge.calibration import CalibrationRecord, best_match
 from edge.cpuinfo import parse_cpuinfo
 from edge.describe import parse_device_json, parse_size
@@ -54,12 +55,16 @@ def _located(loc: list[str | int], fn, *args, **kwargs):
 
 
 def read_device(device: AnyDevice) -> DeviceProfile:
+    """The device's profile; every number in its JSON finite and bounded first (edge.bounds)."""
     if isinstance(device, ProfileDevice):
+        check_finite_numbers(device.profile, "profile")
         return parse_device_json(device.profile)
     if isinstance(device, CpuinfoDevice):
         return parse_cpuinfo(device.cpuinfo, meminfo=device.meminfo, name=device.name)
     if isinstance(device, LscpuDevice):
+        check_finite_numbers(device.lscpu, "lscpu")
         return parse_lscpu({"lscpu": device.lscpu}, name=device.name, meminfo=device.meminfo)
+    check_finite_numbers(device.nfd_labels, "nfd_labels")
     return parse_nfd_labels(device.nfd_labels, name=device.name)
 
 
@@ -74,9 +79,11 @@ def _device_key(device: AnyDevice) -> str:
 def read_model(options: PlanOptions) -> ModelShape:
     model = options.model
     if isinstance(model, ConfigModel):
+        _located(["body", "model", "config"], check_finite_numbers, model.config, "config")
         name = model.name or str(model.config.get("_name_or_path") or "model")
         return _located(["body", "model", "config"], read_model_config, model.config, name)
     if isinstance(model, GgufModel):
+        _located(["body", "model", "gguf"], check_finite_numbers, model.gguf.metadata, "gguf.metadata")
         header = _located(["body", "model", "gguf"], header_from_json, model.gguf.model_dump())
         name = model.name or str(header.metadata.get("general.name") or "model")
         return _located(["body", "model", "gguf"], read_gguf_header, header, name)
@@ -87,12 +94,10 @@ def budget_bytes(options: PlanOptions) -> int | None:
     budget = options.memory_budget
     if budget is None:
         return None
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise LocatedInputError(
-                ["body", "memory_budget"], InputError("memory_budget", budget, "a positive number of bytes")
-            )
-        return budget
+    if isinstance(budget, int) and budget <= 0:
+        raise LocatedInputError(
+            ["body", "memory_budget"], InputError("memory_budget", budget, "a positive number of bytes")
+        )
     return _located(["body", "memory_budget"], parse_size, budget, "memory_budget")
 
 

@@ -2,23 +2,70 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
+from edge.bounds import MAX_DIMENSIONS, MAX_LABELS, MAX_TENSOR_DIM
 from edge.plan import Layout, Plan, Priority, WeightPath
 from server.supervisor import EngineStatus
 
 # Texts and label maps are bounded here as well as by the body limit, so one field cannot take all of it.
 MAX_TEXT_CHARS = 512 * 1024
-MAX_LABELS = 1024
-MAX_MODEL_LEN = 1 << 24  # 16 Mi tokens: past any model's context
+MAX_MODEL_LEN = MAX_DIMENSIONS["max_position_embeddings"]  # 16 Mi tokens: past any model's context
 MAX_NUM_SEQS = 4096
 
 
+class NotFinite:
+    """Stands in for a NaN or an infinity (Python's json reads NaN, Infinity and 1e400) anywhere in a request body: no
+    typed field accepts it, edge.bounds.check_finite_numbers refuses it inside a free-form object (a profile, a
+    config) naming its path, and the 422 can print it. The float itself cannot be printed as JSON: a validation error
+    carrying it (a union's error carries the whole object it was given) would answer 500."""
+
+    def __init__(self, number: float) -> None:
+        self.not_finite = str(number)
+
+    def __repr__(self) -> str:
+        return self.not_finite
+
+
+def _mark_non_finite(data: Any) -> Any:
+    """`data` with every non-finite float in it replaced by a NotFinite, in place (the body just parsed); iterative,
+    so that nesting as deep as json accepts costs no recursion."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return NotFinite(data)
+    pending = [data]
+    while pending:
+        node = pending.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in list(items):
+            if isinstance(value, float) and not math.isfinite(value):
+                node[key] = NotFinite(value)
+            elif isinstance(value, dict | list):
+                pending.append(value)
+    return data
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown keys refused; a non-finite number given for a field (or in a list field) refused naming it. Numbers
+    inside free-form objects (a profile, a config) are checked by edge.bounds.check_finite_numbers instead."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _non_finite_marked(cls, data: Any) -> Any:
+        return _mark_non_finite(data)
 
 
 class ProfileDevice(_Strict):
@@ -80,7 +127,9 @@ class ConfigModel(_Strict):
 class GgufTensor(_Strict):
     name: str = Field(max_length=256, description="The file's tensor name, e.g. blk.0.attn_q.weight.")
     type: str = Field(max_length=16, description="Its GGML type, e.g. Q4_K.")
-    shape: list[int] = Field(max_length=4, description="Hugging Face orientation: [N, K] for a matrix.")
+    shape: list[Annotated[int, Field(gt=0, le=MAX_TENSOR_DIM)]] = Field(
+        max_length=4, description="Hugging Face orientation: [N, K] for a matrix."
+    )
 
 
 class GgufHeaderBody(_Strict):
@@ -138,10 +187,28 @@ class PlanRequest(PlanOptions):
     force: bool = Field(default=False, description="Plan a pinned choice even where a gate refuses it.")
 
 
-class BatchRequest(PlanOptions):
-    """Plan one model with one priority on many devices."""
+class InvalidDevice:
+    """A batch's device that is not one of the device shapes: its own error in the answer, not the whole batch's."""
 
-    devices: list[Device] = Field(min_length=1, description="The devices, at most the server's batch limit.")
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        self.errors = errors
+
+
+def _device_or_invalid(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError as error:
+        return InvalidDevice(error.errors(include_url=False))
+
+
+# The schema is Device's; a value that fails it becomes an InvalidDevice in its place.
+BatchDevice = Annotated[Device, WrapValidator(_device_or_invalid)]
+
+
+class BatchRequest(PlanOptions):
+    """Plan one model with one priority on many devices; a device that cannot be read gets its own error."""
+
+    devices: list[BatchDevice] = Field(min_length=1, description="The devices, at most the server's batch limit.")
 
 
 class ErrorItem(BaseModel):
@@ -186,9 +253,15 @@ class CalibrationSummary(BaseModel):
     model: str | None = Field(description="Whose linear shapes were timed, when one model's were.")
     measured_at: str = Field(description="When the box measured it (ISO 8601).")
     received_at: datetime = Field(description="When this service stored it.")
+    posted_by: str | None = Field(
+        default=None, description="The role of the token that posted it ('api' or 'report'); null: stored before."
+    )
 
 
 class CalibrationStored(BaseModel):
     key: str = Field(description="The record's key (CPU, torch, vLLM, native library).")
     digest: str = Field(description="The record's digest, under which it is stored.")
-    created: bool = Field(description="True: stored now (201); false: it was already stored (200).")
+    created: bool = Field(
+        description="True: stored now (201); false (200): it was already stored, or it is older than the newest "
+        "records its key keeps (server.calibrations.KEEP_PER_KEY) and was not kept."
+    )

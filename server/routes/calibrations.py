@@ -1,12 +1,18 @@
 """Calibration record routes: store what a box measured (POST /calibrations), list what is stored
-(GET /calibrations). The store is `request.app.state.calibrations` (server.calibrations.CalibrationStore).
+(GET /calibrations, a page at a time), remove a record (DELETE /calibrations/{digest}, the API token only).
+The store is `request.app.state.calibrations` (server.calibrations.CalibrationStore).
+
+The bearer-token middleware says which token a request carries in `request.state.token_role`: "api" (the
+administrator's) or "report" (what boxes post with). Absent (no token configured, or a middleware that does not
+say), the request is the API token's.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query, Request, Response
+from fastapi import APIRouter, Body, Path, Query, Request, Response
+from fastapi.responses import JSONResponse
 
 from edge.calibration import parse
 from edge.errors import InputError
@@ -14,6 +20,12 @@ from server.planning import LocatedInputError
 from server.schemas import CalibrationStored, CalibrationSummary
 
 router = APIRouter()
+MAX_PAGE = 1000  # summaries per GET /calibrations
+ADMIN_ROLE = "api"
+
+
+def token_role(request: Request) -> str:
+    return getattr(request.state, "token_role", None) or ADMIN_ROLE
 
 
 @router.post(
@@ -39,7 +51,7 @@ def post_calibration(
         record = parse(body)
     except InputError as exc:
         raise LocatedInputError(_record_loc(exc.field), exc) from exc
-    created = request.app.state.calibrations.add(record)
+    created = request.app.state.calibrations.add(record, posted_by=token_role(request))
     response.status_code = 201 if created else 200
     return CalibrationStored(key=record.key, digest=record.digest, created=created)
 
@@ -48,15 +60,37 @@ def post_calibration(
     "/calibrations",
     response_model=list[CalibrationSummary],
     tags=["calibrations"],
-    summary="The stored calibration records, newest measurement first",
+    summary="The stored calibration records, newest measurement first, a page at a time",
 )
 def get_calibrations(
     request: Request,
     cpu_model: Annotated[
         str | None, Query(max_length=256, description="Only this CPU model's, e.g. 'AMD EPYC'.")
     ] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="At most this many summaries.")] = 100,
+    offset: Annotated[int, Query(ge=0, le=1 << 31, description="Skip this many first (the next page).")] = 0,
 ) -> list[CalibrationSummary]:
-    return request.app.state.calibrations.summaries(cpu_model)
+    return request.app.state.calibrations.summaries(cpu_model, limit=limit, offset=offset)
+
+
+@router.delete(
+    "/calibrations/{digest}",
+    status_code=204,
+    tags=["calibrations"],
+    summary="Remove a stored calibration record (the API token only)",
+    responses={403: {"description": "The request's token is not the API token."},
+               404: {"description": "No record has this digest."}},  # fmt: skip
+)
+def delete_calibration(
+    digest: Annotated[str, Path(pattern="^[0-9a-f]{16}$", description="The record's digest (GET /calibrations).")],
+    request: Request,
+) -> Response:
+    role = token_role(request)
+    if role != ADMIN_ROLE:
+        return JSONResponse({"detail": f"removing a record needs the API token, not the {role} token"}, 403)
+    if not request.app.state.calibrations.delete(digest):
+        return JSONResponse({"detail": f"no calibration record {digest}"}, 404)
+    return Response(status_code=204)
 
 
 def _record_loc(field: str) -> list[str | int]:

@@ -24,7 +24,7 @@ from edge.quality import cached_records
 from server import planning
 from server.calibrations import CalibrationStore
 from server.errors import input_error_response
-from server.schemas import BatchItem, BatchRequest, BatchResponse, ErrorItem, PlanRequest
+from server.schemas import BatchItem, BatchRequest, BatchResponse, ErrorItem, InvalidDevice, PlanRequest
 
 router = APIRouter()
 probe_router = APIRouter()
@@ -77,6 +77,9 @@ def _plan_batch(batch: BatchRequest, store: CalibrationStore) -> BatchResponse:
     results: list[BatchItem | None] = [None] * len(batch.devices)
     profiles: dict[int, DeviceProfile] = {}
     for index, device in enumerate(batch.devices):
+        if isinstance(device, InvalidDevice):
+            results[index] = _invalid_device(index, device)
+            continue
         try:
             profiles[index] = planning.read_device(device)
         except InputError as exc:
@@ -92,6 +95,13 @@ def _plan_batch(batch: BatchRequest, store: CalibrationStore) -> BatchResponse:
     done = [item for item in results if item is not None]
     planned = sum(item.plan is not None for item in done)
     return BatchResponse(results=done, planned=planned, failed=len(done) - planned)
+
+
+def _invalid_device(index: int, device: InvalidDevice) -> BatchItem:
+    """The first of the device's validation errors, located in the request as a 422's would be."""
+    first = device.errors[0]
+    loc: list[str | int] = ["body", "devices", index, *first["loc"]]
+    return BatchItem(index=index, error=ErrorItem(loc=loc, msg=first["msg"], type=first["type"]))
 
 
 def _batch_error(index: int, exc: InputError) -> BatchItem:

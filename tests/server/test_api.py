@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -335,3 +337,96 @@ def test_the_api_process_never_imports_torch_or_vllm():
     code = "import sys, server.cli, server.app; print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# --- hostile numbers and sizes: 422 naming the field, never 500 --------------------------------------------------
+
+
+def post_raw(client: TestClient, path: str, body) -> httpx.Response:
+    """A body as Python's json writes it, NaN and Infinity included (httpx refuses to send them)."""
+    return client.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+SMOLLM2_CONFIG = json.loads((DATA / "configs" / "smollm2-135m-instruct.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("body", "loc", "field"),
+    [
+        ({"device": {"profile": {**GW17, "memory_bytes": math.nan}}}, ["body", "device", "profile"],
+         "profile.memory_bytes"),
+        ({"device": {"profile": {**GW17, "cores": math.inf}}}, ["body", "device", "profile"], "profile.cores"),
+        ({"device": {"profile": {**GW17, "memory_bytes": 10**400}}}, ["body", "device", "profile"],
+         "profile.memory_bytes"),
+        ({"device": {"profile": GW17}, "model": {"config": {**SMOLLM2_CONFIG, "rope_theta": math.inf}}},
+         ["body", "model", "config"], "config.rope_theta"),
+        ({"device": {"profile": GW17}, "memory_budget": 10**30}, ["body", "memory_budget"], "memory_budget"),
+        ({"device": {"lscpu": [{"field": "CPU(s):", "data": math.nan}]}}, ["body", "device", "lscpu"], "lscpu[0].data"),
+    ],
+    ids=["profile-nan", "profile-inf", "profile-10**400", "config-inf", "budget-10**30", "lscpu-nan"],
+)  # fmt: skip
+def test_a_non_finite_or_overflowing_number_is_422_naming_the_field(client, body, loc, field):
+    response = post_raw(client, "/plan", body)
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert (error["loc"], error["field"]) == (loc, field)
+
+
+@pytest.mark.parametrize("key", ["max_model_len", "max_num_seqs", "memory_budget"])
+@pytest.mark.parametrize("number", [math.nan, math.inf, 1e400], ids=["nan", "inf", "1e400"])
+def test_a_non_finite_option_is_422_naming_it_not_a_500(client, key, number):
+    response = post_raw(client, "/plan", {"device": {"profile": GW17}, key: number})
+    assert response.status_code == 422, response.text
+    assert all(error["loc"][:2] == ["body", key] for error in response.json()["detail"])
+
+
+def test_a_nan_inside_a_union_member_is_422_not_a_500(client):
+    """A union's errors carry the whole object each member was offered: with a NaN in it, not printable as JSON."""
+    body = {"device": {"profile": GW17}, "model": {"gguf": {"metadata": {}, "tensors": [
+        {"name": "output.weight", "type": "Q6_K", "shape": [math.nan, 576]}]}}}  # fmt: skip
+    assert post_raw(client, "/plan", body).status_code == 422
+
+
+def test_a_million_layers_is_422_naming_num_hidden_layers(client):
+    body = {"device": {"profile": GW17}, "model": {"config": {**SMOLLM2_CONFIG, "num_hidden_layers": 10**6}}}
+    response = client.post("/plan", json=body)
+    assert response.status_code == 422
+    [error] = response.json()["detail"]
+    assert error["field"] == "config.json: num_hidden_layers" and "at most 1024" in error["msg"]
+
+
+def test_a_gguf_header_of_a_million_blocks_is_422_naming_num_hidden_layers(client):
+    metadata = {"general.architecture": "llama", "llama.block_count": 10**6, "llama.context_length": 8192,
+                "llama.embedding_length": 576, "llama.feed_forward_length": 1536, "llama.attention.head_count": 9,
+                "llama.vocab_size": 49152}  # fmt: skip
+    response = client.post("/plan", json={"device": {"profile": GW17}, "model": {"gguf": {"metadata": metadata}}})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["field"] == "config.json: num_hidden_layers"
+
+
+def test_a_batch_plans_the_good_devices_when_one_has_a_nan(client):
+    devices = [{"profile": GW17}, {"profile": {**GW17, "memory_bytes": math.nan}}, {"cpuinfo": SPR_CPUINFO}]
+    response = post_raw(client, "/plan/batch", {"devices": devices})
+    assert response.status_code == 200, response.text
+    batch = response.json()
+    assert (batch["planned"], batch["failed"]) == (2, 1)
+    assert batch["results"][1]["error"]["loc"] == ["body", "devices", 1]
+    assert batch["results"][1]["error"]["field"] == "profile.memory_bytes"
+
+
+def test_a_batch_device_of_no_known_shape_is_its_own_error_not_the_whole_batchs(client):
+    devices = [{"profile": GW17}, {"cpuinfo": 3}, {"cpuinfo": SPR_CPUINFO, "nfd_labels": SPR_NODE}]
+    response = client.post("/plan/batch", json={"devices": devices})
+    assert response.status_code == 200, response.text
+    batch = response.json()
+    assert (batch["planned"], batch["failed"]) == (1, 2)
+    assert batch["results"][1]["error"]["loc"][:3] == ["body", "devices", 1]
+    assert batch["results"][2]["error"]["loc"][:3] == ["body", "devices", 2]
+    assert batch["results"][0]["plan"]["device"]["name"] == GW17["name"]
+
+
+def test_a_batch_device_with_too_many_nfd_labels_is_its_own_error(client):
+    labels = {f"feature.node.kubernetes.io/custom-{i}": "true" for i in range(1100)}
+    response = client.post("/plan/batch", json={"devices": [{"profile": GW17}, {"nfd_labels": {"labels": labels}}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["results"][1]["error"]["field"] == "labels"

@@ -7,20 +7,22 @@ import json
 import os
 import shutil
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from edge.calibration import CalibrationRecord, KernelResult, KernelTime, record_path
+from edge.calibration import MAX_KERNELS, CalibrationRecord, KernelResult, KernelTime, record_path
 from edge.cpuinfo import parse_cpuinfo
 from edge.device import DeviceProfile
 from edge.model_reader import default_model
 from edge.probe import probe
 from server import cli
 from server.app import create_app
-from server.calibrations import CalibrationStore
+from server.calibrations import KEEP_PER_KEY, CalibrationStore
 from server.settings import Settings
 from tests.server.conftest import uvicorn_on_loopback
 
@@ -438,3 +440,168 @@ def test_a_posted_record_changes_the_answer_for_its_cpu_and_only_for_its_cpu(cli
     avx2_after = cpuinfo_plan(client, AVX2_EPYC_CPUINFO)
     assert (avx2_after["path"], avx2_after["layout"], avx2_after["calibration"]) == (
         avx2_before["path"], avx2_before["layout"], None)
+
+
+# --- records you can trust: real timestamps, bounded size, attributed, capped per key, paged, removable --------
+
+
+def with_token_role(app, role: str):
+    """The app behind a stand-in for the bearer-token middleware that names the token's role in the scope's state."""
+
+    async def tagged(scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["token_role"] = role
+        await app(scope, receive, send)
+
+    return tagged
+
+
+@pytest.fixture
+def reporter(cache: Path) -> TestClient:
+    """Requests made with the report token (what boxes post with), to an app whose store is `cache`'s."""
+    with TestClient(with_token_role(create_app(Settings()), "report")) as client:
+        yield client
+
+
+def post_raw(client: TestClient, body: dict):
+    return client.post("/calibrations", content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+def refused_field(response) -> tuple[list, str]:
+    assert response.status_code == 422, response.text
+    error = response.json()["detail"][0]
+    return error["loc"], error["field"]
+
+
+@pytest.mark.parametrize("measured_at", ["9999", "9999-12-31T00:00:00+00:00", "yesterday", ""])
+def test_a_forged_or_future_dated_record_is_422_naming_measured_at(client, measured_at):
+    response = client.post("/calibrations", json={**body(ZEN5), "measured_at": measured_at})
+    assert refused_field(response) == (["body", "measured_at"], "calibration.measured_at")
+    assert stored_digests(client) == []
+
+
+def test_a_record_within_ten_minutes_of_clock_skew_is_stored(client):
+    soon = (datetime.now(UTC) + timedelta(minutes=5)).isoformat(timespec="seconds")
+    assert client.post("/calibrations", json={**body(ZEN5), "measured_at": soon}).status_code == 201
+
+
+def test_a_record_of_more_kernels_than_the_cap_is_422_naming_kernels(client):
+    kernels = [body(ZEN5)["kernels"][0]] * (MAX_KERNELS + 1)
+    assert refused_field(client.post("/calibrations", json={**body(ZEN5), "kernels": kernels}))[1] == \
+        "calibration.kernels"  # fmt: skip
+
+
+def test_a_kernel_with_more_times_than_the_cap_is_422_naming_its_times(client):
+    kernels = [{"kernel": "tinygemm", "status": "ok", "times": [{"n": 16, "k": 32, "m": 1, "ms": 0.1}] * 4097}]
+    loc, field = refused_field(client.post("/calibrations", json={**body(ZEN5), "kernels": kernels}))
+    assert loc == ["body", "kernels", 0, "times"] and field == "calibration.kernels.0.times"
+
+
+def test_a_cpu_model_of_a_thousand_characters_is_422_naming_it(client):
+    response = client.post("/calibrations", json={**body(ZEN5), "cpu_model": "A" * 1000})
+    assert refused_field(response) == (["body", "cpu_model"], "calibration.cpu_model")
+
+
+@pytest.mark.parametrize("ms", [float("nan"), float("inf"), 1e400], ids=["nan", "inf", "1e400"])
+def test_a_kernel_time_that_is_not_finite_is_422_naming_it(client, ms):
+    record = body(ZEN5)
+    record["kernels"][0]["times"][0]["ms"] = ms
+    assert refused_field(post_raw(client, record)) == (["body", "kernels", 0, "times", 0, "ms"],
+                                                       "calibration.kernels.0.times.0.ms")  # fmt: skip
+
+
+def test_a_record_names_the_api_token_as_its_poster_when_the_middleware_names_none(client):
+    client.post("/calibrations", json=body(ZEN5))
+    assert [s["posted_by"] for s in client.get("/calibrations").json()] == ["api"]
+
+
+def test_a_record_posted_with_the_report_token_says_so(reporter):
+    assert reporter.post("/calibrations", json=body(ZEN5)).status_code == 201
+    assert [s["posted_by"] for s in reporter.get("/calibrations").json()] == ["report"]
+
+
+def test_the_api_token_removes_a_record_by_its_digest(client):
+    client.post("/calibrations", json=body(ZEN5))
+    client.post("/calibrations", json=body(SPR))
+    assert client.delete(f"/calibrations/{ZEN5.digest}").status_code == 204
+    assert stored_digests(client) == [SPR.digest]
+    assert cpuinfo_plan(client, ZEN5_CPUINFO)["calibration"] is None
+
+
+def test_the_report_token_cannot_remove_a_record(reporter):
+    reporter.post("/calibrations", json=body(ZEN5))
+    response = reporter.delete(f"/calibrations/{ZEN5.digest}")
+    assert response.status_code == 403 and "API token" in response.json()["detail"]
+    assert stored_digests(reporter) == [ZEN5.digest]
+
+
+def test_removing_a_record_that_is_not_stored_is_404(client):
+    assert client.delete(f"/calibrations/{ZEN5.digest}").status_code == 404
+
+
+def test_removing_by_something_that_is_no_digest_is_422(client):
+    assert client.delete("/calibrations/not-a-digest").status_code == 422
+
+
+def dated(record: CalibrationRecord, day: int) -> CalibrationRecord:
+    return record.model_copy(update={"measured_at": f"2026-11-{day:02d}T10:00:00+00:00"})
+
+
+def test_only_the_newest_records_of_a_key_are_kept(client):
+    records = [dated(ZEN5, day) for day in range(1, KEEP_PER_KEY + 3)]
+    for record in records:
+        assert client.post("/calibrations", json=body(record)).status_code == 201
+    newest = sorted(records, key=lambda r: r.measured_at, reverse=True)[:KEEP_PER_KEY]
+    assert stored_digests(client) == [r.digest for r in newest]
+
+
+def test_a_record_older_than_the_newest_its_key_keeps_is_not_kept(client):
+    for day in range(10, 10 + KEEP_PER_KEY):
+        client.post("/calibrations", json=body(dated(ZEN5, day)))
+    old = dated(ZEN5, 1)
+    response = client.post("/calibrations", json=body(old))
+    assert response.status_code == 200 and response.json()["created"] is False
+    assert old.digest not in stored_digests(client)
+
+
+def test_the_cap_is_per_key_so_another_cpus_records_stay(client):
+    client.post("/calibrations", json=body(SPR))
+    for day in range(1, KEEP_PER_KEY + 3):
+        client.post("/calibrations", json=body(dated(ZEN5, day)))
+    assert SPR.digest in stored_digests(client)
+
+
+def test_the_list_pages_with_limit_and_offset(client):
+    records = [dated(ZEN5, day) for day in range(1, 6)]
+    for record in records:
+        client.post("/calibrations", json=body(record))
+    everything = stored_digests(client)
+    assert stored_digests(client, limit=2) == everything[:2]
+    assert stored_digests(client, limit=2, offset=2) == everything[2:4]
+    assert stored_digests(client, offset=5) == []
+
+
+@pytest.mark.parametrize("params", [{"limit": 1001}, {"limit": 0}, {"offset": -1}])
+def test_a_page_past_the_limits_is_422(client, params):
+    assert client.get("/calibrations", params=params).status_code == 422
+
+
+OLD_TABLE = ("CREATE TABLE calibrations (digest VARCHAR(64) PRIMARY KEY, key VARCHAR(64) NOT NULL, cpu_model TEXT "
+             "NOT NULL, isa_flags JSON NOT NULL, model TEXT, measured_at VARCHAR(64) NOT NULL, received_at DATETIME "
+             "NOT NULL, record TEXT NOT NULL)")  # fmt: skip
+
+
+def test_a_store_created_before_records_named_their_poster_gains_the_column(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:  # the table as it was: no posted_by
+        connection.execute(sa.text(OLD_TABLE))
+        connection.execute(sa.text("INSERT INTO calibrations VALUES (:digest, :key, 'Intel(R) Xeon(R) Platinum "
+                                   "8480C', '[]', NULL, :at, '2026-11-21 09:30:00', :record)"),  # fmt: skip
+                           {"digest": SPR.digest, "key": SPR.key, "at": SPR.measured_at,
+                            "record": SPR.model_dump_json()})  # fmt: skip
+    engine.dispose()
+    store = CalibrationStore(url)
+    assert store.add(ZEN5, posted_by="report") is True
+    assert {s.digest: s.posted_by for s in store.summaries()} == {ZEN5.digest: "report", SPR.digest: None}
+    store.close()
