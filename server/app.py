@@ -18,7 +18,7 @@ from edge.plan import Plan
 from server.calibrations import CalibrationStore
 from server.errors import add_exception_handlers
 from server.metrics import ServiceMetrics
-from server.middleware import BearerToken, BodyLimit
+from server.middleware import BearerToken, BodyLimit, ForwardedPaths
 from server.routes import calibrations, engine, proxy
 from server.routes import plan as plan_routes
 from server.settings import Settings
@@ -65,6 +65,8 @@ def create_app(
     app.include_router(plan_routes.probe_router)
     app.include_router(engine.router)
     app.include_router(proxy.router)
+    # The last added runs first: the token is checked before anything else looks at the request
+    app.add_middleware(ForwardedPaths)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_token:
         app.add_middleware(BearerToken, token=settings.api_token, open_paths=OPEN_PATHS)

@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from edge.quality import cached_records
 from server.app import create_app, weight_path
 from server.calibrations import database_url
 from server.settings import Settings
-from server.supervisor import EngineRefused, EngineSupervisor, short_model_name
+from server.supervisor import EngineRefused, EngineSupervisor, free_port, short_model_name
 
 TOP_REASONS = 3
 REPORT_TIMEOUT_S = 30.0
@@ -298,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         supervisor = EngineSupervisor.for_plan(
             prepared.plan,
             str(prepared.serve_dir),
-            port=settings.engine_port or free_loopback_port(),
+            port=settings.engine_port,  # 0: a fresh free port for each start of the engine
             settings=settings,
             force=args.force,
         )
@@ -310,9 +309,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now (the engine chooses its own: supervisor.free_port)."""
+    return free_port("127.0.0.1")
 
 
 def serve(settings: Settings, supervisor: EngineSupervisor, prepared: Prepared) -> None:

@@ -1,4 +1,5 @@
-"""Two ASGI guards in front of the app: the bearer token and the request body limit."""
+"""ASGI guards in front of the app: the bearer token, the request body limit, and the paths forwarded to the
+engine."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import hmac
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.proxy import UnsafePath, bad_request, engine_path
 
 
 class BearerToken:
@@ -83,3 +86,21 @@ class BodyLimit:
             return await receive()  # later calls wait for the disconnect, as streaming responses expect
 
         await self.app(scope, replay, send)
+
+
+class ForwardedPaths:
+    """400 for a /v1/ path that server.proxy.engine_path refuses (a dot segment, a control character), before
+    routing: the router does not match a path holding a newline (its pattern's `.` stops there) and would answer
+    404 instead of saying why."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            try:
+                engine_path(scope["path"].removeprefix("/v1/"))
+            except UnsafePath as exc:
+                await bad_request(str(exc))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

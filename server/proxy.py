@@ -1,9 +1,16 @@
-"""Forward `/v1/*` to the engine so clients use one port; responses stream through as they arrive."""
+"""Forward `/v1/*` to the engine so clients use one port; responses stream through as they arrive.
+
+Only `/v1/*` reaches the engine: a path with a dot segment (`..`, `.`, percent-encoded or not) or a control
+character is refused with 400 before anything is sent, so `/v1/../metrics` never becomes the engine's `/metrics`
+(httpx resolves dot segments, and vLLM's `/metrics`, `/tokenize`, `/docs` need no key). The engine's own key
+(`EngineSupervisor.api_key`) is added to every forwarded request; the caller's authorization is never passed on.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from urllib.parse import quote
 
 import httpx
 from starlette.background import BackgroundTask
@@ -44,6 +51,27 @@ def end_to_end(headers: list[tuple[str, str]], drop: frozenset[str]) -> list[tup
     return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
+class UnsafePath(ValueError):
+    """A /v1 path that could leave /v1 on its way to the engine, or that no engine route has."""
+
+
+def engine_path(path: str) -> str:
+    """The part of a request's (percent-decoded) path after `/v1/`, checked and percent-encoded again for the
+    engine. Raises UnsafePath for a `.` or `..` segment (however it was encoded: the path arrives decoded) and for
+    a control character."""
+    segments = path.split("/")
+    if any(segment in (".", "..") for segment in segments):
+        raise UnsafePath(f"path /v1/{path!r}: a dot segment ('.' or '..') is not forwarded; expected /v1/<route>")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in path):
+        raise UnsafePath(f"path /v1/{path!r}: a control character is not forwarded; expected /v1/<route>")
+    return quote(path, safe="/:@!$&'()*+,;=~")
+
+
+def bad_request(message: str) -> JSONResponse:
+    """400 in the OpenAI error shape."""
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 400}}, status_code=400)
+
+
 def engine_unavailable(message: str, state: str | None, weight_path: str | None) -> JSONResponse:
     """503 in the OpenAI error shape, so OpenAI clients show the message."""
     headers = {"Retry-After": "5"}
@@ -68,16 +96,21 @@ async def forward(
     *,
     client: httpx.AsyncClient,
     engine_url: str,
+    api_key: str,
     weight_path: str,
     state: Callable[[], str],
 ) -> Response:
-    """The request sent on to the engine and its answer streamed back; 503 when the engine does not answer
-    (`state` says the engine's state then: a request sent to a hung engine fails once it is restarted)."""
-    url = httpx.URL(f"{engine_url}/v1/{path}")
+    """The request sent on to the engine with the engine's key and its answer streamed back; 400 for a path that
+    is not forwarded (engine_path), 503 when the engine does not answer (`state` says the engine's state then:
+    a request sent to a hung engine fails once it is restarted)."""
+    try:
+        url = httpx.URL(f"{engine_url}/v1/{engine_path(path)}")
+    except UnsafePath as exc:
+        return bad_request(str(exc))
     if request.url.query:
         url = url.copy_with(query=request.url.query.encode("latin-1"))
     raw = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
-    headers = end_to_end(raw, _REQUEST_DROP)
+    headers = [*end_to_end(raw, _REQUEST_DROP), ("authorization", f"Bearer {api_key}")]
     outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
     try:
         upstream = await client.send(outgoing, stream=True)

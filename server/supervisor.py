@@ -21,7 +21,9 @@ import inspect
 import logging
 import os
 import random
+import secrets
 import signal
+import socket
 import sys
 import textwrap
 import time
@@ -42,7 +44,11 @@ log = logging.getLogger("edge.engine")
 EngineState = Literal["starting", "ready", "unresponsive", "crashed", "restarting", "stopped"]
 ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unresponsive", "crashed", "restarting", "stopped")
 # Why the engine stopped serving, as counted in status().restart_reasons and the metrics.
-StopKind = Literal["exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start"]
+StopKind = Literal[
+    "exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start", "port-taken"
+]
+# The API process's secrets: the engine (and whatever it imports or spawns) has no use for them.
+SECRET_ENV = frozenset({"EDGE_API_TOKEN", "EDGE_REPORT_TOKEN", "EDGE_CALIBRATION_DB", "VLLM_API_KEY"})
 
 
 def vllm_launcher() -> list[str]:
@@ -74,7 +80,7 @@ class EngineStatus(BaseModel):
     restarts: int = Field(description="Times the engine was started again after dying or not becoming ready.")
     restart_reasons: dict[str, int] = Field(
         description="Restarts by why the engine stopped serving: exited, exited-before-ready, not-ready-in-time, "
-        "unresponsive, could-not-start."
+        "unresponsive, could-not-start, port-taken (another process answered on the engine's port)."
     )
     last_error: str | None = Field(description="Why the engine last died: exit code or signal and its last lines.")
     probe_failures: int = Field(description="Liveness probes failed in a row, now (0 while it answers).")
@@ -121,6 +127,16 @@ def short_model_name(plan: Plan, model_dir: str) -> str:
     return plan.model.name or Path(model_dir).name or model_dir
 
 
+def engine_command(
+    plan: Plan, model_dir: str, *, executable: Sequence[str] | None = None, served_model_name: str | None = None
+) -> list[str]:
+    """The plan's engine command (edge.plan.VllmConfig.command), run by `executable` instead of vLLM's server
+    module when given (the tests' stand-in engine takes its place through this same code)."""
+    assert plan.vllm is not None
+    launcher = vllm_launcher() if executable is None else list(executable)
+    return plan.vllm.command(model_dir, launcher, served_model_name)
+
+
 def engine_argv(
     plan: Plan,
     model_dir: str,
@@ -130,11 +146,28 @@ def engine_argv(
     executable: Sequence[str] | None = None,
     served_model_name: str | None = None,
 ) -> list[str]:
-    """The plan's engine command (edge.plan.VllmConfig.command) on loopback, run by `executable` instead of
-    vLLM's server module when given (the tests' stand-in engine takes its place through this same code)."""
-    assert plan.vllm is not None
-    launcher = vllm_launcher() if executable is None else list(executable)
-    return [*plan.vllm.command(model_dir, launcher, served_model_name), "--host", host, "--port", str(port)]
+    """The plan's engine command on `host:port` (loopback)."""
+    command = engine_command(plan, model_dir, executable=executable, served_model_name=served_model_name)
+    return [*command, "--host", host, "--port", str(port)]
+
+
+def free_port(host: str, avoid: int | None = None) -> int:
+    """A port free on `host` now, other than `avoid` (the port of the engine before: a restart never reuses it).
+
+    Chosen by binding port 0 and releasing it: the engine binds it a moment later, and another local process may
+    bind it first; the supervisor then finds the answer is not its engine's (verify_ours) and starts again."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port != avoid:
+            return port
+
+
+def engine_environment(base: Mapping[str, str], plan_env: Mapping[str, str]) -> dict[str, str]:
+    """The engine's environment: this process's, less its secrets (SECRET_ENV), and the plan's."""
+    kept = {name: value for name, value in base.items() if name not in SECRET_ENV}
+    return {**kept, "PYTHONUNBUFFERED": "1", **{k: v for k, v in plan_env.items() if k not in SECRET_ENV}}
 
 
 def _stat_fields(pid: int | str) -> list[str] | None:
@@ -395,9 +428,9 @@ class EngineSupervisor:
 
     def __init__(
         self,
-        argv: Sequence[str],
+        command: Sequence[str],
         *,
-        port: int,
+        port: int = 0,
         env: Mapping[str, str] | None = None,
         settings: Settings | None = None,
         health_path: str = "/health",
@@ -405,10 +438,11 @@ class EngineSupervisor:
         served_model_name: str | None = None,
     ) -> None:
         self.settings = settings or Settings()
-        self.argv = list(argv)
+        self.command = list(command)  # argv without --host and --port, which each start chooses
+        self.fixed_port = port  # 0: a fresh free port for each start
         self.port = port
-        self.engine_url = f"http://{self.settings.engine_host}:{port}"
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.api_key = ""  # a fresh random one for each start, in the engine's environment (VLLM_API_KEY)
+        self.env = engine_environment(os.environ, env or {})
         self.health_path = health_path
         self.log_prefix = log_prefix
         self.served_model_name = served_model_name
@@ -443,7 +477,7 @@ class EngineSupervisor:
         plan: Plan,
         model_dir: str,
         *,
-        port: int,
+        port: int = 0,
         settings: Settings | None = None,
         force: bool = False,
         executable: Sequence[str] | None = None,
@@ -451,13 +485,25 @@ class EngineSupervisor:
         check_plan_runnable(plan, force=force)
         settings = settings or Settings()
         served = settings.served_model_name or short_model_name(plan, model_dir)
-        argv = engine_argv(
-            plan, model_dir, host=settings.engine_host, port=port, executable=executable, served_model_name=served
-        )
+        command = engine_command(plan, model_dir, executable=executable, served_model_name=served)
         env = {name: resolve(value) if name == "VLLM_CACHE_ROOT" else value for name, value in plan.vllm.env.items()}
-        return cls(argv, port=port, env=env, settings=settings, served_model_name=served)
+        return cls(command, port=port, env=env, settings=settings, served_model_name=served)
 
     # -- public ------------------------------------------------------------------------------------------
+
+    @property
+    def argv(self) -> list[str]:
+        """The engine's command line for the port of this start (vLLM's `serve` flags; never the key)."""
+        return [*self.command, "--host", self.settings.engine_host, "--port", str(self.port)]
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://{self.settings.engine_host}:{self.port}"
+
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        """What a request to the engine's /v1 carries: its key."""
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     @property
     def pid(self) -> int | None:
@@ -573,6 +619,11 @@ class EngineSupervisor:
         self.state = "stopped"
 
     async def _spawn(self) -> asyncio.subprocess.Process | None:
+        """Start the engine on a port and with a key of its own: a fresh free port (unless one was fixed) and a
+        fresh key each time, the key in its environment (an argv is readable by every user, /proc/PID/environ
+        only by this one)."""
+        self.port = self.fixed_port or free_port(self.settings.engine_host, avoid=self.port)
+        self.api_key = secrets.token_urlsafe(32)
         log.info("starting engine: %s", " ".join(self.argv))
         self.log_tail.clear()
         self._engine_pid = None
@@ -582,7 +633,7 @@ class EngineSupervisor:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 stdin=asyncio.subprocess.DEVNULL,
-                env=self.env,
+                env={**self.env, "VLLM_API_KEY": self.api_key},
                 start_new_session=True,  # its own process group: vLLM's workers are signalled with it
                 limit=1 << 20,
             )
@@ -625,6 +676,9 @@ class EngineSupervisor:
             if self._stopping:
                 await self._terminate(proc)  # stop() may have run while this process was being spawned
                 kind, why = "exited", "stopped on request"
+            elif isinstance(healthy, str):
+                kind, why = "port-taken", healthy
+                await self._terminate(proc)
             elif healthy:
                 self._became_ready(proc)
                 unresponsive = await self._stay_live(exited)
@@ -663,18 +717,40 @@ class EngineSupervisor:
         self._write_record(proc.pid)  # now with vLLM's engine core and workers
         log.info("engine ready at %s (pid %d, engine pid %s)", self.engine_url, proc.pid, self.engine_pid)
 
-    async def _wait_healthy(self, proc: asyncio.subprocess.Process, exited: asyncio.Task) -> bool:
+    async def _wait_healthy(self, proc: asyncio.subprocess.Process, exited: asyncio.Task) -> bool | str:
+        """True once the engine answers its health check and proves to be ours; False when it exited or was not
+        ready in time; why, when what answers on its port is not this engine."""
         deadline = time.monotonic() + self.settings.ready_timeout_s
         url = self.engine_url + self.health_path
         async with httpx.AsyncClient(timeout=min(5.0, self.settings.ready_timeout_s)) as client:
             while not self._stopping and time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(url)).status_code == 200:
-                        return proc.returncode is None
+                        if proc.returncode is not None:
+                            return False
+                        return await self._not_ours(client) or True
                 await asyncio.wait({exited}, timeout=self.settings.health_poll_s)
                 if exited.done():
                     return False
         return False
+
+    async def _not_ours(self, client: httpx.AsyncClient) -> str | None:
+        """Why what answers on the engine's port is not the engine this supervisor started, or None when it is:
+        ours refuses /v1 without its key and serves it with the key (vLLM guards /v1 alone). Asked without the key
+        first, so that a server that serves anyone never sees the key; one that refuses everyone sees a key that
+        dies with this start."""
+        url = self.engine_url + "/v1/models"
+        try:
+            without = await client.get(url)
+            if without.status_code != 401:
+                return (f"port {self.port} answers /v1/models without the engine's key ({without.status_code}): "
+                        "another process holds the engine's port")  # fmt: skip
+            keyed = await client.get(url, headers=self.engine_headers)
+        except httpx.HTTPError as exc:
+            return f"port {self.port}: /v1/models failed: {type(exc).__name__}: {exc}"
+        if keyed.status_code != 200:
+            return f"port {self.port} refuses the engine's key ({keyed.status_code}): another process holds it"
+        return None
 
     # -- liveness ----------------------------------------------------------------------------------------
 
@@ -725,7 +801,9 @@ class EngineSupervisor:
             body["model"] = self.served_model_name
         timeout = settings.liveness_generation_timeout_s
         try:
-            answer = await client.post(self.engine_url + "/v1/completions", json=body, timeout=timeout)
+            answer = await client.post(
+                self.engine_url + "/v1/completions", json=body, headers=self.engine_headers, timeout=timeout
+            )
         except httpx.TimeoutException:
             return "generation", f"a one-token generation did not finish within {timeout:g} s"
         except httpx.HTTPError as exc:

@@ -33,6 +33,7 @@ async def v1(path: str, request: Request) -> Response:
         path,
         client=state.http,
         engine_url=supervisor.engine_url,
+        api_key=supervisor.api_key,
         weight_path=state.weight_path or "",
         state=lambda: supervisor.state,
     )

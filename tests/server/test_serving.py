@@ -59,7 +59,7 @@ def test_completion_through_the_wrapper_carries_the_weight_path_header():
         wait_until(lambda: ready(url))
         body = {"model": MODEL_DIR, "prompt": "The capital of France is", "max_tokens": 4}
         response = httpx.post(f"{url}/v1/completions", json=body, headers=TOKEN)
-        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json=body)
+        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json=body, headers=supervisor.engine_headers)
     assert response.status_code == 200
     assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
     assert response.json() == direct.json()
@@ -75,12 +75,13 @@ def test_query_string_and_engine_errors_pass_through_unchanged():
     assert missing.status_code == 404 and missing.headers[WEIGHT_PATH_HEADER] == "bf16"
 
 
-def test_the_wrappers_token_is_not_sent_to_the_engine():
+def test_the_engine_gets_its_own_key_never_the_wrappers_token():
     server, _ = serving()
     with server as url:
         wait_until(lambda: ready(url))
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
-    assert response.headers["X-Standin-Saw-Authorization"] == "no"
+    assert response.status_code == 200
+    assert response.headers["X-Standin-Saw-Authorization"] == "engine-key"
 
 
 def test_v1_needs_the_token():
@@ -155,7 +156,8 @@ def test_proxied_responses_have_one_date_one_server_and_no_hop_by_hop_headers():
     server, supervisor = serving()
     with server as url:
         wait_until(lambda: ready(url))
-        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                            headers=supervisor.engine_headers)  # fmt: skip
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
     assert {"date", "server", "keep-alive", "x-standin-hop"} <= set(header_names(direct))  # what the engine sent
     names = header_names(response)
