@@ -69,7 +69,9 @@ def create_app(
     app.add_middleware(ForwardedPaths)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_token:
-        app.add_middleware(BearerToken, token=settings.api_token, open_paths=OPEN_PATHS)
+        app.add_middleware(
+            BearerToken, token=settings.api_token, open_paths=OPEN_PATHS, report_token=settings.report_token
+        )
         app.openapi = lambda: _with_bearer(app)
     return app
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from edge.describe import load_device, parse_size
@@ -52,3 +53,29 @@ def test_the_systemd_unit_verifies(tmp_path):
 
 def test_edge_up_is_valid_bash():
     subprocess.run(["bash", "-n", str(DEPLOY / "edge-up")], check=True)
+
+
+def _entrypoint() -> list[str]:
+    line = next(line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("ENTRYPOINT"))
+    return json.loads(line.removeprefix("ENTRYPOINT"))
+
+
+def test_the_image_refuses_to_serve_on_0_0_0_0_without_a_token(monkeypatch, capsys):
+    """What the image's entrypoint runs (edge-up's edge-serve, with its flags), refused before anything is planned
+    or served when the container has no EDGE_API_TOKEN."""
+    from server import cli
+
+    entrypoint = _entrypoint()
+    assert entrypoint[0].endswith("/deploy/edge-up") and entrypoint[entrypoint.index("--host") + 1] == "0.0.0.0"
+    monkeypatch.delenv("EDGE_API_TOKEN", raising=False)
+    monkeypatch.setattr(cli, "prepare", lambda *a, **k: pytest.fail("refused before the model is read"))
+    assert cli.main(["--priority", "speed", *entrypoint[1:]]) == 2
+    assert "'0.0.0.0' (EDGE_HOST) is not a loopback address and EDGE_API_TOKEN is not set" in capsys.readouterr().err
+
+
+def test_the_daemonset_takes_its_tokens_from_a_secret():
+    env = {item["name"]: item for item in _daemonset()["spec"]["template"]["spec"]["containers"][0]["env"]}
+    api = env["EDGE_API_TOKEN"]["valueFrom"]["secretKeyRef"]
+    report = env["EDGE_REPORT_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert api["name"] == report["name"] and api["key"] != report["key"]
+    assert not api.get("optional") and "value" not in env["EDGE_API_TOKEN"]
