@@ -81,13 +81,28 @@ def engine_unavailable(message: str, state: str | None, weight_path: str | None)
     return JSONResponse(body, status_code=503, headers=headers)
 
 
-async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """The engine's bytes as they come; an engine that dies mid-response ends the stream, not the server."""
+def _noop(*_: object) -> None:
+    pass
+
+
+async def _relay(
+    upstream: httpx.Response, on_answer: Callable[[], None], on_failure: Callable[[str], None], what: str
+) -> AsyncIterator[bytes]:
+    """The engine's bytes as they come; `on_answer` once the first arrives (or the body ends empty), `on_failure`
+    when the engine breaks off mid-response (which ends the stream, not the server)."""
+    answered = False
     try:
         async for chunk in upstream.aiter_raw():
+            if not answered:
+                answered = True
+                on_answer()
             yield chunk
     except httpx.HTTPError as exc:
         log.warning("engine response broke off: %s", exc)
+        on_failure(f"{what} broke off: {type(exc).__name__}: {exc}")
+        return
+    if not answered:
+        on_answer()
 
 
 async def forward(
@@ -99,10 +114,16 @@ async def forward(
     api_key: str,
     weight_path: str,
     state: Callable[[], str],
+    on_answer: Callable[[], None] = _noop,
+    on_failure: Callable[[str], None] = _noop,
 ) -> Response:
     """The request sent on to the engine with the engine's key and its answer streamed back; 400 for a path that
     is not forwarded (engine_path), 503 when the engine does not answer (`state` says the engine's state then:
-    a request sent to a hung engine fails once it is restarted)."""
+    a request sent to a hung engine fails once it is restarted).
+
+    What the engine did is reported for its liveness: `on_answer()` once the first byte of an answer that is not
+    a server error arrives, `on_failure(why)` for a timeout, a broken connection or a 5xx (not for a wait for a
+    free connection to it: that is this server's load, not the engine's health)."""
     try:
         url = httpx.URL(f"{engine_url}/v1/{engine_path(path)}")
     except UnsafePath as exc:
@@ -112,13 +133,21 @@ async def forward(
     raw = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
     headers = [*end_to_end(raw, _REQUEST_DROP), ("authorization", f"Bearer {api_key}")]
     outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
+    what = f"a forwarded {request.method} /v1/{path}"
     try:
         upstream = await client.send(outgoing, stream=True)
     except httpx.HTTPError as exc:
+        if not isinstance(exc, httpx.PoolTimeout):
+            on_failure(f"{what} did not answer: {type(exc).__name__}")
         return engine_unavailable(f"engine did not answer: {type(exc).__name__}", state(), weight_path)
+    if upstream.status_code >= 500:
+        on_failure(f"{what} answered {upstream.status_code}")
+        on_answer = _noop
     passed = end_to_end(upstream.headers.multi_items(), _RESPONSE_DROP | {WEIGHT_PATH_HEADER.lower()})
     response = StreamingResponse(
-        _relay(upstream), status_code=upstream.status_code, background=BackgroundTask(upstream.aclose)
+        _relay(upstream, on_answer, on_failure, what),
+        status_code=upstream.status_code,
+        background=BackgroundTask(upstream.aclose),
     )
     # Set as a list: a dict would merge repeated headers (set-cookie) into one
     response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in passed]

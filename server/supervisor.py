@@ -452,7 +452,7 @@ class EngineSupervisor:
         self.restart_reasons: Counter[str] = Counter()
         self.last_error: str | None = None
         self.probe_failures = 0  # in a row, now
-        self.probes_failed: Counter[str] = Counter()  # ever, by probe ("health", "generation")
+        self.probes_failed: Counter[str] = Counter()  # ever, by probe ("health", "generation", "traffic")
         self.last_probe_error: str | None = None
         self.swept: list[str] = []  # engines of dead wrappers stopped at start
         self.delays: list[float] = []  # every backoff delay taken, in order
@@ -465,6 +465,8 @@ class EngineSupervisor:
         self._last_ready_wall: float | None = None
         self._last_traffic_at = 0.0
         self._last_generation_at = 0.0
+        self._suspect = False  # a forwarded request failed since the last generation probe: one is due now
+        self._liveness_wake = asyncio.Event()
         self._next_restart_at: float | None = None
         self._stopping = False
         self._wake = asyncio.Event()
@@ -524,8 +526,24 @@ class EngineSupervisor:
         return self.state == "ready"
 
     def note_traffic(self) -> None:
-        """A request is being forwarded: the engine is not idle (no generation probe needed)."""
+        """A forwarded request got the first byte of an answer that is not a server error: the engine generates,
+        and is not idle (no generation probe needed). A request merely sent proves nothing: a wedged engine core
+        takes requests and never answers them."""
         self._last_traffic_at = time.monotonic()
+        self.probe_failures = 0
+
+    def note_forward_failure(self, error: str) -> None:
+        """A forwarded request timed out, broke off or got a 5xx: counted as a failed liveness probe ("traffic"),
+        and a generation probe is due at once, whatever the traffic."""
+        if not self.is_ready:
+            return
+        self.probe_failures += 1
+        self.probes_failed["traffic"] += 1
+        self.last_probe_error = error
+        self._suspect = True
+        self._liveness_wake.set()
+        log.warning("forwarded request failed (%d of %d): %s", self.probe_failures, self.settings.liveness_failures,
+                    error)  # fmt: skip
 
     def status(self) -> EngineStatus:
         now = time.monotonic()
@@ -711,6 +729,7 @@ class EngineSupervisor:
     def _became_ready(self, proc: asyncio.subprocess.Process) -> None:
         self.state = "ready"
         self._ready_at = self._last_traffic_at = time.monotonic()
+        self._suspect = False
         self._last_ready_wall = time.time()
         self.probe_failures = 0
         self._ready.set()
@@ -759,10 +778,17 @@ class EngineSupervisor:
         settings = self.settings
         async with httpx.AsyncClient() as client:
             while True:
-                await asyncio.wait({exited}, timeout=settings.liveness_interval_s)
+                woken = asyncio.create_task(self._liveness_wake.wait())  # by a failed forwarded request
+                await asyncio.wait({exited, woken}, timeout=settings.liveness_interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                woken.cancel()
+                self._liveness_wake.clear()
                 if exited.done() or self._stopping:
                     await exited
                     return None
+                if self.probe_failures >= settings.liveness_failures:
+                    return (f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: "
+                            f"{self.last_probe_error}")  # fmt: skip
                 failed = await self._probe(client)
                 if failed is None:
                     self.probe_failures = 0
@@ -792,9 +818,10 @@ class EngineSupervisor:
             return "health", f"GET {self.health_path} answered {health.status_code}"
         now = time.monotonic()
         interval = settings.liveness_generation_interval_s
-        if not interval or now - self._last_traffic_at < settings.liveness_idle_s:
+        if not interval:
             return None
-        if now - self._last_generation_at < interval:
+        idle = now - self._last_traffic_at >= settings.liveness_idle_s
+        if not self._suspect and (not idle or now - self._last_generation_at < interval):
             return None
         body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
         if self.served_model_name:
@@ -813,6 +840,7 @@ class EngineSupervisor:
         if answer.status_code >= 400:
             log.warning("the generation probe was refused (%d): %s", answer.status_code, answer.text[:200])
         self._last_generation_at = time.monotonic()
+        self._suspect = False
         return None
 
     # -- logs and stopping -------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ async def v1(path: str, request: Request) -> Response:
     if not supervisor.is_ready:
         engine_state = supervisor.state
         return engine_unavailable(f"engine is not ready (state: {engine_state})", engine_state, state.weight_path)
-    supervisor.note_traffic()
     return await forward(
         request,
         path,
@@ -36,4 +35,6 @@ async def v1(path: str, request: Request) -> Response:
         api_key=supervisor.api_key,
         weight_path=state.weight_path or "",
         state=lambda: supervisor.state,
+        on_answer=supervisor.note_traffic,
+        on_failure=supervisor.note_forward_failure,
     )
