@@ -76,15 +76,26 @@ def create_app(
     return app
 
 
+# /metrics reads the engine's own with a client of its own: a flood of forwarded requests cannot starve a scrape
+METRICS_CONNECTIONS = 2
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
-    """The calibration store opened, the proxy's HTTP client (`app.state.http`), the engine started; all three
-    closed again on the way out."""
+    """The calibration store opened, the proxy's HTTP client (`app.state.http`, its connections bounded) and the
+    metrics' (`app.state.metrics_http`), the engine started; all closed again on the way out."""
     settings, store, supervisor = app.state.settings, app.state.calibrations, app.state.supervisor
-    timeout = httpx.Timeout(connect=5.0, read=settings.proxy_timeout_s, write=60.0, pool=10.0)
+    timeout = httpx.Timeout(connect=5.0, read=settings.proxy_timeout_s, write=60.0, pool=settings.proxy_pool_timeout_s)
+    limits = httpx.Limits(
+        max_connections=settings.proxy_max_connections, max_keepalive_connections=settings.proxy_max_connections
+    )
     await run_in_threadpool(store.open)
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with (
+        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
+        httpx.AsyncClient(limits=httpx.Limits(max_connections=METRICS_CONNECTIONS)) as metrics_client,
+    ):
         app.state.http = client
+        app.state.metrics_http = metrics_client
         if supervisor is not None:
             await supervisor.start()
         try:

@@ -365,7 +365,14 @@ def serve(settings: Settings, supervisor: EngineSupervisor, prepared: Prepared) 
 def serve_app(settings: Settings, app) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll and proxied request
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        limit_concurrency=settings.limit_concurrency,  # past it, 503: a flood costs its senders, not the box
+        timeout_keep_alive=settings.timeout_keep_alive_s,
+    )
 
 
 if __name__ == "__main__":

@@ -8,14 +8,17 @@ character is refused with 400 before anything is sent, so `/v1/../metrics` never
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import quote
 
+import anyio
 import httpx
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message, Send
 
 log = logging.getLogger("edge.proxy")
 
@@ -85,11 +88,18 @@ def _noop(*_: object) -> None:
     pass
 
 
+def sse_error(message: str) -> bytes:
+    """A server-sent event in the OpenAI error shape: what OpenAI clients raise from when a stream fails."""
+    error = {"error": {"message": message, "type": "engine_error", "code": 502}}
+    return f"data: {json.dumps(error)}\n\n".encode()
+
+
 async def _relay(
     upstream: httpx.Response, on_answer: Callable[[], None], on_failure: Callable[[str], None], what: str
 ) -> AsyncIterator[bytes]:
     """The engine's bytes as they come; `on_answer` once the first arrives (or the body ends empty), `on_failure`
-    when the engine breaks off mid-response (which ends the stream, not the server)."""
+    when the engine breaks off mid-response. That ends the stream, not the server; an event stream ends with an
+    error event, so that the client does not take it for a complete answer."""
     answered = False
     try:
         async for chunk in upstream.aiter_raw():
@@ -99,10 +109,42 @@ async def _relay(
             yield chunk
     except httpx.HTTPError as exc:
         log.warning("engine response broke off: %s", exc)
-        on_failure(f"{what} broke off: {type(exc).__name__}: {exc}")
+        why = f"{what} broke off: {type(exc).__name__}: {exc}"
+        on_failure(why)
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            yield sse_error(f"the engine's answer broke off: {type(exc).__name__}")
         return
     if not answered:
         on_answer()
+
+
+class ForwardedResponse(StreamingResponse):
+    """The engine's answer streamed to the client: each write to the client must be taken within
+    `send_timeout_s` (one that stops reading is cut off), and the engine's response is closed however the stream
+    ends, so that its connection goes back to the pool."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, status_code: int, upstream: httpx.Response, send_timeout_s: float
+    ) -> None:
+        super().__init__(content, status_code=status_code)
+        self.upstream = upstream
+        self.send_timeout_s = send_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            await asyncio.wait_for(send(message), self.send_timeout_s)
+
+        try:
+            await bounded({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await bounded({"type": "http.response.body", "body": chunk, "more_body": True})
+            await bounded({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            log.warning("client took nothing for %g s: its stream cut off", self.send_timeout_s)
+        finally:
+            with anyio.CancelScope(shield=True):  # a client that went away cancels the stream
+                await self.body_iterator.aclose()
+                await self.upstream.aclose()
 
 
 async def forward(
@@ -114,6 +156,7 @@ async def forward(
     api_key: str,
     weight_path: str,
     state: Callable[[], str],
+    send_timeout_s: float = 60.0,
     on_answer: Callable[[], None] = _noop,
     on_failure: Callable[[str], None] = _noop,
 ) -> Response:
@@ -144,10 +187,11 @@ async def forward(
         on_failure(f"{what} answered {upstream.status_code}")
         on_answer = _noop
     passed = end_to_end(upstream.headers.multi_items(), _RESPONSE_DROP | {WEIGHT_PATH_HEADER.lower()})
-    response = StreamingResponse(
+    response = ForwardedResponse(
         _relay(upstream, on_answer, on_failure, what),
         status_code=upstream.status_code,
-        background=BackgroundTask(upstream.aclose),
+        upstream=upstream,
+        send_timeout_s=send_timeout_s,
     )
     # Set as a list: a dict would merge repeated headers (set-cookie) into one
     response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in passed]

@@ -86,6 +86,27 @@ class Settings(BaseSettings):
     log_tail_lines: int = Field(default=40, ge=1, description="Engine log lines kept to explain a crash.")
     proxy_timeout_s: float = Field(default=600.0, gt=0, description="Read timeout for a forwarded request.")
 
+    # Bounds on connections: what a flood of clients, or clients that stop reading, can hold.
+    proxy_max_connections: int = Field(
+        default=32,
+        ge=1,
+        description="Most connections open to the engine for forwarded requests (a CPU engine runs a few "
+        "sequences at once; the rest wait in line); /metrics and the probes have connections of their own.",
+    )
+    proxy_pool_timeout_s: float = Field(
+        default=10.0, gt=0, description="A forwarded request that waits longer for a free connection gets 503."
+    )
+    client_send_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A client that takes longer than this to accept one more part of a streamed answer is cut "
+        "off, and its connection to the engine freed.",
+    )
+    limit_concurrency: int = Field(
+        default=128, ge=1, description="Most connections and requests uvicorn serves at once; past it, 503."
+    )
+    timeout_keep_alive_s: int = Field(default=5, ge=1, description="An idle keep-alive connection is closed then.")
+
     @field_validator("api_token", "report_token")
     @classmethod
     def _blank_is_none(cls, value: str | None) -> str | None:
