@@ -24,6 +24,7 @@ import random
 import secrets
 import signal
 import socket
+import stat
 import sys
 import textwrap
 import time
@@ -348,6 +349,29 @@ class EngineRecord(BaseModel):
     leader_start: int
     members: dict[int, int]  # pid -> start time of the group's processes when the engine became ready
     argv: list[str]
+    cmdlines: dict[int, str] = {}  # pid -> /proc/PID/cmdline when recorded; a process is signalled only if it matches
+
+
+def process_cmdline(pid: int) -> str | None:
+    """/proc/PID/cmdline (NUL-separated), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def owned_by_us(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def still_ours(pid: int, start: int, cmdline: str | None) -> bool:
+    """The recorded process, still: same pid, same start time, our user's, the same command line."""
+    return (process_start_time(pid) == start and owned_by_us(pid)
+            and cmdline is not None and process_cmdline(pid) == cmdline)  # fmt: skip
 
 
 def default_run_dir() -> Path:
@@ -358,19 +382,45 @@ def record_path(run_dir: Path, leader_pid: int) -> Path:
     return run_dir / f"engine-{os.getpid()}-{leader_pid}.json"
 
 
+def private_dir(path: Path) -> Path:
+    """The run directory, made ours alone (0700): another user could otherwise plant or change pid files, or
+    links where they are written. Raises OSError for one that is a symlink or another user's."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise OSError(f"run directory {path} is not a directory (a symlink?): refusing to keep pid files there")
+    if info.st_uid != os.getuid():
+        raise OSError(f"run directory {path} belongs to uid {info.st_uid}, not this user ({os.getuid()})")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        path.chmod(0o700)
+    return path
+
+
 def write_record(path: Path, record: EngineRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Written whole or not at all, never through a link: a fresh file (O_EXCL | O_NOFOLLOW, mode 0600) renamed
+    into place (a rename replaces a link, it does not follow it)."""
+    private_dir(path.parent)
     partial = path.with_suffix(".partial")
-    partial.write_text(record.model_dump_json())
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(record.model_dump_json())
     partial.replace(path)
 
 
+def read_record(path: Path) -> EngineRecord:
+    """A pid file, never read through a link (OSError for one)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return EngineRecord.model_validate_json(f.read())
+
+
 def left_processes(record: EngineRecord) -> list[int]:
-    """What of a recorded engine still runs: its whole group while its leader does (same pid, same start time),
-    else the recorded members that still are who they were."""
-    if process_start_time(record.leader_pid) == record.leader_start:
-        return group_members(record.leader_pid)
-    return [pid for pid, start in record.members.items() if process_start_time(pid) == start]
+    """What of a recorded engine still runs: its whole group (our user's processes of it) while its leader does,
+    else the recorded members that still are who they were (still_ours: pid, start time, user, command line)."""
+    if still_ours(record.leader_pid, record.leader_start, record.cmdlines.get(record.leader_pid)):
+        return [pid for pid in group_members(record.leader_pid) if owned_by_us(pid)]
+    return [pid for pid, start in record.members.items() if still_ours(pid, start, record.cmdlines.get(pid))]
 
 
 async def _end_processes(pids: Sequence[int], grace_s: float, leader: int) -> None:
@@ -402,9 +452,10 @@ async def sweep_left_engines(run_dir: Path, grace_s: float) -> list[str]:
     removed, after what of its engine still runs is stopped.
     """
     stopped = []
+    private_dir(run_dir)
     for path in sorted(run_dir.glob("engine-*.json")):
         try:
-            record = EngineRecord.model_validate_json(path.read_text())
+            record = read_record(path)
         except (OSError, ValueError) as exc:
             log.warning("unreadable engine record %s removed: %s", path, exc)
             path.unlink(missing_ok=True)
@@ -675,6 +726,7 @@ class EngineSupervisor:
             leader_start=starts[leader],
             members={pid: start for pid, start in starts.items() if start is not None},
             argv=self.argv,
+            cmdlines={pid: cmdline for pid in starts if (cmdline := process_cmdline(pid)) is not None},
         )
         self._record = record_path(self.run_dir, leader)
         try:
