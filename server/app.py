@@ -18,7 +18,7 @@ from edge.plan import Plan
 from server.calibrations import CalibrationStore
 from server.errors import add_exception_handlers
 from server.metrics import ServiceMetrics
-from server.middleware import BearerToken, BodyLimit
+from server.middleware import BearerToken, BodyLimit, ForwardedPaths
 from server.routes import calibrations, engine, proxy
 from server.routes import plan as plan_routes
 from server.settings import Settings
@@ -65,22 +65,37 @@ def create_app(
     app.include_router(plan_routes.probe_router)
     app.include_router(engine.router)
     app.include_router(proxy.router)
+    # The last added runs first: the token is checked before anything else looks at the request
+    app.add_middleware(ForwardedPaths)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_token:
-        app.add_middleware(BearerToken, token=settings.api_token, open_paths=OPEN_PATHS)
+        app.add_middleware(
+            BearerToken, token=settings.api_token, open_paths=OPEN_PATHS, report_token=settings.report_token
+        )
         app.openapi = lambda: _with_bearer(app)
     return app
 
 
+# /metrics reads the engine's own with a client of its own: a flood of forwarded requests cannot starve a scrape
+METRICS_CONNECTIONS = 2
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
-    """The calibration store opened, the proxy's HTTP client (`app.state.http`), the engine started; all three
-    closed again on the way out."""
+    """The calibration store opened, the proxy's HTTP client (`app.state.http`, its connections bounded) and the
+    metrics' (`app.state.metrics_http`), the engine started; all closed again on the way out."""
     settings, store, supervisor = app.state.settings, app.state.calibrations, app.state.supervisor
-    timeout = httpx.Timeout(connect=5.0, read=settings.proxy_timeout_s, write=60.0, pool=10.0)
+    timeout = httpx.Timeout(connect=5.0, read=settings.proxy_timeout_s, write=60.0, pool=settings.proxy_pool_timeout_s)
+    limits = httpx.Limits(
+        max_connections=settings.proxy_max_connections, max_keepalive_connections=settings.proxy_max_connections
+    )
     await run_in_threadpool(store.open)
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    async with (
+        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
+        httpx.AsyncClient(limits=httpx.Limits(max_connections=METRICS_CONNECTIONS)) as metrics_client,
+    ):
         app.state.http = client
+        app.state.metrics_http = metrics_client
         if supervisor is not None:
             await supervisor.start()
         try:

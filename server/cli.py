@@ -2,19 +2,22 @@
 
   edge-serve [--model DIR|FILE.gguf|ORG/NAME] [--priority fidelity|speed] [--host 127.0.0.1] [--port 8080]
              [--memory-budget SIZE] [--max-model-len N] [--force] [--calibration-db URL] [--served-model-name NAME]
-             [--calibrate] [--report-to URL [--report-token TOKEN]]
+             [--calibrate] [--report-to URL [--report-token-file FILE]]
 
 Without --model it serves the embedded default model (the directory `edge-model default` prints). A converted
 checkpoint goes to $EDGE_SELECT_CACHE_DIR/converted/<model>-<hash of quantization_config> and is reused by
 edge-convert when up to date. Prints the chosen path, layout, the top reasons and the URL, then serves until
 interrupted. Clients name the model by its directory's name (SmolLM2-135M-Instruct-bf16 for the default model),
 or --served-model-name; its full path is accepted too. Other settings come from EDGE_* environment variables
-(server/settings.py), e.g. EDGE_API_TOKEN.
+(server/settings.py), e.g. EDGE_API_TOKEN. An address other than loopback (--host 0.0.0.0) is refused (exit 2)
+unless EDGE_API_TOKEN is set: nothing is served without a token where others can reach it.
 
 The plan ranks from this host's calibration record (what `edge-calibrate` cached) when there is one; --calibrate
 measures a fresh one first. --report-to URL posts that record to a fleet planner's /calibrations (calibrating
 first when this host has none), so that its /plan for boxes of this CPU ranks from it; a failed report is a
-warning, and the box serves anyway.
+warning, and the box serves anyway. The report token comes from EDGE_REPORT_TOKEN or --report-token-file (a
+command line is visible to every user of the box); a plain http:// URL to another host would carry it in clear,
+and is refused (exit 2): use https://.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,8 +48,8 @@ from edge.probe import probe
 from edge.quality import cached_records
 from server.app import create_app, weight_path
 from server.calibrations import database_url
-from server.settings import Settings
-from server.supervisor import EngineRefused, EngineSupervisor, short_model_name
+from server.settings import Settings, exposure_problem, is_loopback
+from server.supervisor import EngineRefused, EngineSupervisor, free_port, short_model_name
 
 TOP_REASONS = 3
 REPORT_TIMEOUT_S = 30.0
@@ -208,7 +210,34 @@ def report_calibration(record: CalibrationRecord, url: str, token: str | None) -
     return False, f"{what} not reported to {target}: {response.status_code} {response.text[:200]}"
 
 
-def report_and_calibrate(args: argparse.Namespace, settings: Settings) -> None:
+def report_token(args: argparse.Namespace, settings: Settings) -> str | None:
+    """The token --report-to sends: --report-token-file's first line, else --report-token, else
+    EDGE_REPORT_TOKEN."""
+    if args.report_token_file:
+        try:
+            with open(args.report_token_file, encoding="utf-8") as f:
+                token = f.readline().strip()
+        except OSError as error:
+            expected = f"a readable file ({error.strerror})"
+            raise InputError("--report-token-file", args.report_token_file, expected) from None
+        if not token:
+            raise InputError("--report-token-file", args.report_token_file, "a file whose first line is the token")
+        return token
+    return args.report_token or settings.report_token
+
+
+def check_report_to(url: str, token: str | None) -> None:
+    """A token goes to another host only over TLS: http:// is allowed to loopback alone."""
+    target = httpx.URL(url)
+    if target.scheme not in ("http", "https") or not target.host:
+        raise InputError("--report-to", url, "an http:// or https:// URL of a fleet planner")
+    if token and target.scheme == "http" and not is_loopback(target.host):
+        raise InputError(
+            "--report-to", url, "an https:// URL: over http:// to another host the report token would travel in clear"
+        )
+
+
+def report_and_calibrate(args: argparse.Namespace, settings: Settings, token: str | None) -> None:
     """--calibrate and --report-to, before anything is planned or served; failures are warnings."""
     if not (args.calibrate or args.report_to):
         return
@@ -219,8 +248,9 @@ def report_and_calibrate(args: argparse.Namespace, settings: Settings) -> None:
               file=sys.stderr, flush=True)  # fmt: skip
         return
     if args.report_to:
-        ok, line = report_calibration(record, args.report_to, args.report_token or settings.report_token)
+        ok, line = report_calibration(record, args.report_to, token)
         print(line if ok else f"edge-serve: warning: {line}", file=sys.stdout if ok else sys.stderr, flush=True)
+
 
 
 def summary(prepared: Prepared, url: str, served_model_name: str | None = None) -> str:
@@ -260,8 +290,11 @@ def parser() -> argparse.ArgumentParser:
                    help="time the kernels on this host first (edge-calibrate), even when a record is cached")
     p.add_argument("--report-to", metavar="URL", help="post this host's calibration record to URL/calibrations "
                    "(a fleet planner: edge-serve --plan-only), calibrating first when there is none")
+    p.add_argument("--report-token-file", metavar="FILE",
+                   help="a file whose first line is the bearer token of the server reported to (default: "
+                        "EDGE_REPORT_TOKEN)")
     p.add_argument("--report-token", metavar="TOKEN",
-                   help="bearer token of the server reported to (default: EDGE_REPORT_TOKEN)")
+                   help="the token itself: visible to every user of the box (ps), prefer the two above")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the OpenAI API (default: its "
                    "directory's name, or EDGE_SERVED_MODEL_NAME); the full path is accepted too")
     return p
@@ -273,12 +306,22 @@ def main(argv: list[str] | None = None) -> int:
              ("served_model_name", args.served_model_name))  # fmt: skip
     settings = Settings(**{k: v for k, v in given if v is not None})
     url = f"http://{settings.host}:{settings.port}"
+    refused = exposure_problem(settings)
+    if refused:
+        print(f"edge-serve: {refused}", file=sys.stderr)
+        return 2
     try:
         database_url(settings.calibration_db)
+        token = report_token(args, settings)
+        if args.report_to:
+            check_report_to(args.report_to, token)
     except InputError as error:
         print(f"edge-serve: {error}", file=sys.stderr)
         return 2
-    report_and_calibrate(args, settings)
+    report_and_calibrate(args, settings, token)
+    if args.report_token:
+        print("edge-serve: warning: --report-token is visible to every user of this box (ps); set "
+              "EDGE_REPORT_TOKEN or use --report-token-file instead", file=sys.stderr, flush=True)  # fmt: skip
     if args.plan_only:
         print(f"planner   {url}/plan  (POST a device and a model; {url}/docs describes every field)", flush=True)
         serve_app(settings, create_app(settings))
@@ -298,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         supervisor = EngineSupervisor.for_plan(
             prepared.plan,
             str(prepared.serve_dir),
-            port=settings.engine_port or free_loopback_port(),
+            port=settings.engine_port,  # 0: a fresh free port for each start of the engine
             settings=settings,
             force=args.force,
         )
@@ -310,9 +353,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now (the engine chooses its own: supervisor.free_port)."""
+    return free_port("127.0.0.1")
 
 
 def serve(settings: Settings, supervisor: EngineSupervisor, prepared: Prepared) -> None:
@@ -323,7 +365,14 @@ def serve(settings: Settings, supervisor: EngineSupervisor, prepared: Prepared) 
 def serve_app(settings: Settings, app) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll and proxied request
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        limit_concurrency=settings.limit_concurrency,  # past it, 503: a flood costs its senders, not the box
+        timeout_keep_alive=settings.timeout_keep_alive_s,
+    )
 
 
 if __name__ == "__main__":

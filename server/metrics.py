@@ -10,7 +10,8 @@ The wrapper's series (each app has a registry of its own: replicas in one proces
                                                  internal (a bug, 500)
   edge_engine_state{state}                       1 for the engine's state now, 0 for the others
   edge_engine_restarts_total{reason}             restarts, by why the engine stopped serving
-  edge_engine_probe_failures_total{probe}        failed liveness probes: health, generation
+  edge_engine_probe_failures_total{probe}        failed liveness probes: health, generation, traffic (a forwarded
+                                                 request that timed out, broke off or got a 5xx)
   edge_engine_last_ready_timestamp_seconds       when the engine last became ready (Unix time)
   edge_engine_info{served_model_name,weight_path}
   edge_engine_metrics_up                         1 when the engine's own metrics were read for this scrape
@@ -40,7 +41,8 @@ log = logging.getLogger("edge.metrics")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ENGINE_METRICS_TIMEOUT_S = 5.0
 ERROR_KINDS = ("input", "request", "store", "internal")
-RESTART_REASONS = ("exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start")
+RESTART_REASONS = ("exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start",
+                   "port-taken")  # fmt: skip
 # A plan takes ~1-50 ms here (a batch of 256 devices, seconds): buckets from 1 ms to 10 s.
 PLAN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -70,7 +72,7 @@ class EngineCollector(Collector):
         probes = CounterMetricFamily(
             "edge_engine_probe_failures", "Failed liveness probes of the ready engine.", labels=["probe"]
         )
-        for probe in ("health", "generation"):
+        for probe in ("health", "generation", "traffic"):
             probes.add_metric([probe], self.supervisor.probes_failed.get(probe, 0))
         yield probes
         if status.last_ready_at is not None:

@@ -1,14 +1,24 @@
-"""Forward `/v1/*` to the engine so clients use one port; responses stream through as they arrive."""
+"""Forward `/v1/*` to the engine so clients use one port; responses stream through as they arrive.
+
+Only `/v1/*` reaches the engine: a path with a dot segment (`..`, `.`, percent-encoded or not) or a control
+character is refused with 400 before anything is sent, so `/v1/../metrics` never becomes the engine's `/metrics`
+(httpx resolves dot segments, and vLLM's `/metrics`, `/tokenize`, `/docs` need no key). The engine's own key
+(`EngineSupervisor.api_key`) is added to every forwarded request; the caller's authorization is never passed on.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from urllib.parse import quote
 
+import anyio
 import httpx
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message, Send
 
 log = logging.getLogger("edge.proxy")
 
@@ -44,6 +54,27 @@ def end_to_end(headers: list[tuple[str, str]], drop: frozenset[str]) -> list[tup
     return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
+class UnsafePath(ValueError):
+    """A /v1 path that could leave /v1 on its way to the engine, or that no engine route has."""
+
+
+def engine_path(path: str) -> str:
+    """The part of a request's (percent-decoded) path after `/v1/`, checked and percent-encoded again for the
+    engine. Raises UnsafePath for a `.` or `..` segment (however it was encoded: the path arrives decoded) and for
+    a control character."""
+    segments = path.split("/")
+    if any(segment in (".", "..") for segment in segments):
+        raise UnsafePath(f"path /v1/{path!r}: a dot segment ('.' or '..') is not forwarded; expected /v1/<route>")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in path):
+        raise UnsafePath(f"path /v1/{path!r}: a control character is not forwarded; expected /v1/<route>")
+    return quote(path, safe="/:@!$&'()*+,;=~")
+
+
+def bad_request(message: str) -> JSONResponse:
+    """400 in the OpenAI error shape."""
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 400}}, status_code=400)
+
+
 def engine_unavailable(message: str, state: str | None, weight_path: str | None) -> JSONResponse:
     """503 in the OpenAI error shape, so OpenAI clients show the message."""
     headers = {"Retry-After": "5"}
@@ -53,13 +84,67 @@ def engine_unavailable(message: str, state: str | None, weight_path: str | None)
     return JSONResponse(body, status_code=503, headers=headers)
 
 
-async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """The engine's bytes as they come; an engine that dies mid-response ends the stream, not the server."""
+def _noop(*_: object) -> None:
+    pass
+
+
+def sse_error(message: str) -> bytes:
+    """A server-sent event in the OpenAI error shape: what OpenAI clients raise from when a stream fails."""
+    error = {"error": {"message": message, "type": "engine_error", "code": 502}}
+    return f"data: {json.dumps(error)}\n\n".encode()
+
+
+async def _relay(
+    upstream: httpx.Response, on_answer: Callable[[], None], on_failure: Callable[[str], None], what: str
+) -> AsyncIterator[bytes]:
+    """The engine's bytes as they come; `on_answer` once the first arrives (or the body ends empty), `on_failure`
+    when the engine breaks off mid-response. That ends the stream, not the server; an event stream ends with an
+    error event, so that the client does not take it for a complete answer."""
+    answered = False
     try:
         async for chunk in upstream.aiter_raw():
+            if not answered:
+                answered = True
+                on_answer()
             yield chunk
     except httpx.HTTPError as exc:
         log.warning("engine response broke off: %s", exc)
+        why = f"{what} broke off: {type(exc).__name__}: {exc}"
+        on_failure(why)
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            yield sse_error(f"the engine's answer broke off: {type(exc).__name__}")
+        return
+    if not answered:
+        on_answer()
+
+
+class ForwardedResponse(StreamingResponse):
+    """The engine's answer streamed to the client: each write to the client must be taken within
+    `send_timeout_s` (one that stops reading is cut off), and the engine's response is closed however the stream
+    ends, so that its connection goes back to the pool."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, status_code: int, upstream: httpx.Response, send_timeout_s: float
+    ) -> None:
+        super().__init__(content, status_code=status_code)
+        self.upstream = upstream
+        self.send_timeout_s = send_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            await asyncio.wait_for(send(message), self.send_timeout_s)
+
+        try:
+            await bounded({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await bounded({"type": "http.response.body", "body": chunk, "more_body": True})
+            await bounded({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            log.warning("client took nothing for %g s: its stream cut off", self.send_timeout_s)
+        finally:
+            with anyio.CancelScope(shield=True):  # a client that went away cancels the stream
+                await self.body_iterator.aclose()
+                await self.upstream.aclose()
 
 
 async def forward(
@@ -68,24 +153,45 @@ async def forward(
     *,
     client: httpx.AsyncClient,
     engine_url: str,
+    api_key: str,
     weight_path: str,
     state: Callable[[], str],
+    send_timeout_s: float = 60.0,
+    on_answer: Callable[[], None] = _noop,
+    on_failure: Callable[[str], None] = _noop,
 ) -> Response:
-    """The request sent on to the engine and its answer streamed back; 503 when the engine does not answer
-    (`state` says the engine's state then: a request sent to a hung engine fails once it is restarted)."""
-    url = httpx.URL(f"{engine_url}/v1/{path}")
+    """The request sent on to the engine with the engine's key and its answer streamed back; 400 for a path that
+    is not forwarded (engine_path), 503 when the engine does not answer (`state` says the engine's state then:
+    a request sent to a hung engine fails once it is restarted).
+
+    What the engine did is reported for its liveness: `on_answer()` once the first byte of an answer that is not
+    a server error arrives, `on_failure(why)` for a timeout, a broken connection or a 5xx (not for a wait for a
+    free connection to it: that is this server's load, not the engine's health)."""
+    try:
+        url = httpx.URL(f"{engine_url}/v1/{engine_path(path)}")
+    except UnsafePath as exc:
+        return bad_request(str(exc))
     if request.url.query:
         url = url.copy_with(query=request.url.query.encode("latin-1"))
     raw = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
-    headers = end_to_end(raw, _REQUEST_DROP)
+    headers = [*end_to_end(raw, _REQUEST_DROP), ("authorization", f"Bearer {api_key}")]
     outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
+    what = f"a forwarded {request.method} /v1/{path}"
     try:
         upstream = await client.send(outgoing, stream=True)
     except httpx.HTTPError as exc:
+        if not isinstance(exc, httpx.PoolTimeout):
+            on_failure(f"{what} did not answer: {type(exc).__name__}")
         return engine_unavailable(f"engine did not answer: {type(exc).__name__}", state(), weight_path)
+    if upstream.status_code >= 500:
+        on_failure(f"{what} answered {upstream.status_code}")
+        on_answer = _noop
     passed = end_to_end(upstream.headers.multi_items(), _RESPONSE_DROP | {WEIGHT_PATH_HEADER.lower()})
-    response = StreamingResponse(
-        _relay(upstream), status_code=upstream.status_code, background=BackgroundTask(upstream.aclose)
+    response = ForwardedResponse(
+        _relay(upstream, on_answer, on_failure, what),
+        status_code=upstream.status_code,
+        upstream=upstream,
+        send_timeout_s=send_timeout_s,
     )
     # Set as a list: a dict would merge repeated headers (set-cookie) into one
     response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in passed]

@@ -5,7 +5,9 @@ Every field can be set as EDGE_<NAME>, e.g. EDGE_API_TOKEN, EDGE_MAX_BODY_BYTES,
 
 from __future__ import annotations
 
-from pydantic import Field
+import ipaddress
+
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -15,7 +17,9 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="Address the API binds; loopback unless asked otherwise.")
     port: int = Field(default=8080, ge=0, le=65535)
     api_token: str | None = Field(
-        default=None, description="When set, every endpoint but /healthz and /readyz needs 'Bearer <token>'."
+        default=None,
+        description="When set, every endpoint but /healthz and /readyz needs 'Bearer <token>'; required to bind "
+        "an address other than loopback (an empty one is no token).",
     )
     max_body_bytes: int = Field(default=1 << 20, ge=1, description="Larger request bodies are refused with 413.")
     max_batch_devices: int = Field(default=256, ge=1, description="Most devices one POST /plan/batch may name.")
@@ -25,7 +29,10 @@ class Settings(BaseSettings):
         "(postgresql://user:password@host:5432/db); default: SQLite in the cache directory.",
     )
     report_token: str | None = Field(
-        default=None, description="Bearer token for `edge-serve --report-to URL` (the other server's API token)."
+        default=None,
+        description="A second bearer token, that may only POST /calibrations here (with EDGE_API_TOKEN set), and "
+        "the one `edge-serve --report-to URL` sends: the fleet planner and its boxes share it, and a box that "
+        "reports holds no token that can plan, read or serve there.",
     )
 
     # The engine child process.
@@ -78,3 +85,50 @@ class Settings(BaseSettings):
     )
     log_tail_lines: int = Field(default=40, ge=1, description="Engine log lines kept to explain a crash.")
     proxy_timeout_s: float = Field(default=600.0, gt=0, description="Read timeout for a forwarded request.")
+
+    # Bounds on connections: what a flood of clients, or clients that stop reading, can hold.
+    proxy_max_connections: int = Field(
+        default=32,
+        ge=1,
+        description="Most connections open to the engine for forwarded requests (a CPU engine runs a few "
+        "sequences at once; the rest wait in line); /metrics and the probes have connections of their own.",
+    )
+    proxy_pool_timeout_s: float = Field(
+        default=10.0, gt=0, description="A forwarded request that waits longer for a free connection gets 503."
+    )
+    client_send_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A client that takes longer than this to accept one more part of a streamed answer is cut "
+        "off, and its connection to the engine freed.",
+    )
+    limit_concurrency: int = Field(
+        default=128, ge=1, description="Most connections and requests uvicorn serves at once; past it, 503."
+    )
+    timeout_keep_alive_s: int = Field(default=5, ge=1, description="An idle keep-alive connection is closed then.")
+
+    @field_validator("api_token", "report_token")
+    @classmethod
+    def _blank_is_none(cls, value: str | None) -> str | None:
+        """EDGE_API_TOKEN= (as an unset Secret or a template leaves it) is no token, never the empty token."""
+        return (value.strip() or None) if value is not None else None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback only: localhost, 127.0.0.0/8, ::1."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        return False
+
+
+def exposure_problem(settings: Settings) -> str | None:
+    """Why these settings may not serve: an address other than loopback with no API token (anyone who can reach
+    it could plan, read the calibrations and use the engine); None when they may."""
+    if settings.api_token or is_loopback(settings.host):
+        return None
+    return (f"--host {settings.host!r} (EDGE_HOST) is not a loopback address and EDGE_API_TOKEN is not set: "
+            "refusing to serve without a token; set EDGE_API_TOKEN (e.g. `openssl rand -hex 32`, from a Kubernetes "
+            "Secret in the DaemonSet) or bind 127.0.0.1")  # fmt: skip

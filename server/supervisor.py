@@ -21,7 +21,10 @@ import inspect
 import logging
 import os
 import random
+import secrets
 import signal
+import socket
+import stat
 import sys
 import textwrap
 import time
@@ -42,7 +45,11 @@ log = logging.getLogger("edge.engine")
 EngineState = Literal["starting", "ready", "unresponsive", "crashed", "restarting", "stopped"]
 ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unresponsive", "crashed", "restarting", "stopped")
 # Why the engine stopped serving, as counted in status().restart_reasons and the metrics.
-StopKind = Literal["exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start"]
+StopKind = Literal[
+    "exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start", "port-taken"
+]
+# The API process's secrets: the engine (and whatever it imports or spawns) has no use for them.
+SECRET_ENV = frozenset({"EDGE_API_TOKEN", "EDGE_REPORT_TOKEN", "EDGE_CALIBRATION_DB", "VLLM_API_KEY"})
 
 
 def vllm_launcher() -> list[str]:
@@ -74,7 +81,7 @@ class EngineStatus(BaseModel):
     restarts: int = Field(description="Times the engine was started again after dying or not becoming ready.")
     restart_reasons: dict[str, int] = Field(
         description="Restarts by why the engine stopped serving: exited, exited-before-ready, not-ready-in-time, "
-        "unresponsive, could-not-start."
+        "unresponsive, could-not-start, port-taken (another process answered on the engine's port)."
     )
     last_error: str | None = Field(description="Why the engine last died: exit code or signal and its last lines.")
     probe_failures: int = Field(description="Liveness probes failed in a row, now (0 while it answers).")
@@ -121,6 +128,16 @@ def short_model_name(plan: Plan, model_dir: str) -> str:
     return plan.model.name or Path(model_dir).name or model_dir
 
 
+def engine_command(
+    plan: Plan, model_dir: str, *, executable: Sequence[str] | None = None, served_model_name: str | None = None
+) -> list[str]:
+    """The plan's engine command (edge.plan.VllmConfig.command), run by `executable` instead of vLLM's server
+    module when given (the tests' stand-in engine takes its place through this same code)."""
+    assert plan.vllm is not None
+    launcher = vllm_launcher() if executable is None else list(executable)
+    return plan.vllm.command(model_dir, launcher, served_model_name)
+
+
 def engine_argv(
     plan: Plan,
     model_dir: str,
@@ -130,11 +147,28 @@ def engine_argv(
     executable: Sequence[str] | None = None,
     served_model_name: str | None = None,
 ) -> list[str]:
-    """The plan's engine command (edge.plan.VllmConfig.command) on loopback, run by `executable` instead of
-    vLLM's server module when given (the tests' stand-in engine takes its place through this same code)."""
-    assert plan.vllm is not None
-    launcher = vllm_launcher() if executable is None else list(executable)
-    return [*plan.vllm.command(model_dir, launcher, served_model_name), "--host", host, "--port", str(port)]
+    """The plan's engine command on `host:port` (loopback)."""
+    command = engine_command(plan, model_dir, executable=executable, served_model_name=served_model_name)
+    return [*command, "--host", host, "--port", str(port)]
+
+
+def free_port(host: str, avoid: int | None = None) -> int:
+    """A port free on `host` now, other than `avoid` (the port of the engine before: a restart never reuses it).
+
+    Chosen by binding port 0 and releasing it: the engine binds it a moment later, and another local process may
+    bind it first; the supervisor then finds the answer is not its engine's (verify_ours) and starts again."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port != avoid:
+            return port
+
+
+def engine_environment(base: Mapping[str, str], plan_env: Mapping[str, str]) -> dict[str, str]:
+    """The engine's environment: this process's, less its secrets (SECRET_ENV), and the plan's."""
+    kept = {name: value for name, value in base.items() if name not in SECRET_ENV}
+    return {**kept, "PYTHONUNBUFFERED": "1", **{k: v for k, v in plan_env.items() if k not in SECRET_ENV}}
 
 
 def _stat_fields(pid: int | str) -> list[str] | None:
@@ -315,6 +349,29 @@ class EngineRecord(BaseModel):
     leader_start: int
     members: dict[int, int]  # pid -> start time of the group's processes when the engine became ready
     argv: list[str]
+    cmdlines: dict[int, str] = {}  # pid -> /proc/PID/cmdline when recorded; a process is signalled only if it matches
+
+
+def process_cmdline(pid: int) -> str | None:
+    """/proc/PID/cmdline (NUL-separated), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def owned_by_us(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def still_ours(pid: int, start: int, cmdline: str | None) -> bool:
+    """The recorded process, still: same pid, same start time, our user's, the same command line."""
+    return (process_start_time(pid) == start and owned_by_us(pid)
+            and cmdline is not None and process_cmdline(pid) == cmdline)  # fmt: skip
 
 
 def default_run_dir() -> Path:
@@ -325,19 +382,45 @@ def record_path(run_dir: Path, leader_pid: int) -> Path:
     return run_dir / f"engine-{os.getpid()}-{leader_pid}.json"
 
 
+def private_dir(path: Path) -> Path:
+    """The run directory, made ours alone (0700): another user could otherwise plant or change pid files, or
+    links where they are written. Raises OSError for one that is a symlink or another user's."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise OSError(f"run directory {path} is not a directory (a symlink?): refusing to keep pid files there")
+    if info.st_uid != os.getuid():
+        raise OSError(f"run directory {path} belongs to uid {info.st_uid}, not this user ({os.getuid()})")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        path.chmod(0o700)
+    return path
+
+
 def write_record(path: Path, record: EngineRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Written whole or not at all, never through a link: a fresh file (O_EXCL | O_NOFOLLOW, mode 0600) renamed
+    into place (a rename replaces a link, it does not follow it)."""
+    private_dir(path.parent)
     partial = path.with_suffix(".partial")
-    partial.write_text(record.model_dump_json())
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(record.model_dump_json())
     partial.replace(path)
 
 
+def read_record(path: Path) -> EngineRecord:
+    """A pid file, never read through a link (OSError for one)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return EngineRecord.model_validate_json(f.read())
+
+
 def left_processes(record: EngineRecord) -> list[int]:
-    """What of a recorded engine still runs: its whole group while its leader does (same pid, same start time),
-    else the recorded members that still are who they were."""
-    if process_start_time(record.leader_pid) == record.leader_start:
-        return group_members(record.leader_pid)
-    return [pid for pid, start in record.members.items() if process_start_time(pid) == start]
+    """What of a recorded engine still runs: its whole group (our user's processes of it) while its leader does,
+    else the recorded members that still are who they were (still_ours: pid, start time, user, command line)."""
+    if still_ours(record.leader_pid, record.leader_start, record.cmdlines.get(record.leader_pid)):
+        return [pid for pid in group_members(record.leader_pid) if owned_by_us(pid)]
+    return [pid for pid, start in record.members.items() if still_ours(pid, start, record.cmdlines.get(pid))]
 
 
 async def _end_processes(pids: Sequence[int], grace_s: float, leader: int) -> None:
@@ -369,9 +452,10 @@ async def sweep_left_engines(run_dir: Path, grace_s: float) -> list[str]:
     removed, after what of its engine still runs is stopped.
     """
     stopped = []
+    private_dir(run_dir)
     for path in sorted(run_dir.glob("engine-*.json")):
         try:
-            record = EngineRecord.model_validate_json(path.read_text())
+            record = read_record(path)
         except (OSError, ValueError) as exc:
             log.warning("unreadable engine record %s removed: %s", path, exc)
             path.unlink(missing_ok=True)
@@ -395,9 +479,9 @@ class EngineSupervisor:
 
     def __init__(
         self,
-        argv: Sequence[str],
+        command: Sequence[str],
         *,
-        port: int,
+        port: int = 0,
         env: Mapping[str, str] | None = None,
         settings: Settings | None = None,
         health_path: str = "/health",
@@ -405,10 +489,11 @@ class EngineSupervisor:
         served_model_name: str | None = None,
     ) -> None:
         self.settings = settings or Settings()
-        self.argv = list(argv)
+        self.command = list(command)  # argv without --host and --port, which each start chooses
+        self.fixed_port = port  # 0: a fresh free port for each start
         self.port = port
-        self.engine_url = f"http://{self.settings.engine_host}:{port}"
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.api_key = ""  # a fresh random one for each start, in the engine's environment (VLLM_API_KEY)
+        self.env = engine_environment(os.environ, env or {})
         self.health_path = health_path
         self.log_prefix = log_prefix
         self.served_model_name = served_model_name
@@ -418,7 +503,7 @@ class EngineSupervisor:
         self.restart_reasons: Counter[str] = Counter()
         self.last_error: str | None = None
         self.probe_failures = 0  # in a row, now
-        self.probes_failed: Counter[str] = Counter()  # ever, by probe ("health", "generation")
+        self.probes_failed: Counter[str] = Counter()  # ever, by probe ("health", "generation", "traffic")
         self.last_probe_error: str | None = None
         self.swept: list[str] = []  # engines of dead wrappers stopped at start
         self.delays: list[float] = []  # every backoff delay taken, in order
@@ -431,6 +516,8 @@ class EngineSupervisor:
         self._last_ready_wall: float | None = None
         self._last_traffic_at = 0.0
         self._last_generation_at = 0.0
+        self._suspect = False  # a forwarded request failed since the last generation probe: one is due now
+        self._liveness_wake = asyncio.Event()
         self._next_restart_at: float | None = None
         self._stopping = False
         self._wake = asyncio.Event()
@@ -443,7 +530,7 @@ class EngineSupervisor:
         plan: Plan,
         model_dir: str,
         *,
-        port: int,
+        port: int = 0,
         settings: Settings | None = None,
         force: bool = False,
         executable: Sequence[str] | None = None,
@@ -451,13 +538,25 @@ class EngineSupervisor:
         check_plan_runnable(plan, force=force)
         settings = settings or Settings()
         served = settings.served_model_name or short_model_name(plan, model_dir)
-        argv = engine_argv(
-            plan, model_dir, host=settings.engine_host, port=port, executable=executable, served_model_name=served
-        )
+        command = engine_command(plan, model_dir, executable=executable, served_model_name=served)
         env = {name: resolve(value) if name == "VLLM_CACHE_ROOT" else value for name, value in plan.vllm.env.items()}
-        return cls(argv, port=port, env=env, settings=settings, served_model_name=served)
+        return cls(command, port=port, env=env, settings=settings, served_model_name=served)
 
     # -- public ------------------------------------------------------------------------------------------
+
+    @property
+    def argv(self) -> list[str]:
+        """The engine's command line for the port of this start (vLLM's `serve` flags; never the key)."""
+        return [*self.command, "--host", self.settings.engine_host, "--port", str(self.port)]
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://{self.settings.engine_host}:{self.port}"
+
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        """What a request to the engine's /v1 carries: its key."""
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     @property
     def pid(self) -> int | None:
@@ -478,8 +577,24 @@ class EngineSupervisor:
         return self.state == "ready"
 
     def note_traffic(self) -> None:
-        """A request is being forwarded: the engine is not idle (no generation probe needed)."""
+        """A forwarded request got the first byte of an answer that is not a server error: the engine generates,
+        and is not idle (no generation probe needed). A request merely sent proves nothing: a wedged engine core
+        takes requests and never answers them."""
         self._last_traffic_at = time.monotonic()
+        self.probe_failures = 0
+
+    def note_forward_failure(self, error: str) -> None:
+        """A forwarded request timed out, broke off or got a 5xx: counted as a failed liveness probe ("traffic"),
+        and a generation probe is due at once, whatever the traffic."""
+        if not self.is_ready:
+            return
+        self.probe_failures += 1
+        self.probes_failed["traffic"] += 1
+        self.last_probe_error = error
+        self._suspect = True
+        self._liveness_wake.set()
+        log.warning("forwarded request failed (%d of %d): %s", self.probe_failures, self.settings.liveness_failures,
+                    error)  # fmt: skip
 
     def status(self) -> EngineStatus:
         now = time.monotonic()
@@ -573,6 +688,11 @@ class EngineSupervisor:
         self.state = "stopped"
 
     async def _spawn(self) -> asyncio.subprocess.Process | None:
+        """Start the engine on a port and with a key of its own: a fresh free port (unless one was fixed) and a
+        fresh key each time, the key in its environment (an argv is readable by every user, /proc/PID/environ
+        only by this one)."""
+        self.port = self.fixed_port or free_port(self.settings.engine_host, avoid=self.port)
+        self.api_key = secrets.token_urlsafe(32)
         log.info("starting engine: %s", " ".join(self.argv))
         self.log_tail.clear()
         self._engine_pid = None
@@ -582,7 +702,7 @@ class EngineSupervisor:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 stdin=asyncio.subprocess.DEVNULL,
-                env=self.env,
+                env={**self.env, "VLLM_API_KEY": self.api_key},
                 start_new_session=True,  # its own process group: vLLM's workers are signalled with it
                 limit=1 << 20,
             )
@@ -606,6 +726,7 @@ class EngineSupervisor:
             leader_start=starts[leader],
             members={pid: start for pid, start in starts.items() if start is not None},
             argv=self.argv,
+            cmdlines={pid: cmdline for pid in starts if (cmdline := process_cmdline(pid)) is not None},
         )
         self._record = record_path(self.run_dir, leader)
         try:
@@ -625,6 +746,9 @@ class EngineSupervisor:
             if self._stopping:
                 await self._terminate(proc)  # stop() may have run while this process was being spawned
                 kind, why = "exited", "stopped on request"
+            elif isinstance(healthy, str):
+                kind, why = "port-taken", healthy
+                await self._terminate(proc)
             elif healthy:
                 self._became_ready(proc)
                 unresponsive = await self._stay_live(exited)
@@ -657,24 +781,47 @@ class EngineSupervisor:
     def _became_ready(self, proc: asyncio.subprocess.Process) -> None:
         self.state = "ready"
         self._ready_at = self._last_traffic_at = time.monotonic()
+        self._suspect = False
         self._last_ready_wall = time.time()
         self.probe_failures = 0
         self._ready.set()
         self._write_record(proc.pid)  # now with vLLM's engine core and workers
         log.info("engine ready at %s (pid %d, engine pid %s)", self.engine_url, proc.pid, self.engine_pid)
 
-    async def _wait_healthy(self, proc: asyncio.subprocess.Process, exited: asyncio.Task) -> bool:
+    async def _wait_healthy(self, proc: asyncio.subprocess.Process, exited: asyncio.Task) -> bool | str:
+        """True once the engine answers its health check and proves to be ours; False when it exited or was not
+        ready in time; why, when what answers on its port is not this engine."""
         deadline = time.monotonic() + self.settings.ready_timeout_s
         url = self.engine_url + self.health_path
         async with httpx.AsyncClient(timeout=min(5.0, self.settings.ready_timeout_s)) as client:
             while not self._stopping and time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(url)).status_code == 200:
-                        return proc.returncode is None
+                        if proc.returncode is not None:
+                            return False
+                        return await self._not_ours(client) or True
                 await asyncio.wait({exited}, timeout=self.settings.health_poll_s)
                 if exited.done():
                     return False
         return False
+
+    async def _not_ours(self, client: httpx.AsyncClient) -> str | None:
+        """Why what answers on the engine's port is not the engine this supervisor started, or None when it is:
+        ours refuses /v1 without its key and serves it with the key (vLLM guards /v1 alone). Asked without the key
+        first, so that a server that serves anyone never sees the key; one that refuses everyone sees a key that
+        dies with this start."""
+        url = self.engine_url + "/v1/models"
+        try:
+            without = await client.get(url)
+            if without.status_code != 401:
+                return (f"port {self.port} answers /v1/models without the engine's key ({without.status_code}): "
+                        "another process holds the engine's port")  # fmt: skip
+            keyed = await client.get(url, headers=self.engine_headers)
+        except httpx.HTTPError as exc:
+            return f"port {self.port}: /v1/models failed: {type(exc).__name__}: {exc}"
+        if keyed.status_code != 200:
+            return f"port {self.port} refuses the engine's key ({keyed.status_code}): another process holds it"
+        return None
 
     # -- liveness ----------------------------------------------------------------------------------------
 
@@ -683,10 +830,17 @@ class EngineSupervisor:
         settings = self.settings
         async with httpx.AsyncClient() as client:
             while True:
-                await asyncio.wait({exited}, timeout=settings.liveness_interval_s)
+                woken = asyncio.create_task(self._liveness_wake.wait())  # by a failed forwarded request
+                await asyncio.wait({exited, woken}, timeout=settings.liveness_interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                woken.cancel()
+                self._liveness_wake.clear()
                 if exited.done() or self._stopping:
                     await exited
                     return None
+                if self.probe_failures >= settings.liveness_failures:
+                    return (f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: "
+                            f"{self.last_probe_error}")  # fmt: skip
                 failed = await self._probe(client)
                 if failed is None:
                     self.probe_failures = 0
@@ -716,16 +870,19 @@ class EngineSupervisor:
             return "health", f"GET {self.health_path} answered {health.status_code}"
         now = time.monotonic()
         interval = settings.liveness_generation_interval_s
-        if not interval or now - self._last_traffic_at < settings.liveness_idle_s:
+        if not interval:
             return None
-        if now - self._last_generation_at < interval:
+        idle = now - self._last_traffic_at >= settings.liveness_idle_s
+        if not self._suspect and (not idle or now - self._last_generation_at < interval):
             return None
         body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
         if self.served_model_name:
             body["model"] = self.served_model_name
         timeout = settings.liveness_generation_timeout_s
         try:
-            answer = await client.post(self.engine_url + "/v1/completions", json=body, timeout=timeout)
+            answer = await client.post(
+                self.engine_url + "/v1/completions", json=body, headers=self.engine_headers, timeout=timeout
+            )
         except httpx.TimeoutException:
             return "generation", f"a one-token generation did not finish within {timeout:g} s"
         except httpx.HTTPError as exc:
@@ -735,6 +892,7 @@ class EngineSupervisor:
         if answer.status_code >= 400:
             log.warning("the generation probe was refused (%d): %s", answer.status_code, answer.text[:200])
         self._last_generation_at = time.monotonic()
+        self._suspect = False
         return None
 
     # -- logs and stopping -------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 readiness (/healthz, /readyz), Prometheus metrics (/metrics).
 
 Read from `request.app.state`: `plan`, `weight_path`, `supervisor` (None on a planning-only server), `settings`,
-`model_dir`, `metrics`, `http` (the client the lifespan opens).
+`model_dir`, `metrics`, `metrics_http` (the client the lifespan opens for /metrics).
 """
 
 from __future__ import annotations
@@ -58,5 +58,5 @@ async def readyz(request: Request) -> Health | JSONResponse:
     responses={200: {"description": "Prometheus text format 0.0.4."}},
 )
 async def get_metrics(request: Request) -> Response:
-    body = await request.app.state.metrics.exposition(getattr(request.app.state, "http", None))
+    body = await request.app.state.metrics.exposition(getattr(request.app.state, "metrics_http", None))
     return Response(body, media_type=METRICS_CONTENT_TYPE)

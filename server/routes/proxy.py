@@ -1,7 +1,7 @@
 """/v1/* (not in the OpenAPI document): the engine's OpenAI-compatible API, forwarded by server.proxy once the
 engine is ready, a 503 in the OpenAI error shape until then (and always on a planning-only server).
 
-Read from `request.app.state`: `supervisor`, `weight_path`, `http` (the client the lifespan opens).
+Read from `request.app.state`: `supervisor`, `weight_path`, `settings`, `http` (the client the lifespan opens).
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ async def v1(path: str, request: Request) -> Response:
     if not supervisor.is_ready:
         engine_state = supervisor.state
         return engine_unavailable(f"engine is not ready (state: {engine_state})", engine_state, state.weight_path)
-    supervisor.note_traffic()
     return await forward(
         request,
         path,
         client=state.http,
         engine_url=supervisor.engine_url,
+        api_key=supervisor.api_key,
         weight_path=state.weight_path or "",
         state=lambda: supervisor.state,
+        send_timeout_s=state.settings.client_send_timeout_s,
+        on_answer=supervisor.note_traffic,
+        on_failure=supervisor.note_forward_failure,
     )

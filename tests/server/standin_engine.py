@@ -5,13 +5,16 @@ It is NOT vLLM. It answers `GET /health` (503 until --ready-after seconds have p
 chunked encoding), `GET /metrics` (a few lines in Prometheus text format, like vLLM's), and accepts the engine's
 command line (--model MODEL_DIR, --served-model-name NAME..., --host, --port; other flags ignored), so the
 supervisor starts it through exactly the code that starts vLLM. Like vLLM, it lists the served names (the model
-path when none is given) and answers 404 for a completion naming another model.
-Test hooks: --exit-after/--exit-code (crash), --spawn-worker (a child in its process group, like vLLM's
-workers), --ignore-sigterm, --hold-stream (a stream pauses after its first event until POST /standin/release),
-and hangs: --hang-after N (every request after the first N is never answered), SIGUSR1 (from now on nothing is
-answered: a stopped API server), SIGUSR2 (completions are never answered, /health still is: a wedged engine
-core behind a live API server). Its responses carry a hop-by-hop header named in `Connection`, as a proxy must
-drop, and http.server's own `Server` and `Date`.
+path when none is given) and answers 404 for a completion naming another model. Like vLLM, with VLLM_API_KEY in
+its environment it answers 401 to any /v1 request without `Authorization: Bearer <that key>` (other paths stay
+open); every response says which authorization it saw (X-Standin-Saw-Authorization: none, engine-key, other),
+and so does its log line for the request (`auth=...`).
+Test hooks: --exit-after/--exit-code (crash), --spawn-worker (a child in its process group, like vLLM's workers),
+--ignore-sigterm, --hold-stream (a stream pauses after its first event until POST /standin/release), --fail-
+completions (every completion answers 500), and hangs: --hang-after N (every request after the first N is never
+answered), SIGUSR1 (from now on nothing is answered: a stopped API server), SIGUSR2 (completions are never
+answered, /health still is: a wedged engine core behind a live API server). Its responses carry a hop-by-hop header
+named in `Connection`, as a proxy must drop, and http.server's own `Server` and `Date`.
 Standard library only: it starts in a fraction of a second.
 """
 
@@ -48,6 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--hold-stream", action="store_true")
     parser.add_argument("--hang-after", type=int, default=None)
+    parser.add_argument("--fail-completions", action="store_true")
     parser.add_argument("--served-model-name", nargs="+", default=None)
     args, ignored = parser.parse_known_args(argv)
     args.ignored = ignored  # the plan's vLLM flags (--dtype, --max-model-len, ...): accepted, unused
@@ -72,19 +76,38 @@ def hang_if_asked(path: str, hang_after: int | None) -> None:
         NEVER.wait()
 
 
+def authorization_seen(header: str | None) -> str:
+    """none, engine-key (the key in VLLM_API_KEY) or other."""
+    if not header:
+        return "none"
+    key = os.environ.get("VLLM_API_KEY")
+    return "engine-key" if key and header == f"Bearer {key}" else "other"
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     args: argparse.Namespace
 
     def log_message(self, fmt: str, *fmt_args) -> None:  # to stdout, where the supervisor reads it
-        print(f"INFO stand-in {self.command} {self.path} {fmt % fmt_args}", flush=True)
+        seen = authorization_seen(self.headers.get("Authorization"))
+        print(f"INFO stand-in {self.command} {self.path} auth={seen} {fmt % fmt_args}", flush=True)
+
+    def _refused_without_the_key(self) -> bool:
+        """401 for /v1 without the engine's key, as vLLM's AuthenticationMiddleware answers."""
+        key = os.environ.get("VLLM_API_KEY")
+        if not key or not self.path.startswith("/v1"):
+            return False
+        if authorization_seen(self.headers.get("Authorization")) == "engine-key":
+            return False
+        self._json(401, {"error": "Unauthorized"})
+        return True
 
     def _json(self, status: int, obj: object) -> None:
         body = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-Standin-Saw-Authorization", "yes" if self.headers.get("Authorization") else "no")
+        self.send_header("X-Standin-Saw-Authorization", authorization_seen(self.headers.get("Authorization")))
         self.send_header("Connection", "X-Standin-Hop")  # names a hop-by-hop header (RFC 9110 7.6.1)
         self.send_header("X-Standin-Hop", "this connection only")
         self.send_header("Keep-Alive", "timeout=5")
@@ -93,6 +116,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         hang_if_asked(self.path, self.args.hang_after)
+        if self._refused_without_the_key():
+            return
         if self.path == "/health":
             ready = time.monotonic() - STARTED >= self.args.ready_after
             self.send_response(200 if ready else 503)
@@ -122,6 +147,8 @@ class Handler(BaseHTTPRequestHandler):
             RELEASE.set()
             self._json(200, {"released": True})
             return
+        if self._refused_without_the_key():
+            return
         if self.path != "/v1/completions":
             self._json(404, {"error": {"message": f"no route {self.path}", "type": "NotFoundError"}})
             return
@@ -135,6 +162,9 @@ class Handler(BaseHTTPRequestHandler):
         if request.get("model") and request["model"] not in served_names(self.args):
             message = f"The model `{request['model']}` does not exist."
             self._json(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
+            return
+        if self.args.fail_completions:
+            self._json(500, {"error": {"message": "stand-in: --fail-completions", "type": "InternalServerError"}})
             return
         words = completion_words(prompt, max_tokens)
         if request.get("stream"):

@@ -129,3 +129,10 @@ def test_plan_only_serves_the_planner_without_a_model_or_engine(monkeypatch):
     assert cli.main(["--plan-only", "--port", "8098"]) == 0
     paths = {route.path for route in served["app"].routes}
     assert {"/plan", "/plan/batch", "/probe", "/status"} <= paths
+
+
+def test_uvicorn_serves_with_a_bound_on_concurrent_connections_and_keep_alive(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli.uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
+    cli.serve_app(cli.Settings(limit_concurrency=7, timeout_keep_alive_s=3), object())
+    assert seen["limit_concurrency"] == 7 and seen["timeout_keep_alive"] == 3

@@ -82,9 +82,8 @@ async def test_idle_engine_gets_a_one_token_generation_probe_and_stays_ready():
 
 
 @pytest.mark.anyio
-async def test_no_generation_probe_while_requests_are_being_forwarded():
-    """Traffic proves the engine generates: a wedged generation is not probed for while it is not idle (its
-    requests time out in the clients' hands instead)."""
+async def test_no_generation_probe_while_requests_are_being_answered():
+    """Answered traffic proves the engine generates: no generation probe while it is not idle."""
     supervisor = supervisor_for(**FAST_LIVENESS, liveness_idle_s=3600, liveness_generation_interval_s=0.1)
     await supervisor.start()
     try:
@@ -153,3 +152,40 @@ def _wait(predicate, guard_s: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached before the hang guard"
         time.sleep(0.02)
+
+
+def serving_app(*flags: str, **settings):
+    """uvicorn + the app + a supervisor of the stand-in; returns (the server's context, the supervisor)."""
+    plan = smollm2_plan()
+    settings = fast_settings(**settings)
+    supervisor = EngineSupervisor.for_plan(plan, MODEL_DIR, settings=settings, executable=standin(*flags))
+    app = create_app(settings, supervisor=supervisor, plan=plan, model_dir=MODEL_DIR)
+    return uvicorn_on_loopback(app), supervisor
+
+
+# Never idle (an hour): only what the forwarded requests show can bring on the generation probe.
+BUSY = dict(liveness_idle_s=3600, liveness_generation_interval_s=0.1, liveness_generation_timeout_s=0.3)
+
+
+@pytest.mark.parametrize(
+    "flags, wedge",
+    [((), signal.SIGUSR2), (("--fail-completions",), None)],
+    ids=["timeouts", "server-errors"],
+)
+def test_failing_requests_cannot_hide_a_wedged_engine_from_its_liveness_probes(flags, wedge):
+    """Requests keep arriving, and every one fails (a wedged engine core: it takes them and never answers; or it
+    answers 500): they are failed probes, not traffic that proves the engine generates, and it is restarted."""
+    server, supervisor = serving_app(*flags, **FAST_LIVENESS, **BUSY, proxy_timeout_s=0.3)
+    with server as url:
+        _wait(lambda: supervisor.is_ready)
+        if wedge:
+            os.kill(supervisor.engine_pid, wedge)
+        answers = set()
+
+        def failing_requests_restart_it() -> bool:
+            answers.add(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code)
+            return supervisor.restarts >= 1
+
+        _wait(failing_requests_restart_it)
+        assert supervisor.restart_reasons["unresponsive"] >= 1 and supervisor.probes_failed["traffic"] >= 1
+        assert answers <= {500, 503}  # no request was answered: none of them counted as traffic

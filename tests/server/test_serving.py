@@ -59,7 +59,7 @@ def test_completion_through_the_wrapper_carries_the_weight_path_header():
         wait_until(lambda: ready(url))
         body = {"model": MODEL_DIR, "prompt": "The capital of France is", "max_tokens": 4}
         response = httpx.post(f"{url}/v1/completions", json=body, headers=TOKEN)
-        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json=body)
+        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json=body, headers=supervisor.engine_headers)
     assert response.status_code == 200
     assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
     assert response.json() == direct.json()
@@ -75,12 +75,13 @@ def test_query_string_and_engine_errors_pass_through_unchanged():
     assert missing.status_code == 404 and missing.headers[WEIGHT_PATH_HEADER] == "bf16"
 
 
-def test_the_wrappers_token_is_not_sent_to_the_engine():
+def test_the_engine_gets_its_own_key_never_the_wrappers_token():
     server, _ = serving()
     with server as url:
         wait_until(lambda: ready(url))
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
-    assert response.headers["X-Standin-Saw-Authorization"] == "no"
+    assert response.status_code == 200
+    assert response.headers["X-Standin-Saw-Authorization"] == "engine-key"
 
 
 def test_v1_needs_the_token():
@@ -155,7 +156,8 @@ def test_proxied_responses_have_one_date_one_server_and_no_hop_by_hop_headers():
     server, supervisor = serving()
     with server as url:
         wait_until(lambda: ready(url))
-        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                            headers=supervisor.engine_headers)  # fmt: skip
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
     assert {"date", "server", "keep-alive", "x-standin-hop"} <= set(header_names(direct))  # what the engine sent
     names = header_names(response)
@@ -210,3 +212,46 @@ def test_planning_other_devices_does_not_change_the_plan_in_force():
         assert httpx.post(f"{url}/plan", json={"device": {"cpuinfo": "x"}}, headers=TOKEN).status_code == 422
         assert httpx.get(f"{url}/plan", headers=TOKEN).json() == before
         assert httpx.get(f"{url}/status", headers=TOKEN).json()["plan"] == before
+
+
+def test_an_engine_that_dies_mid_stream_ends_the_stream_with_an_error_event():
+    """The stand-in holds its stream after the first event; killed then, it never finishes: the client reads an
+    error event, not an answer that merely looks short."""
+    server, supervisor = serving("--hold-stream")
+    body = {"prompt": "stream me", "max_tokens": 3, "stream": True}
+    with server as url:
+        wait_until(lambda: ready(url))
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=TOKEN, timeout=30) as response:
+            lines = response.iter_lines()
+            assert json.loads(next(lines)[6:])["choices"][0]["text"]
+            os.kill(supervisor.engine_pid, signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+    assert events and "data: [DONE]" not in events
+    error = json.loads(events[-1][6:])["error"]
+    assert error["type"] == "engine_error" and "broke off" in error["message"]
+
+
+def test_a_flood_of_held_streams_takes_no_more_engine_connections_than_the_pool_and_metrics_still_answer():
+    """Two streams the engine holds fill a pool of two: a third request waits for a connection, then gets 503
+    (the wrapper's load, not a failed probe of the engine); /metrics reads the engine's series on its own client."""
+    server, supervisor = serving("--hold-stream", proxy_max_connections=2, proxy_pool_timeout_s=0.2)
+    body = {"prompt": "stream me", "max_tokens": 2, "stream": True}
+    with server as url:
+        wait_until(lambda: ready(url))
+        with httpx.Client(headers=TOKEN, timeout=30) as client:
+            held = [client.stream("POST", f"{url}/v1/completions", json=body) for _ in range(2)]
+            streams = [hold.__enter__() for hold in held]
+            try:
+                lines = [stream.iter_lines() for stream in streams]  # kept: a dropped iterator closes its stream
+                for line in lines:
+                    assert next(line).startswith("data: ")  # each holds a connection to the engine
+                third = httpx.post(f"{url}/v1/models", headers=TOKEN, timeout=30)
+                metrics = httpx.get(f"{url}/metrics", headers=TOKEN, timeout=30).text
+            finally:
+                httpx.post(f"{supervisor.engine_url}/standin/release")
+                for hold in held:
+                    hold.__exit__(None, None, None)
+        after = httpx.get(f"{url}/v1/models", headers=TOKEN)
+    assert third.status_code == 503 and third.json()["error"]["message"] == "engine did not answer: PoolTimeout"
+    assert "vllm:num_requests_running" in metrics and "edge_engine_metrics_up 1.0" in metrics
+    assert supervisor.probes_failed["traffic"] == 0 and after.status_code == 200

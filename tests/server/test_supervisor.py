@@ -21,6 +21,7 @@ from server.supervisor import (
     describe_exit,
     engine_argv,
     group_members,
+    process_cmdline,
     process_start_time,
     vllm_launcher,
     write_record,
@@ -320,10 +321,13 @@ async def test_a_new_supervisor_stops_the_engine_a_dead_wrapper_left(tmp_path):
         await supervisor.stop()
 
 
-def record_for(tmp_path: Path, *, wrapper: tuple[int, int], leader: tuple[int, int]) -> Path:
+def record_for(tmp_path: Path, *, wrapper: tuple[int, int], leader: tuple[int, int], cmdline: str | None = None
+               ) -> Path:  # fmt: skip
     path = tmp_path / f"engine-{wrapper[0]}-{leader[0]}.json"
+    cmdlines = {leader[0]: cmdline} if cmdline is not None else {}
     write_record(path, EngineRecord(wrapper_pid=wrapper[0], wrapper_start=wrapper[1], leader_pid=leader[0],
-                                    leader_start=leader[1], members={leader[0]: leader[1]}, argv=["x"]))  # fmt: skip
+                                    leader_start=leader[1], members={leader[0]: leader[1]}, argv=["x"],
+                                    cmdlines=cmdlines))  # fmt: skip
     return path
 
 
@@ -375,3 +379,52 @@ async def test_an_engine_under_way_is_recorded_and_its_record_removed_when_it_st
     assert set(group_members(supervisor.pid)) <= set(record.members)  # engine and worker, once ready
     await supervisor.stop()
     assert not list(tmp_path.glob("engine-*.json"))
+
+
+async def test_the_sweep_never_signals_a_process_whose_command_line_is_not_the_one_recorded(tmp_path):
+    """Same pid, same start time, our user's, but another command line than the pid file says: not the engine
+    (a forged or stale record), left alone; with the recorded command line it is stopped."""
+    others = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    try:
+        forged, real = others
+        record_for(tmp_path, wrapper=a_dead_process(), leader=(forged.pid, process_start_time(forged.pid)),
+                   cmdline="sleep\x0061\x00")  # fmt: skip
+        record_for(tmp_path, wrapper=a_dead_process(), leader=(real.pid, process_start_time(real.pid)),
+                   cmdline=process_cmdline(real.pid))  # fmt: skip
+        supervisor = supervisor_for(run_dir=str(tmp_path))
+        await supervisor.start()
+        await supervisor.wait_ready(30)
+        await supervisor.stop()
+        assert forged.poll() is None and len(supervisor.swept) == 1 and f"pids {real.pid}" in supervisor.swept[0]
+        assert real.wait(timeout=30) is not None
+    finally:
+        for other in others:
+            other.kill()
+            other.wait()
+
+
+def test_the_run_directory_is_made_private_and_a_pid_file_is_never_written_through_a_link(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o755)
+    os.chmod(run_dir, 0o755)
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    path = run_dir / "engine-1-2.json"
+    path.with_suffix(".partial").symlink_to(victim)
+    write_record(path, EngineRecord(wrapper_pid=1, wrapper_start=1, leader_pid=2, leader_start=2, members={},
+                                    argv=["x"]))  # fmt: skip
+    assert victim.read_text() == "untouched" and not path.is_symlink()
+    assert (run_dir.stat().st_mode & 0o777) == 0o700 and (path.stat().st_mode & 0o777) == 0o600
+
+
+async def test_a_pid_file_that_is_a_link_is_removed_unread(tmp_path):
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("{}")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "engine-1-2.json").symlink_to(elsewhere)
+    supervisor = supervisor_for(run_dir=str(run_dir))
+    await supervisor.start()
+    await supervisor.wait_ready(30)
+    await supervisor.stop()
+    assert not (run_dir / "engine-1-2.json").is_symlink() and elsewhere.read_text() == "{}"
