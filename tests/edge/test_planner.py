@@ -381,6 +381,7 @@ def test_gemma_3_takes_the_8_bit_embedding_and_head(zen5):
 
     model = read_model_config({"model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048,
                               "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
-                              "head_dim": 256, "vocab_size": 262144, "tie_word_embeddings": True}, "gemma-3-270m")  # fmt: skip
+                              "head_dim": 256, "vocab_size": 262144, "tie_word_embeddings": True},
+                              "gemma-3-270m")  # fmt: skip
     plan = make_plan(zen5, model, priority="speed", path="w4a16-tinygemm")
     assert {layer.name: layer.format for layer in plan.layers}["embed_tokens"] == "int8"
