@@ -17,7 +17,8 @@ from edge.quantized_layers import LayerDecision
 from edge.shapes import ModelShape
 from edge.weight_paths import LAYOUTS, WEIGHT_PATHS, Layout, WeightPath
 
-SCHEMA_VERSION = "4"  # 4: export; 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
+# 5: vllm.mode; 4: export; 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
+SCHEMA_VERSION = "5"
 
 __all__ = ["LAYOUTS", "WEIGHT_PATHS", "Layout", "WeightPath"]  # the path types, from edge.weight_paths
 Priority = Literal["fidelity", "speed"]
@@ -88,11 +89,21 @@ class Alternative(BaseModel):
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
+# How many processes vLLM runs as (edge.engine_config.serving_mode decides, docs/FACTS.md):
+#   three-process  vLLM's CPU default: API server, engine core, and a worker that runs the model, the engine core
+#                  handing it each step through shared memory (its wait spins a core)
+#   two-process    the engine core runs the worker itself (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's uni
+#                  executor): API server and engine core; the wrapper stays a process of its own either way
+ServingMode = Literal["two-process", "three-process"]
+SERVING_MODES: tuple[ServingMode, ...] = ("two-process", "three-process")
+
+
 class VllmConfig(BaseModel):
     """How to start the engine: `command(model_dir)` with `env` added to the environment."""
 
     args: list[str]
     env: dict[str, str]
+    mode: ServingMode = "three-process"
 
     def command(
         self,

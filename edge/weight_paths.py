@@ -168,8 +168,9 @@ def quant_method(path: str, *, amx: bool) -> str | None:
 
 
 def quant_methods(path: str) -> list[str]:
-    """Every method a checkpoint of this path may name, whatever the device."""
-    return sorted(set(PATHS[path].methods.values())) if PATHS[path].methods else []
+    """Every method a checkpoint of this path may name, whatever the device: the plans' and any other method of
+    the same path (vLLM's own gptq, which no plan writes, for a GPTQ checkpoint)."""
+    return sorted({spec.name for spec in METHODS.values() if spec.path == path})
 
 
 def path_of_method(method: str) -> WeightPath:

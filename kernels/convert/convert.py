@@ -284,7 +284,7 @@ def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
         return
     if not isinstance(qconfig, dict) or not isinstance(qconfig.get("group_size"), int):
         raise InputError("quantization_config", qconfig, f"a dict with an integer group_size for path {path}")
-    methods = quant_methods(path)  # cpu_int4; gptq (vLLM's own, AMX hosts) or cpu_w4a8 (the plugin's)
+    methods = quant_methods(path)  # cpu_int4; cpu_w4a8 (the plugin's, every plan) or gptq (vLLM's own)
     if qconfig.get("quant_method") not in methods:
         expected = f"'{methods[0]}'" if len(methods) == 1 else f"one of {methods}"
         raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), expected)

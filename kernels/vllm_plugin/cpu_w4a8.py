@@ -123,7 +123,7 @@ def quantization_config(
     *, group_size: int = 64, int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
     ignore: list[str] | None = None, dequant_threshold: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The `quantization_config` a non-AMX plan writes for w4a8-gptq (edge.engine_config), for tests and
+    """The `quantization_config` a plan writes for w4a8-gptq (edge.engine_config), for tests and
     benchmarks; `int8=()` leaves the embedding and the head bf16."""
     return {
         "quant_method": NAME,

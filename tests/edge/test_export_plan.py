@@ -8,7 +8,7 @@ from edge.cli import main as edge_select
 from edge.describe import parse_device_json
 from edge.export_plan import BUNDLE_OVERHEAD_BYTES, ExportSection, export_section
 from edge.model_reader import default_model
-from edge.plan import Plan
+from edge.plan import SCHEMA_VERSION, Plan
 from edge.planner import make_plan
 
 from .conftest import DATA
@@ -81,5 +81,5 @@ def test_post_plan_for_an_android_description_returns_the_export_section():
         response = client.post("/plan", json={"device": {"profile": device}, "model": {"name": "default"}})
     assert response.status_code == 200
     body = response.json()
-    assert body["path"] == "export-only" and body["schema_version"] == "4"
+    assert body["path"] == "export-only" and body["schema_version"] == SCHEMA_VERSION
     assert body["export"]["runtime"] == "onnxruntime" and body["export"]["command"][0] == "edge-export"

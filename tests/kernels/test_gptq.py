@@ -365,7 +365,8 @@ def test_vllm_cpu_repack_of_the_loaded_layer_keeps_our_codes(vllm_tp1, exported)
     assert torch.equal(layer.scales.data, scales_before)
 
 
-def test_the_plan_for_an_amx_host_asks_for_exactly_the_config_the_export_writes():
+def test_the_plan_for_an_amx_host_asks_for_the_plugins_cpu_w4a8_config():
+    """AMX hosts run W4A8 through the plugin's cpu_w4a8 as every host does (edge.weight_paths): the same config."""
     from pathlib import Path
 
     from edge.cpuinfo import parse_cpuinfo
@@ -376,4 +377,8 @@ def test_the_plan_for_an_amx_host_asks_for_exactly_the_config_the_export_writes(
     device = parse_cpuinfo(cpuinfo, "MemTotal: 67108864 kB\nMemAvailable: 67108864 kB\n")
     plan = make_plan(device, default_model(), priority="speed")
     assert plan.path == "w4a8-gptq"
-    assert plan.quantization_config == gptq_quantization_config(plan.group_size)
+    from kernels.vllm_plugin.cpu_w4a8 import quantization_config
+
+    expected = quantization_config(group_size=plan.group_size, dequant_threshold=plan.quantization_config[
+        "dequant_threshold"])  # fmt: skip
+    assert plan.quantization_config == expected

@@ -1,0 +1,298 @@
+"""What a client gets over HTTP: edge-serve against llama.cpp's own OpenAI server, same model, same threads, both
+streaming through their API, interleaved (issue 23).
+
+    .venv/bin/python -m benchmarks.bench_serve [--variants edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1]
+        [--passes 2] [--model DIR|FILE.gguf] [--gguf-q4_1 FILE] [--gguf-q4_0 FILE] [--threads N] [--json OUT]
+
+Variants:
+    edge:MODE     `edge-serve --priority speed --serving-mode MODE` on the default model (or --model): the plan's
+                  path and kernels, vLLM in `two-process` mode (API server + engine core running its worker) or
+                  `three-process` (API server, engine core, worker: vLLM's own CPU default)
+    llama:TYPE    llama-cpp-python's server (`python -m llama_cpp.server`, the separate venv of
+                  benchmarks/gguf_fidelity.py, built for this host's SIMD) on the default model's GGUF of that type:
+                  Q4_1 is the file the default model is built from; Q4_0 is what llama.cpp repacks for AVX2/AVX-512
+                  (its fastest 4-bit format here), made from it by llama.cpp's own quantizer (--make-q4_0)
+
+Each (pass, variant) starts its server fresh, times launch-to-ready (`warm_start_s`: the environment, the
+conversion and vLLM's compile cache exist after the first pass), warms it with one request, then measures through
+the OpenAI API:
+
+    decode       one stream of /v1/completions (greedy, 128 tokens): tokens after the first over the time from the
+                 first streamed token to the last, i.e. the steady decode rate a reader sees
+    ttft         time to the first streamed token of that request (a 6-token prompt)
+    prefill      one 512-token prompt, max_tokens 1, not streamed: prompt_tokens / wall time; each prompt starts
+                 with a number of its own so that neither server's prefix cache reuses an earlier one
+    streams4     4 concurrent streams of 128 tokens: total streamed tokens / wall time of the batch
+    rss          RssAnon summed over the server's whole process tree (benchmarks/rss.py), sampled every 0.25 s:
+                 `settled` is the median over 3 s of idle after the warm-up, `peak` the maximum from launch to stop
+
+Both servers get the same thread count: edge-serve's is what its plan starts vLLM with (read from /status:
+OMP_NUM_THREADS, else 1 thread on a box of up to 4 cores where vLLM reserves none, as the plan says), passed to
+llama.cpp as n_threads and n_threads_batch. The table reports medians over passes and each variant's ratio to
+the best llama.cpp variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.rss import TreeSampler
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_PYTHON = ROOT / ".cache" / "llama-native" / "bin" / "python"
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 512
+STREAMS = 4
+# Opening of Pride and Prejudice (public domain), as benchmarks/llama_cpp_decode.py uses
+from benchmarks.llama_cpp_decode import PROSE  # noqa: E402
+
+SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """One server process (its own session, so its whole tree stops together) and its RssAnon sampler."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.started = time.monotonic()
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         start_new_session=True)  # fmt: skip
+        self.sampler = TreeSampler(self.proc.pid, interval_s=0.25).start()
+
+    def wait_ready(self, path: str, timeout_s: float = 1800) -> float:
+        while time.monotonic() - self.started < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return time.monotonic() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"not ready in {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.sampler.stop()
+
+
+def stream(url: str, model: str, prompt: str, tokens: int) -> dict:
+    """One streamed completion: time to first token, token arrival times."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    times = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter() - start)
+    return {"ttft_s": times[0] if times else None, "tokens": len(times),
+            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 else None}  # fmt: skip
+
+
+def prefill(url: str, model: str, prompt: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    start = time.perf_counter()
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    wall = time.perf_counter() - start
+    response.raise_for_status()
+    n = response.json()["usage"]["prompt_tokens"]
+    return {"prompt_tokens": n, "wall_s": wall, "tok_s": n / wall}
+
+
+def concurrent(url: str, model: str, streams: int, tokens: int) -> dict:
+    results: list[dict] = [{}] * streams
+    go = threading.Barrier(streams)
+
+    def one(i: int) -> None:
+        go.wait()
+        results[i] = stream(url, model, f"{i}. {SHORT_PROMPT}", tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    total = sum(r.get("tokens", 0) for r in results)
+    return {"streams": streams, "tokens": total, "wall_s": wall, "tok_s": total / wall}
+
+
+def long_prompt(tokenizer, seed: int) -> str:
+    """About PREFILL_TOKENS tokens of prose, starting with `seed` (no shared prefix across calls)."""
+    text = f"{seed}. "
+    while len(tokenizer(text)["input_ids"]) < PREFILL_TOKENS:
+        text += PROSE
+    ids = tokenizer(text)["input_ids"][: PREFILL_TOKENS - 2]
+    return tokenizer.decode(ids)
+
+
+def measure(server: Server, model: str, tokenizer, seed: int) -> dict:
+    stream(server.url, model, SHORT_PROMPT, 8)  # warm-up
+    idle_from = time.monotonic()
+    time.sleep(3)
+    settled = server.sampler.settled_bytes(idle_from)
+    one = stream(server.url, model, f"{seed}. {SHORT_PROMPT}", DECODE_TOKENS)
+    fills = [prefill(server.url, model, long_prompt(tokenizer, seed * 10 + i)) for i in range(2)]
+    many = concurrent(server.url, model, STREAMS, DECODE_TOKENS)
+    return {"decode_tok_s": one["decode_tok_s"], "decode_tokens": one["tokens"], "ttft_s": one["ttft_s"],
+            "prefill_tok_s": max(f["tok_s"] for f in fills), "prefill_prompt_tokens": fills[0]["prompt_tokens"],
+            "streams4_tok_s": many["tok_s"], "streams4_tokens": many["tokens"],
+            "rss_settled_mib": settled / 2**20}  # fmt: skip
+
+
+def edge_server(mode: str, args: argparse.Namespace, log: Path) -> tuple[Server, str, int]:
+    port = free_port()
+    argv = [str(ROOT / ".venv" / "bin" / "edge-serve"), "--priority", "speed", "--port", str(port),
+            "--serving-mode", mode, "--max-model-len", "2048"]  # fmt: skip
+    if args.model:
+        argv += ["--model", str(args.model)]
+    server = Server(argv, dict(os.environ), port, log)
+    server.ready_s = server.wait_ready("/readyz")
+    status = httpx.get(f"{server.url}/status", timeout=30).json()
+    env = status["plan"]["vllm"]["env"]
+    threads = int(env.get("OMP_NUM_THREADS", "1"))
+    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    server.detail = {"path": status["plan"]["path"], "layout": status["plan"].get("layout"),
+                     "mode": status["plan"]["vllm"].get("mode"), "threads": threads}  # fmt: skip
+    return server, model, threads
+
+
+def llama_server(gguf: Path, threads: int, log: Path) -> tuple[Server, str]:
+    port = free_port()
+    argv = [str(args_llama_python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
+            "--n_batch", "512", "--model_alias", gguf.stem]  # fmt: skip
+    server = Server(argv, dict(os.environ), port, log)
+    server.ready_s = server.wait_ready("/v1/models")
+    server.detail = {"gguf": gguf.name, "threads": threads}
+    return server, gguf.stem
+
+
+args_llama_python = LLAMA_PYTHON
+
+
+def make_q4_0(src: Path, dst: Path) -> Path:
+    from benchmarks.gguf_fidelity import main as fidelity
+
+    fidelity(["--quantize", str(src), str(dst), "--type", "Q4_0", "--llama-python", str(args_llama_python)])
+    return dst
+
+
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    keys = ("decode_tok_s", "ttft_s", "prefill_tok_s", "streams4_tok_s", "rss_settled_mib", "rss_peak_mib",
+            "warm_start_s")  # fmt: skip
+    out: dict[str, dict] = {}
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        mine = [r for r in rows if r["variant"] == variant]
+        out[variant] = {k: statistics.median(r[k] for r in mine) for k in keys if all(r.get(k) is not None
+                                                                                      for r in mine)}  # fmt: skip
+        out[variant]["passes"] = len(mine)
+        out[variant]["detail"] = mine[-1]["detail"]
+    llama = [v for v in out if v.startswith("llama:")]
+    if llama:
+        best = max(llama, key=lambda v: out[v].get("decode_tok_s", 0))
+        for v in out:
+            for k in ("decode_tok_s", "prefill_tok_s", "streams4_tok_s"):
+                if k in out[v] and k in out[best]:
+                    out[v][f"{k}_vs_{best}"] = out[v][k] / out[best][k]
+    return out
+
+
+def table(summary: dict[str, dict]) -> str:
+    lines = ["| variant | decode tok/s | TTFT ms | prefill@512 tok/s | 4 streams tok/s | RssAnon settled MiB | "
+             "RssAnon peak MiB | start s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for variant, s in summary.items():
+        def f(key: str, scale: float = 1.0, digits: int = 1, s: dict = s) -> str:
+            return f"{s[key] * scale:.{digits}f}" if key in s else "-"
+
+        lines.append(f"| {variant} | {f('decode_tok_s')} | {f('ttft_s', 1000, 0)} | {f('prefill_tok_s', digits=0)} "
+                     f"| {f('streams4_tok_s')} | {f('rss_settled_mib', digits=0)} | {f('rss_peak_mib', digits=0)} "
+                     f"| {f('warm_start_s')} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    global args_llama_python
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--model", type=Path, help="edge-serve's --model (default: the embedded model)")
+    parser.add_argument("--gguf-q4_1", type=Path, help="llama:Q4_1's file (default: the default model's own)")
+    parser.add_argument("--gguf-q4_0", type=Path, help="llama:Q4_0's file (default: made from the Q4_1 one)")
+    parser.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--log", type=Path, default=ROOT / ".cache" / "bench_serve.log")
+    args = parser.parse_args(argv)
+    args_llama_python = args.llama_python
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoTokenizer
+
+    from kernels.source.default_model import ensure_default_model, source_gguf
+
+    q4_1 = args.gguf_q4_1 or source_gguf()
+    q4_0 = args.gguf_q4_0 or ROOT / ".cache" / f"{q4_1.stem.replace('Q4_1', 'Q4_0')}.gguf"
+    variants = args.variants.split(",")
+    if "llama:Q4_0" in variants and not q4_0.exists():
+        make_q4_0(q4_1, q4_0)
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(), local_files_only=True)
+    threads = None
+    rows: list[dict] = []
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    for p in range(args.passes):
+        for variant in variants:
+            kind, what = variant.split(":", 1)
+            print(f"pass {p + 1}: {variant}", file=sys.stderr, flush=True)
+            if kind == "edge":
+                server, model, threads_here = edge_server(what, args, args.log)
+                threads = threads or threads_here
+            else:
+                server, model = llama_server(q4_0 if what == "Q4_0" else q4_1, threads or 1, args.log)
+            try:
+                row = measure(server, model, tokenizer, seed=p * 100 + len(rows))
+            finally:
+                server.stop()
+            rows.append({"variant": variant, "pass": p + 1, "warm_start_s": server.ready_s,
+                         "rss_peak_mib": server.sampler.peak_bytes / 2**20, "detail": server.detail, **row})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    summary = summarize(rows)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")  # fmt: skip
+    print(f"{cpu}, {os.cpu_count()} cores, {threads} thread(s), {args.passes} passes (medians)\n")
+    print(table(summary))
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu, "threads": threads, "rows": rows, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
