@@ -15,7 +15,7 @@ import os
 import sys
 
 from edge.errors import InputError
-from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan, format_bytes
+from edge.plan import LAYOUTS, PRIORITIES, SERVING_MODES, WEIGHT_PATHS, Plan, format_bytes
 from edge.quality import DEFAULT_MAX_KLD, cached_records
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "`lscpu -J` output, or node-feature-discovery labels as JSON (the format is detected)")
     parser.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
     parser.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
+    parser.add_argument("--serving-mode", choices=SERVING_MODES,
+                        help="how many processes vLLM runs as (default: the plan's choice, two-process)")
     parser.add_argument("--force", action="store_true", help="run a pinned path that a gate refuses")
     parser.add_argument("--max-kld", type=float, default=DEFAULT_MAX_KLD, metavar="NATS",
                         help="speed trades quality only within this measured mean KL divergence per token "
@@ -83,7 +85,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         device, model, priority=args.priority, budget_bytes=budget,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, path=args.path,
         layout=args.layout, force=args.force, quality=cached_records(), max_kld=args.max_kld,
-        calibration=_calibration(args, device, model.name),
+        calibration=_calibration(args, device, model.name), serving_mode=args.serving_mode,
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from edge.device import DeviceProfile
 from edge.kernel_params import KernelParams
 from edge.kernel_registry import DEFAULT_DECODE_KERNEL
-from edge.plan import Layout, VllmConfig, WeightPath
+from edge.plan import Layout, ServingMode, VllmConfig, WeightPath
 from edge.quantized_layers import LayerDecision, kept_bf16
 from edge.shapes import ModelShape
 from edge.weight_paths import PATHS, quant_method
@@ -118,6 +118,19 @@ METHOD_ENV: dict[str, dict[str, str]] = {"gptq": {"VLLM_CPU_INT4_W4A8": "1"}}
 ALL_SLIDING_BLOCK_SIZE = 16
 
 
+# The serving mode where none is asked for. vLLM 0.28's CPU platform turns its `uni` executor into `mp` ("OMP requires
+# the MP executor", platforms/cpu.py) unless VLLM_ENABLE_V1_MULTIPROCESSING=0, and then the engine core waits on a
+# worker process through the shared-memory broadcast, spinning a core of its own. The CPU backend runs without async
+# scheduling, so the engine core has nothing else to do meanwhile: a plan of one engine (no tensor parallelism,
+# which no plan uses) loses nothing by running the worker in the engine core. Measured on the default model by
+# benchmarks/bench_serve.py (docs/reports/2026-12-01-served-speed.md; facts serve.*).
+DEFAULT_SERVING_MODE: ServingMode = "two-process"
+SERVING_MODE_ENV: dict[ServingMode, dict[str, str]] = {
+    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "three-process": {},
+}
+
+
 def attention_block_size(model: ModelShape) -> int | None:
     """The KV block size vLLM must be started with for this model, or None for its default."""
     types = model.layer_types
@@ -140,7 +153,9 @@ def vllm_config(
     max_model_len: int,
     max_num_seqs: int,
     kv_cache_bytes: int,
+    mode: ServingMode | None = None,
 ) -> VllmConfig | None:
+    """mode: the serving mode asked for (edge-select/edge-serve --serving-mode), else DEFAULT_SERVING_MODE."""
     if not PATHS[path].served_by_vllm:
         return None
     args = [
@@ -166,4 +181,6 @@ def vllm_config(
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     if qconfig is not None:
         env |= METHOD_ENV.get(qconfig["quant_method"], {})
-    return VllmConfig(args=args, env=env)
+    mode = mode or DEFAULT_SERVING_MODE
+    env |= SERVING_MODE_ENV[mode]
+    return VllmConfig(args=args, env=env, mode=mode)

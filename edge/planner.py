@@ -30,6 +30,7 @@ from edge.plan import (
     Plan,
     Priority,
     Reason,
+    ServingMode,
     WeightPath,
     format_bytes,
 )
@@ -227,8 +228,10 @@ def make_plan(
     quality: list[QualityRecord] | None = None,
     max_kld: float = DEFAULT_MAX_KLD,
     calibration: CalibrationRecord | None = None,
+    serving_mode: ServingMode | None = None,
 ) -> Plan:
-    """quality: edge-eval records (edge.quality.load_records); an option whose measured mean KLD exceeds
+    """serving_mode: how many processes vLLM runs as (edge.plan.ServingMode); None: edge.engine_config's default.
+    quality: edge-eval records (edge.quality.load_records); an option whose measured mean KLD exceeds
     max_kld is not chosen for speed, and the plan's `quality` section reports the chosen option's record.
     calibration: the device's own kernel times (edge.calibration; the caller matches it to the device): the
     ranking, the dequant threshold and the prefill dtype come from it instead of the facts table."""
@@ -275,7 +278,7 @@ def make_plan(
         layers=layers,
         quantization_config=qconfig,
         vllm=vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
-                         max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes),
+                         max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes, mode=serving_mode),
         export=None if PATHS[option.path].served_by_vllm else export_section(model.name, chosen.memory.resident_bytes),
         quality=_plan_quality(chosen),
         calibration=_calibration_ref(calibration),

@@ -42,7 +42,7 @@ from edge.describe import load_device_file, parse_size
 from edge.errors import InputError
 from edge.model_reader import is_gguf, read_model, resolve_model
 from edge.paths import converted_dir
-from edge.plan import LAYOUTS, PRIORITIES, WEIGHT_PATHS, Plan
+from edge.plan import LAYOUTS, PRIORITIES, SERVING_MODES, WEIGHT_PATHS, Plan
 from edge.planner import make_plan
 from edge.probe import probe
 from edge.quality import cached_records
@@ -130,6 +130,7 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
         force=args.force,
         quality=cached_records(),
         calibration=best_match(cached_calibrations(), device, model.name),
+        serving_mode=getattr(args, "serving_mode", None),
     )
     if plan.vllm is None:
         raise ExportOnly(plan, source, args.device)
@@ -280,6 +281,9 @@ def parser() -> argparse.ArgumentParser:
                    "instead of probing, e.g. the node labels a Kubernetes init container wrote")
     p.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
     p.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
+    p.add_argument("--serving-mode", choices=SERVING_MODES,
+                   help="vLLM as two processes (API server, engine core running its worker) or three (vLLM's CPU "
+                        "default, a worker process of its own); default: the plan's choice")
     p.add_argument("--force", action="store_true", help="start a plan over its memory budget or a refused pin")
     p.add_argument("--dry-run", action="store_true", help="plan and convert, print, do not serve")
     p.add_argument("--plan-only", action="store_true",

@@ -128,6 +128,7 @@ def plan_one(
         max_num_seqs=options.max_num_seqs,
         quality=quality,
         calibration=best_match(calibrations, device, model.name),
+        serving_mode=options.serving_mode,
         **pins,
     )
 

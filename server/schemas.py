@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from edge.bounds import MAX_DIMENSIONS, MAX_LABELS, MAX_TENSOR_DIM
-from edge.plan import Layout, Plan, Priority, WeightPath
+from edge.plan import Layout, Plan, Priority, ServingMode, WeightPath
 from server.supervisor import EngineStatus
 
 # Texts and label maps are bounded here as well as by the body limit, so one field cannot take all of it.
@@ -175,6 +175,10 @@ class PlanOptions(_Strict):
     )
     max_num_seqs: int | None = Field(
         default=None, ge=1, le=MAX_NUM_SEQS, description="Concurrent sequences; default: the planner's."
+    )
+    serving_mode: ServingMode | None = Field(
+        default=None, description="How many processes vLLM runs as: 'two-process' or 'three-process'; default: the "
+        "planner's (the plan's vllm.mode).",
     )
 
 
