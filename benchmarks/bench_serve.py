@@ -26,9 +26,9 @@ the OpenAI API:
     rss          RssAnon summed over the server's whole process tree (benchmarks/rss.py), sampled every 0.25 s:
                  `settled` is the median over 3 s of idle after the warm-up, `peak` the maximum from launch to stop
 
-Both servers get the same thread count: edge-serve's is what its plan starts vLLM with (read from /status:
-OMP_NUM_THREADS, else 1 thread on a box of up to 4 cores where vLLM reserves none, as the plan says), passed to
-llama.cpp as n_threads and n_threads_batch. The table reports medians over passes and each variant's ratio to
+Both servers get the same thread count: the first edge variant's, what its plan starts vLLM with (read from
+/status: OMP_NUM_THREADS, else every core, as vLLM binds its worker on a box where the plan reserves none), passed
+to llama.cpp as n_threads and n_threads_batch. The table reports medians over passes and each variant's ratio to
 the best llama.cpp variant.
 """
 
@@ -180,7 +180,8 @@ def edge_server(mode: str, args: argparse.Namespace, log: Path) -> tuple[Server,
     server.ready_s = server.wait_ready("/readyz")
     status = httpx.get(f"{server.url}/status", timeout=30).json()
     env = status["plan"]["vllm"]["env"]
-    threads = int(env.get("OMP_NUM_THREADS", "1"))
+    # three-process on a small box: vLLM binds its worker to every core the plan leaves unreserved (all of them)
+    threads = int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
     server.detail = {"path": status["plan"]["path"], "layout": status["plan"].get("layout"),
                      "mode": status["plan"]["vllm"].get("mode"), "threads": threads}  # fmt: skip

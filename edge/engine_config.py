@@ -125,10 +125,21 @@ ALL_SLIDING_BLOCK_SIZE = 16
 # which no plan uses) loses nothing by running the worker in the engine core. Measured on the default model by
 # benchmarks/bench_serve.py (docs/reports/2026-12-01-served-speed.md; facts serve.*).
 DEFAULT_SERVING_MODE: ServingMode = "two-process"
+# vLLM binds OpenMP only for a worker process it spawns (utils/ompmultiprocessing.py sets OMP_NUM_THREADS and
+# OMP_PROC_BIND/OMP_PLACES in the worker's environment, all cores less the reserved ones); an engine core running
+# the worker itself gets no binding, so the plan gives the engine that environment: its thread count and
+# OMP_PROC_BIND (places default to the cores the process may use, so a cgroup's cpuset is respected).
 SERVING_MODE_ENV: dict[ServingMode, dict[str, str]] = {
-    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_PROC_BIND": "true"},
     "three-process": {},
 }
+
+
+def engine_threads(cores: int | None) -> int:
+    """The compute threads of a two-process engine without a calibration's choice: every core but one, which the
+    API server, the wrapper and the engine core's own scheduling share (vLLM's mp mode reserves one the same way
+    on bigger boxes); one on a one- or two-core box."""
+    return max(1, (cores or 1) - 1)
 
 
 def attention_block_size(model: ModelShape) -> int | None:
@@ -183,4 +194,7 @@ def vllm_config(
         env |= METHOD_ENV.get(qconfig["quant_method"], {})
     mode = mode or DEFAULT_SERVING_MODE
     env |= SERVING_MODE_ENV[mode]
+    if mode == "two-process":
+        env["OMP_NUM_THREADS"] = str(engine_threads(cores))
+        env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)  # read only by vLLM's mp executor
     return VllmConfig(args=args, env=env, mode=mode)

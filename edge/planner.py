@@ -332,7 +332,7 @@ def _set_threads(plan: Plan, req: Request) -> None:
     choice = thread_choice(req.calibration, decode[0], cores) if decode else None
     if choice is None:
         return
-    if choice.threads > 1:
+    if choice.threads > 1 or plan.vllm.mode == "two-process":  # two-process: the engine's own binding (engine_config)
         plan.vllm.env["OMP_NUM_THREADS"] = str(choice.threads)
     plan.reasons.append(Reason(text=choice.why, value=choice.threads, unit="threads", source="calibration of this CPU"))
 
