@@ -126,11 +126,11 @@ ALL_SLIDING_BLOCK_SIZE = 16
 # benchmarks/bench_serve.py (docs/reports/2026-12-01-served-speed.md; facts serve.*).
 DEFAULT_SERVING_MODE: ServingMode = "two-process"
 # vLLM binds OpenMP only for a worker process it spawns (utils/ompmultiprocessing.py sets OMP_NUM_THREADS and
-# OMP_PROC_BIND/OMP_PLACES in the worker's environment, all cores less the reserved ones); an engine core running
-# the worker itself gets no binding, so the plan gives the engine that environment: its thread count and
-# OMP_PROC_BIND (places default to the cores the process may use, so a cgroup's cpuset is respected).
+# OMP_PROC_BIND/OMP_PLACES in that process's environment, all cores less the reserved ones). An engine core running
+# the worker itself inherits the API server's environment, so the plan sets its thread count (OMP_NUM_THREADS)
+# and no binding: OMP_PROC_BIND there would pin the API server's thread to the engine's first core as well.
 SERVING_MODE_ENV: dict[ServingMode, dict[str, str]] = {
-    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_PROC_BIND": "true"},
+    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     "three-process": {},
 }
 

@@ -79,3 +79,31 @@ def install() -> bool:
     if not getattr(load, _MARK, False):
         torch.compiler.load_compiled_function = _wrap(load)
     return True
+
+
+# Environment variables vLLM 0.28 hashes into its compile-cache key (envs.compile_factors: every known variable
+# but an ignore list) that cannot change a compiled graph. The supervisor gives each engine start a fresh random
+# VLLM_API_KEY (server/supervisor.py), so with it in the key every start recompiled (67 s for the default model on
+# the Zen 5 host, 2026-12-01, instead of loading the cache).
+NOT_COMPILE_FACTORS = ("VLLM_API_KEY",)
+_FACTORS_MARK = "_edge_select_factors_fix"
+
+
+def install_factors_fix() -> bool:
+    """Drop NOT_COMPILE_FACTORS from vllm.envs.compile_factors() (read at call time by vLLM's compile cache, in
+    compilation/caching.py and compilation/backends.py); True if the patch is (now) in place."""
+    from vllm import envs
+
+    factors = getattr(envs, "compile_factors", None)
+    if factors is None:
+        return False
+    if getattr(factors, _FACTORS_MARK, False):
+        return True
+
+    @functools.wraps(factors)
+    def compile_factors() -> dict[str, object]:
+        return {k: v for k, v in factors().items() if k not in NOT_COMPILE_FACTORS}
+
+    setattr(compile_factors, _FACTORS_MARK, True)
+    envs.compile_factors = compile_factors
+    return True

@@ -385,3 +385,31 @@ def test_gemma_3_takes_the_8_bit_embedding_and_head(zen5):
                               "gemma-3-270m")  # fmt: skip
     plan = make_plan(zen5, model, priority="speed", path="w4a16-tinygemm")
     assert {layer.name: layer.format for layer in plan.layers}["embed_tokens"] == "int8"
+
+
+# --- serving mode (issue 23) ------------------------------------------------------------------------------------
+
+
+def test_the_plan_serves_in_two_processes_with_the_engines_own_thread_binding(zen5, smollm2):
+    """The engine core runs the worker itself (vLLM's uni executor), so the plan gives it the thread count vLLM
+    would give a worker process, one core left to the API server and the wrapper, and no OpenMP binding (which the
+    API server, whose environment the engine core inherits, would take too)."""
+    plan = make_plan(zen5, smollm2)
+    assert plan.vllm.mode == "two-process"
+    env = plan.vllm.env
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "OMP_PROC_BIND" not in env
+    assert env["OMP_NUM_THREADS"] == str(max(1, zen5.compute_cores - 1))
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env  # only vLLM's mp executor reads it
+
+
+def test_three_process_mode_is_vllms_own_cpu_default(zen5, smollm2):
+    plan = make_plan(zen5, smollm2, serving_mode="three-process")
+    assert plan.vllm.mode == "three-process"
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_PROC_BIND", "OMP_NUM_THREADS"} & set(plan.vllm.env)
+    assert plan.vllm.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # a small box gives the worker every core
+
+
+def test_the_serving_mode_changes_no_weights(zen5, smollm2):
+    two, three = (make_plan(zen5, smollm2, serving_mode=m) for m in ("two-process", "three-process"))
+    assert two.quantization_config == three.quantization_config and two.vllm.args == three.vllm.args
+    assert two.vllm.env["VLLM_CACHE_ROOT"] == three.vllm.env["VLLM_CACHE_ROOT"]  # the same compiled graphs

@@ -440,3 +440,19 @@ def test_compile_cache_fix_can_be_switched_off(monkeypatch):
 
     monkeypatch.setenv("EDGE_SELECT_COMPILE_CACHE_FIX", "0")
     assert not compile_cache.install()
+
+
+def test_the_engines_fresh_api_key_is_not_a_compile_cache_factor(monkeypatch):
+    """Each engine start gets a random VLLM_API_KEY (server/supervisor.py); vLLM 0.28 hashes it into the compile
+    cache's key unless the plugin drops it, and every start then recompiled."""
+    from vllm import envs
+
+    from kernels.vllm_plugin.compile_cache import install_factors_fix
+
+    assert install_factors_fix() and install_factors_fix()  # idempotent
+    monkeypatch.setenv("VLLM_API_KEY", "one")
+    first = envs.compile_factors()
+    monkeypatch.setenv("VLLM_API_KEY", "another")
+    assert "VLLM_API_KEY" not in first and envs.compile_factors() == first
+    monkeypatch.setenv("VLLM_FLOAT32_MATMUL_PRECISION", "medium")  # a factor that is not dropped still counts
+    assert envs.compile_factors()["VLLM_FLOAT32_MATMUL_PRECISION"] != first["VLLM_FLOAT32_MATMUL_PRECISION"]

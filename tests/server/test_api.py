@@ -430,3 +430,12 @@ def test_a_batch_device_with_too_many_nfd_labels_is_its_own_error(client):
     response = client.post("/plan/batch", json={"devices": [{"profile": GW17}, {"nfd_labels": {"labels": labels}}]})
     assert response.status_code == 200, response.text
     assert response.json()["results"][1]["error"]["field"] == "labels"
+
+
+def test_post_plan_takes_the_serving_mode_and_the_plan_names_it(client):
+    body = {"device": {"cpuinfo": SPR_CPUINFO}}
+    assert client.post("/plan", json=body).json()["vllm"]["mode"] == "two-process"
+    three = client.post("/plan", json={**body, "serving_mode": "three-process"}).json()
+    assert three["vllm"]["mode"] == "three-process" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in three["vllm"]["env"]
+    bad = client.post("/plan", json={**body, "serving_mode": "one-process"})
+    assert bad.status_code == 422 and "serving_mode" in bad.text
