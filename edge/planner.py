@@ -13,10 +13,10 @@ from edge import kernel_params, ledger, rules
 from edge.calibration import CalibrationRecord
 from edge.cost import engine_linears, thread_choice
 from edge.device import DeviceProfile
-from edge.engine_config import attention_block_size, quantization_config, vllm_config
+from edge.engine_config import DEFAULT_SERVING_MODE, attention_block_size, quantization_config, vllm_config
 from edge.errors import InputError
 from edge.export_plan import export_section
-from edge.facts import fact
+from edge.facts import FACTS, MeasuredFact, fact
 from edge.gates import Gate, all_gates
 from edge.kernel_registry import kernels_for
 from edge.plan import (
@@ -67,6 +67,7 @@ class Request:
     kernel: kernel_params.KernelParams
     max_kld: float = DEFAULT_MAX_KLD
     calibration: CalibrationRecord | None = None  # the device's kernel times (edge-calibrate), when known
+    serving_mode: ServingMode = DEFAULT_SERVING_MODE
 
 
 @dataclass
@@ -99,12 +100,22 @@ def _check_inputs(priority: str, path: str | None, layout: str | None, max_model
         raise InputError("memory_budget", budget_bytes, "a positive number of bytes")  # fmt: skip
 
 
+def engine_baseline(mode: ServingMode, isa_class: str) -> MeasuredFact:
+    """The engine's own RssAnon (the process tree less weights and KV cache) for this serving mode, measured on
+    this ISA class (facts `<class>.vllm_engine_baseline_bytes.<mode>`, benchmarks/engine_baseline.py), else the
+    three-process figure measured on the AVX2 host: a two-process engine carries one Python process fewer, so
+    that figure overstates it."""
+    key = f"{isa_class}.vllm_engine_baseline_bytes.{mode}"
+    return FACTS.get(key) or fact("any.vllm_engine_baseline_bytes")
+
+
 def _estimate(option: Option, gate: Gate, req: Request, max_model_len: int | None = None) -> MemoryLedger:
     return ledger.estimate(
         req.model, option.path, option.layout, gate.group_size,
         max_model_len=max_model_len or req.max_model_len, max_num_seqs=req.max_num_seqs,
         kernel=req.kernel, budget_bytes=req.budget,
-        engine_baseline_bytes=int(fact("any.vllm_engine_baseline_bytes").value), quant=_quant(option, gate, req),
+        engine_baseline_bytes=int(engine_baseline(req.serving_mode, req.device.isa_class).value),
+        quant=_quant(option, gate, req),
     )  # fmt: skip
 
 
@@ -248,6 +259,7 @@ def make_plan(
         max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
         max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_kld=max_kld, calibration=calibration,
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
+        serving_mode=serving_mode or DEFAULT_SERVING_MODE,
     )  # fmt: skip
     req, decode_reason = _lossy_decode(req, gates, quality or [])
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
@@ -278,7 +290,7 @@ def make_plan(
         layers=layers,
         quantization_config=qconfig,
         vllm=vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
-                         max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes, mode=serving_mode),
+                         max_num_seqs=req.max_num_seqs, kv_cache_bytes=kv_bytes, mode=req.serving_mode),
         export=None if PATHS[option.path].served_by_vllm else export_section(model.name, chosen.memory.resident_bytes),
         quality=_plan_quality(chosen),
         calibration=_calibration_ref(calibration),

@@ -1,8 +1,9 @@
 """edge-export MODEL OUT [--plan PLAN.json]: the phone deliverable of an export-only plan, built and verified here.
 
-MODEL is a Hugging Face Llama directory (bf16 safetensors), or `default` (or the default model's name, as an
-export-only plan's command names it) for the embedded SmolLM2-135M-Instruct (`edge-model default`). OUT becomes a
-bundle for ONNX Runtime (edge/export_plan.py says why that runtime):
+MODEL is a Hugging Face Llama directory (bf16 safetensors), a Llama-architecture .gguf (dequantized to bf16 by
+edge-convert first, into the cache's converted/), a repo id in the local Hugging Face cache, or `default` (or the
+default model's name, as an export-only plan's command names it) for the embedded SmolLM2-135M-Instruct
+(`edge-model default`). OUT becomes a bundle for ONNX Runtime (edge/export_plan.py says why that runtime):
 
     model.onnx              the decoder with its KV cache as inputs/outputs (kernels/export/export_graph.py): weights
                             int8, one scale per 64 inputs of each output channel (QDQ), activations float
@@ -47,15 +48,36 @@ MIN_TOP1, MAX_KLD = 0.97, 0.01  # the issue's targets for 8-bit weights (llama.c
 
 
 def resolve_model(model: str) -> Path:
-    """MODEL as a directory; `default` or the default model's name builds/finds the embedded model."""
+    """MODEL as a directory; `default` or the default model's name builds/finds the embedded model; a Hugging Face
+    repo id is its snapshot in the local cache; a .gguf is its bf16 dequantization, which edge-convert writes
+    into the cache's converted/ (reused while up to date), as edge-serve and edge-eval make it."""
+    from edge.model_reader import is_gguf
+    from edge.model_reader import resolve_model as resolve_source
     from kernels.source.default_model import MODEL_NAME, ensure_default_model
 
     if model in ("default", MODEL_NAME) and not Path(model).is_dir():
         return ensure_default_model()
-    path = Path(model)
+    path = resolve_source(model)
+    if is_gguf(path):
+        return _bf16_of_gguf(path.resolve())
     if not (path / "config.json").is_file():
-        raise InputError("MODEL", model, "a model directory with config.json, or `default`")
+        raise InputError("MODEL", model, "a model directory with config.json, a .gguf, a repo id in the local "
+                         "Hugging Face cache, or `default`")  # fmt: skip
     return path.resolve()
+
+
+def _bf16_of_gguf(gguf: Path) -> Path:
+    """edge-convert GGUF DST (bf16) in its own process: the converter sits above the exporter in kernels/."""
+    import subprocess
+
+    from edge.paths import converted_dir
+
+    dst = converted_dir(gguf, None)
+    done = subprocess.run([sys.executable, "-m", "kernels.convert.convert", str(gguf), str(dst)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        raise InputError("MODEL", str(gguf), f"a GGUF edge-convert reads ({done.stderr.strip()[-500:]})")
+    return dst
 
 
 def source_sha256(src: Path) -> dict[str, str]:
@@ -190,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="edge-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("model", metavar="MODEL", help="model directory, or `default`")
+    parser.add_argument("model", metavar="MODEL",
+                        help="model directory, .gguf, repo id in the local Hugging Face cache, or `default`")
     parser.add_argument("out", metavar="OUT", type=Path, help="where the bundle goes")
     parser.add_argument("--plan", type=Path, help="an export-only Plan JSON (edge-select --device PHONE --json)")
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens to score (default %(default)s)")

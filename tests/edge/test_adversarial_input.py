@@ -277,3 +277,14 @@ def test_a_number_that_is_not_finite_or_past_2_63_is_refused_naming_its_path(num
 def test_a_size_past_one_exbibyte_is_refused_naming_the_field(size):
     with pytest.raises(InputError, match="memory_budget: expected a non-negative size of at most"):
         parse_size(size, "memory_budget")
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_device_file_with_a_non_finite_number_is_an_input_error_naming_it(tmp_path, number):
+    """edge-select --device FILE: Python's json reads these; the CLI path refuses them as the server does."""
+    from edge.describe import load_device_file
+
+    path = tmp_path / "device.json"
+    path.write_text('{"cpu_model": "x", "cores": 2, "memory_bytes": %s}' % number)
+    with pytest.raises(InputError, match="memory_bytes"):
+        load_device_file(str(path))

@@ -201,8 +201,10 @@ def test_a_record_of_another_configuration_does_not_match(avx2_host, smollm2):
     assert make_plan(avx2_host, smollm2, quality=[other]).quality.status == "unmeasured"
 
 
-def test_small_boxes_give_vllm_every_core(avx2_host, smollm2):
-    plan = make_plan(avx2_host, smollm2, path="bf16")
+def test_small_boxes_give_vllm_every_core_in_three_process_mode(avx2_host, smollm2):
+    """vLLM's mp executor reserves a core for its front end unless told not to; two-process mode sets the
+    engine's threads itself (test_the_plan_serves_in_two_processes_with_the_engines_own_thread_binding)."""
+    plan = make_plan(avx2_host, smollm2, path="bf16", serving_mode="three-process")
     assert avx2_host.compute_cores <= 4
     assert plan.vllm.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 

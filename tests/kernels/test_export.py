@@ -112,3 +112,26 @@ def test_a_missing_model_is_named(tmp_path):
 def test_nothing_is_left_beside_out(bundle):
     assert not [p for p in bundle.parent.iterdir() if p.name.startswith(f".{bundle.name}.tmp-")]
     assert json.loads((bundle / MANIFEST).read_text())["settings"]["verified_tokens"] is None
+
+
+def test_export_takes_a_gguf_as_its_bf16_dequantization(tmp_path, monkeypatch):
+    """edge-export MODEL.gguf: the file dequantized to bf16 by edge-convert (its own process: the converter sits
+    above the exporter), into the cache's converted/, config and tokenizer from the file."""
+    from kernels.export.export import resolve_model
+    from kernels.source.default_model import source_gguf
+    from tests.kernels.test_convert_gguf import tiny_gguf
+
+    monkeypatch.setenv("EDGE_SELECT_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tiny_gguf(tmp_path / "src", "llama", source_gguf())
+    model_dir = resolve_model(str(gguf))
+    assert model_dir.parent == tmp_path / "cache" / "converted"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert (model_dir / "tokenizer.json").is_file() and list(model_dir.glob("*.safetensors"))
+
+
+def test_export_names_a_model_it_cannot_read():
+    from kernels.export.export import resolve_model
+
+    with pytest.raises(InputError, match="MODEL"):
+        resolve_model("/nonexistent/model")
