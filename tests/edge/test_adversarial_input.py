@@ -285,6 +285,6 @@ def test_a_device_file_with_a_non_finite_number_is_an_input_error_naming_it(tmp_
     from edge.describe import load_device_file
 
     path = tmp_path / "device.json"
-    path.write_text('{"cpu_model": "x", "cores": 2, "memory_bytes": %s}' % number)
+    path.write_text('{"cpu_model": "x", "cores": 2, "memory_bytes": NUMBER}'.replace("NUMBER", number))
     with pytest.raises(InputError, match="memory_bytes"):
         load_device_file(str(path))
