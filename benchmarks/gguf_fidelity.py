@@ -130,11 +130,14 @@ def reference_model(gguf: Path, reference_dir: Path):
 
 def plan_candidate(gguf: Path, priority: str) -> tuple[dict, Path]:
     """(the plan edge-select makes for this host, the checkpoint it serves: edge-convert's output, or for a bf16
-    plan of a GGUF its bf16 dequantization, which is what edge-serve converts it to)."""
+    plan of a GGUF its bf16 dequantization, which is what edge-serve converts it to). `priority` may pin a path:
+    "speed:w4a16-tinygemm" is `--priority speed --path w4a16-tinygemm`."""
     from kernels.evaluate.evaluate import apply_plan, gguf_reference
 
-    done = subprocess.run([sys.executable, "-m", "edge.cli", "--model", str(gguf), "--priority", priority, "--json"],
-                          capture_output=True, text=True, check=True, cwd=ROOT)  # fmt: skip
+    priority, _, path = priority.partition(":")
+    pin = ["--path", path] if path else []
+    done = subprocess.run([sys.executable, "-m", "edge.cli", "--model", str(gguf), "--priority", priority, *pin,
+                           "--json"], capture_output=True, text=True, check=True, cwd=ROOT)  # fmt: skip
     plan = json.loads(done.stdout)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(done.stdout)
@@ -176,6 +179,7 @@ def score_file(gguf: Path, args: argparse.Namespace) -> dict:
         for priority in args.priorities:
             plan, checkpoint = plan_candidate(gguf, priority)
             label = f"edge-select {priority}: {plan['path']}" + (f"/{plan['layout']}" if plan.get("layout") else "")
+            label += " (pinned)" if ":" in priority else ""
             plans[label] = {"path": plan["path"], "layout": plan.get("layout"), "checkpoint": str(checkpoint),
                             "quantization_config": plan.get("quantization_config")}  # fmt: skip
             candidates[label] = load_candidate(checkpoint, reference_dir).model
@@ -273,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.gguf:
         parser.error("give a GGUF file, or --quantize / --make-float")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    args.llama_python = args.llama_python.resolve() if args.llama_python.exists() else args.llama_python
+    args.llama_python = args.llama_python.absolute()  # not resolve(): a venv's python is a symlink out of it
     results = []
     for gguf in args.gguf:
         result = score_file(gguf.resolve(), args)

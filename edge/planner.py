@@ -76,9 +76,25 @@ class Evaluated:
     gate: Gate
     memory: MemoryLedger
     quality: QualityRecord | None = None  # edge-eval's measurement of this option's weights, when there is one
+    # unmeasured for this model, but a path that quantizes activations whose every record (other models) is over
+    # the speed floor: the best of those records (lossy_elsewhere)
+    elsewhere: QualityRecord | None = None
 
     def too_lossy(self, max_kld: float) -> bool:
         return self.quality is not None and self.quality.kld_mean > max_kld
+
+
+def lossy_elsewhere(path: str, records: list[QualityRecord], max_kld: float) -> QualityRecord | None:
+    """For a path that quantizes activations: its best record on any model when every one exceeds max_kld, else
+    None. W4A8 has measured 0.40-0.63 mean KLD on every model and kernel tried (docs/reports/2026-11-30-quality.md,
+    2026-12-01-gguf-models.md), so without a record of its own a model is not served W4A8 for speed while a path
+    keeping bf16 activations runs: an unmeasured path is then the likelier to hold the floor, not the other way."""
+    if not PATHS[path].quantizes_activations:
+        return None
+    mine = [r for r in records if r.key.get("path") == path]
+    if not mine or any(r.kld_mean <= max_kld for r in mine):
+        return None
+    return min(mine, key=lambda r: r.kld_mean)
 
 
 def _check_inputs(priority: str, path: str | None, layout: str | None, max_model_len: int | None,
@@ -173,6 +189,11 @@ def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
         assert ev.quality is not None
         why = (f"measured mean KLD {ev.quality.kld_mean:.4f} (top-1 {ev.quality.top1_agreement:.1%}) exceeds the "
                f"speed priority's quality floor --max-kld {req.max_kld:g}")
+    elif priority == "speed" and ev.elsewhere is not None and chosen.option.path != ev.option.path:
+        r = ev.elsewhere
+        why = (f"its quality is unmeasured for this model, and it measured over --max-kld {req.max_kld:g} on every "
+               f"model measured (best: {r.model}, mean KLD {r.kld_mean:.4f}, top-1 {r.top1_agreement:.1%}); "
+               "edge-eval --plan measures it for this one")
     elif priority == "speed" and _unmeasured_loss(ev) and chosen.quality is not None:
         why = (f"its quality is unmeasured for this model, while {chosen.option.label} is measured within --max-kld "
                f"{req.max_kld:g} (mean KLD {chosen.quality.kld_mean:.4f}): an unmeasured path never wins over a "
@@ -211,6 +232,8 @@ def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layo
         candidates = [ev for ev in evaluated if ev.gate.runnable
                       and not (priority == "fidelity" and PATHS[ev.option.path].quantizes_activations)
                       and not (priority == "speed" and ev.too_lossy(max_kld))]
+        if priority == "speed" and ev_quality_unknown(candidates):
+            candidates = [ev for ev in candidates if ev.elsewhere is None] or candidates
     assert candidates, "bf16 or export-only is always runnable"
     if priority == "speed" and path is None and layout is None and any(ev.quality is not None for ev in candidates):
         # A quantized path whose quality is unmeasured ranks after every one measured within the floor (the sort
@@ -218,6 +241,11 @@ def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layo
         candidates = sorted(candidates, key=_unmeasured_loss)
     fitting = [ev for ev in candidates if ev.memory.fits]
     return fitting[0] if fitting else min(candidates, key=lambda ev: ev.memory.peak_bytes)  # fmt: skip
+
+
+def ev_quality_unknown(candidates: list[Evaluated]) -> bool:
+    """No candidate is measured for this model (with a measured one, _unmeasured_loss already orders them)."""
+    return all(ev.quality is None for ev in candidates)
 
 
 def _unmeasured_loss(ev: Evaluated) -> bool:
@@ -265,6 +293,9 @@ def make_plan(
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
                            _measured(option, gates[option.path], req, quality or []))
                  for option in _options(req, gates)]  # fmt: skip
+    for ev in evaluated:
+        if ev.quality is None:
+            ev.elsewhere = lossy_elsewhere(ev.option.path, quality or [], max_kld)
     chosen = _pick(evaluated, priority, path, layout, force, max_kld)
     gate, option = chosen.gate, chosen.option
     layers = model_layers(model, _quant(option, gate, req))

@@ -415,3 +415,28 @@ def test_the_serving_mode_changes_no_weights(zen5, smollm2):
     two, three = (make_plan(zen5, smollm2, serving_mode=m) for m in ("two-process", "three-process"))
     assert two.quantization_config == three.quantization_config and two.vllm.args == three.vllm.args
     assert two.vllm.env["VLLM_CACHE_ROOT"] == three.vllm.env["VLLM_CACHE_ROOT"]  # the same compiled graphs
+
+
+def _w4a8_record_of(zen5, model, kld: float) -> QualityRecord:
+    plan = make_plan(zen5, model, path="w4a8-gptq")
+    return record(model, quality_key(plan.path, plan.quantization_config), kld)
+
+
+def test_a_model_without_records_is_not_served_w4a8_when_w4a8_missed_the_floor_on_every_model_measured(zen5,
+                                                                                                      smollm2):
+    """A user's GGUF has no edge-eval record; W4A8 measured 0.40-0.63 mean KLD on every model tried (the default
+    model's Q4_K_M requantization: 0.45, docs/reports/2026-12-01-gguf-models.md), so speed keeps bf16
+    activations, and says why."""
+    other = read_model(DATA / "configs" / "qwen2.5-0.5b-instruct.json")
+    assert make_plan(zen5, other).path == "w4a8-gptq"  # no records at all: the fastest path
+    plan = make_plan(zen5, other, quality=[_w4a8_record_of(zen5, smollm2, 0.40)])
+    assert plan.path == "w4a16-tinygemm"
+    why = _alternative(plan, "w4a8-gptq").why_not
+    assert "on every model measured" in why and smollm2.name in why and "0.4000" in why
+
+
+def test_one_record_of_w4a8_within_the_floor_lets_an_unmeasured_model_take_it(zen5, smollm2):
+    other = read_model(DATA / "configs" / "qwen2.5-0.5b-instruct.json")
+    records = [_w4a8_record_of(zen5, smollm2, 0.40), _w4a8_record_of(zen5, read_model(DATA / "configs" /
+                                                                                    "llama-3.2-1b.json"), 0.05)]
+    assert make_plan(zen5, other, quality=records).path == "w4a8-gptq"
