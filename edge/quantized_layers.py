@@ -57,6 +57,26 @@ SENSITIVE_SET: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 # model.embed_tokens.qweight in Gemma2ForCausalLM", seen 2026-12-01); their head is that embedding (tied), so
 # both stay bf16 whatever the priority. Gemma 3's class passes the config, so it takes the 8-bit set.
 BF16_EMBEDDING_ARCHITECTURES: tuple[str, ...] = ("GemmaForCausalLM", "Gemma2ForCausalLM")
+# A GGUF's quantized types wider than 4 bits. A kind of weight the file holds mostly in these goes to the 8-bit
+# set (item 3 of issue 22: 5-, 6- and 8-bit grids go to the 8-bit path): re-rounding them to 4 bits is a second
+# quantization, measured on the default model's Q4_K_M requantization (166 Q5_0 linears) at mean KLD 0.235 and
+# top-1 72.9 % against the file's own weights, where llama.cpp serving the file measured 0.0044
+# (benchmarks/gguf_fidelity.py, docs/reports/2026-12-01-gguf-models.md).
+WIDE_SOURCE_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+
+
+def wide_source_kinds(model: ModelShape) -> tuple[str, ...]:
+    """The linear kinds whose tensors the source file holds mostly (more than half) in WIDE_SOURCE_TYPES."""
+    wide = []
+    for kind, types in (model.source_types or {}).items():
+        if kind in (EMBEDDING, HEAD):
+            continue
+        count = sum(types.values())
+        if count and 2 * sum(n for t, n in types.items() if t in WIDE_SOURCE_TYPES) > count:
+            wide.append(kind)
+    return tuple(wide)
+
+
 # When vLLM fuses weights of different formats into one layer, all take the widest.
 _WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
 # vLLM's fused layers and the checkpoint weights they load (Llama's packed_modules_mapping).
@@ -268,7 +288,8 @@ def rules_for(
         # a tied head listed in `ignore` keeps it bf16 all the same
         quantize_embedding=model.tie_word_embeddings and not plain_embedding,
         quantize_head=True,
-        int8=(EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive,
+        int8=tuple(dict.fromkeys((EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive
+                                 + (wide_source_kinds(model) if eight_bit else ()))),
         tied=model.tie_word_embeddings,
         strict=False,
         quant_method=method,

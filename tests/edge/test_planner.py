@@ -440,3 +440,16 @@ def test_one_record_of_w4a8_within_the_floor_lets_an_unmeasured_model_take_it(ze
     records = [_w4a8_record_of(zen5, smollm2, 0.40), _w4a8_record_of(zen5, read_model(DATA / "configs" /
                                                                                     "llama-3.2-1b.json"), 0.05)]
     assert make_plan(zen5, other, quality=records).path == "w4a8-gptq"
+
+
+def test_a_kind_the_file_holds_mostly_wider_than_4_bits_goes_to_the_8_bit_set(zen5, smollm2):
+    """llama.cpp's Q4_K_M of a model whose rows are not multiples of 256 holds most linears at Q5_0: re-rounding
+    them to 4 bits measured mean KLD 0.235 against the file (docs/reports/2026-12-01-gguf-models.md)."""
+    model = smollm2.model_copy(update={"source_types": {
+        "q_proj": {"Q5_0": 30}, "v_proj": {"Q5_0": 16, "Q8_0": 14}, "down_proj": {"Q4_K": 16, "Q6_K": 14},
+        "gate_proj": {"Q4_K": 30}}})  # fmt: skip
+    plan = make_plan(zen5, model, path="w4a16-tinygemm")
+    formats = {layer.name: layer.format for layer in plan.layers}
+    assert formats["q_proj"] == formats["v_proj"] == "int8"  # and k_proj with them: vLLM fuses q/k/v
+    assert formats["k_proj"] == "int8" and formats["down_proj"] == formats["gate_proj"] == "int4"
+    assert {"q_proj", "v_proj"} <= set(plan.quantization_config["int8"])
