@@ -73,10 +73,16 @@ def _bf16_of_gguf(gguf: Path) -> Path:
     from edge.paths import converted_dir
 
     dst = converted_dir(gguf, None)
-    done = subprocess.run([sys.executable, "-m", "kernels.convert.convert", str(gguf), str(dst)],
-                          capture_output=True, text=True)  # fmt: skip
-    if done.returncode != 0:
-        raise InputError("MODEL", str(gguf), f"a GGUF edge-convert reads ({done.stderr.strip()[-500:]})")
+    with tempfile.TemporaryDirectory(prefix="edge-export-") as tmp:
+        plan = Path(tmp) / "bf16-plan.json"
+        steps = ([sys.executable, "-m", "edge.cli", "--model", str(gguf), "--path", "bf16", "--json"],
+                 [sys.executable, "-m", "kernels.convert.convert", str(gguf), str(dst), "--plan", str(plan)])
+        for i, argv in enumerate(steps):
+            done = subprocess.run(argv, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise InputError("MODEL", str(gguf), f"a GGUF edge-convert reads ({done.stderr.strip()[-500:]})")
+            if i == 0:
+                plan.write_text(done.stdout)
     return dst
 
 
