@@ -48,6 +48,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.llama_cpp_decode import PROSE  # plain English prose (public domain)
 from benchmarks.rss import TreeSampler
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,9 +56,6 @@ LLAMA_PYTHON = ROOT / ".cache" / "llama-native" / "bin" / "python"
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 512
 STREAMS = 4
-# Opening of Pride and Prejudice (public domain), as benchmarks/llama_cpp_decode.py uses
-from benchmarks.llama_cpp_decode import PROSE  # noqa: E402
-
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 
 
@@ -188,9 +186,9 @@ def edge_server(mode: str, args: argparse.Namespace, log: Path) -> tuple[Server,
     return server, model, threads
 
 
-def llama_server(gguf: Path, threads: int, log: Path) -> tuple[Server, str]:
+def llama_server(python: Path, gguf: Path, threads: int, log: Path) -> tuple[Server, str]:
     port = free_port()
-    argv = [str(args_llama_python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+    argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
             "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
             "--n_batch", "512", "--model_alias", gguf.stem]  # fmt: skip
     server = Server(argv, dict(os.environ), port, log)
@@ -199,13 +197,10 @@ def llama_server(gguf: Path, threads: int, log: Path) -> tuple[Server, str]:
     return server, gguf.stem
 
 
-args_llama_python = LLAMA_PYTHON
-
-
-def make_q4_0(src: Path, dst: Path) -> Path:
+def make_q4_0(python: Path, src: Path, dst: Path) -> Path:
     from benchmarks.gguf_fidelity import main as fidelity
 
-    fidelity(["--quantize", str(src), str(dst), "--type", "Q4_0", "--llama-python", str(args_llama_python)])
+    fidelity(["--quantize", str(src), str(dst), "--type", "Q4_0", "--llama-python", str(python)])
     return dst
 
 
@@ -243,7 +238,6 @@ def table(summary: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global args_llama_python
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default="edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1")
     parser.add_argument("--passes", type=int, default=2)
@@ -254,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, default=ROOT / ".cache" / "bench_serve.log")
     args = parser.parse_args(argv)
-    args_llama_python = args.llama_python
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoTokenizer
 
@@ -264,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     q4_0 = args.gguf_q4_0 or ROOT / ".cache" / f"{q4_1.stem.replace('Q4_1', 'Q4_0')}.gguf"
     variants = args.variants.split(",")
     if "llama:Q4_0" in variants and not q4_0.exists():
-        make_q4_0(q4_1, q4_0)
+        make_q4_0(args.llama_python, q4_1, q4_0)
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(), local_files_only=True)
     threads = None
     rows: list[dict] = []
@@ -277,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 server, model, threads_here = edge_server(what, args, args.log)
                 threads = threads or threads_here
             else:
-                server, model = llama_server(q4_0 if what == "Q4_0" else q4_1, threads or 1, args.log)
+                server, model = llama_server(args.llama_python, q4_0 if what == "Q4_0" else q4_1, threads or 1,
+                                             args.log)
             try:
                 row = measure(server, model, tokenizer, seed=p * 100 + len(rows))
             finally:

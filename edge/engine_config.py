@@ -123,7 +123,7 @@ ALL_SLIDING_BLOCK_SIZE = 16
 # worker process through the shared-memory broadcast, spinning a core of its own. The CPU backend runs without async
 # scheduling, so the engine core has nothing else to do meanwhile: a plan of one engine (no tensor parallelism,
 # which no plan uses) loses nothing by running the worker in the engine core. Measured on the default model by
-# benchmarks/bench_serve.py (docs/reports/2026-12-01-served-speed.md; facts serve.*).
+# benchmarks/bench_serve.py: the same decode rate, 27 % less RssAnon (docs/reports/2026-12-01-served-speed.md).
 DEFAULT_SERVING_MODE: ServingMode = "two-process"
 # vLLM binds OpenMP only for a worker process it spawns (utils/ompmultiprocessing.py sets OMP_NUM_THREADS and
 # OMP_PROC_BIND/OMP_PLACES in that process's environment, all cores less the reserved ones). An engine core running

@@ -187,6 +187,9 @@ def tensor_types(header: GgufHeader) -> dict[str, int]:
 # Q4_0 and Q4_1 blocks of 32, and Q4_K's 8 sub-blocks of 32 (kernels.source.gguf_source reads their codes).
 FOUR_BIT_GRIDS = ("Q4_0", "Q4_1", "Q4_K")
 GRID_GROUP = 32
+# The quantized types wider than 4 bits that kernels.source.gguf_source reads (edge.quantized_layers keeps a kind
+# the file holds mostly in these at 8 bits).
+WIDE_SOURCE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 def source_grid(header: GgufHeader) -> int | None:

@@ -232,7 +232,7 @@ def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layo
         candidates = [ev for ev in evaluated if ev.gate.runnable
                       and not (priority == "fidelity" and PATHS[ev.option.path].quantizes_activations)
                       and not (priority == "speed" and ev.too_lossy(max_kld))]
-        if priority == "speed" and ev_quality_unknown(candidates):
+        if priority == "speed" and all(ev.quality is None for ev in candidates):  # none measured for this model
             candidates = [ev for ev in candidates if ev.elsewhere is None] or candidates
     assert candidates, "bf16 or export-only is always runnable"
     if priority == "speed" and path is None and layout is None and any(ev.quality is not None for ev in candidates):
@@ -241,11 +241,6 @@ def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layo
         candidates = sorted(candidates, key=_unmeasured_loss)
     fitting = [ev for ev in candidates if ev.memory.fits]
     return fitting[0] if fitting else min(candidates, key=lambda ev: ev.memory.peak_bytes)  # fmt: skip
-
-
-def ev_quality_unknown(candidates: list[Evaluated]) -> bool:
-    """No candidate is measured for this model (with a measured one, _unmeasured_loss already orders them)."""
-    return all(ev.quality is None for ev in candidates)
 
 
 def _unmeasured_loss(ev: Evaluated) -> bool:
@@ -291,11 +286,9 @@ def make_plan(
     )  # fmt: skip
     req, decode_reason = _lossy_decode(req, gates, quality or [])
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
-                           _measured(option, gates[option.path], req, quality or []))
+                           measured := _measured(option, gates[option.path], req, quality or []),
+                           None if measured else lossy_elsewhere(option.path, quality or [], max_kld))
                  for option in _options(req, gates)]  # fmt: skip
-    for ev in evaluated:
-        if ev.quality is None:
-            ev.elsewhere = lossy_elsewhere(ev.option.path, quality or [], max_kld)
     chosen = _pick(evaluated, priority, path, layout, force, max_kld)
     gate, option = chosen.gate, chosen.option
     layers = model_layers(model, _quant(option, gate, req))

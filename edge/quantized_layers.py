@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from edge.errors import InputError
-from edge.gguf_metadata import FOUR_BIT_GRIDS
+from edge.gguf_metadata import FOUR_BIT_GRIDS, WIDE_SOURCE_TYPES
 from edge.shapes import ModelShape
 from edge.weight_paths import METHODS, QUANTIZED_PATHS, MethodSpec, own_method, quant_method
 
@@ -57,12 +57,11 @@ SENSITIVE_SET: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 # model.embed_tokens.qweight in Gemma2ForCausalLM", seen 2026-12-01); their head is that embedding (tied), so
 # both stay bf16 whatever the priority. Gemma 3's class passes the config, so it takes the 8-bit set.
 BF16_EMBEDDING_ARCHITECTURES: tuple[str, ...] = ("GemmaForCausalLM", "Gemma2ForCausalLM")
-# A GGUF's quantized types wider than 4 bits. A kind of weight the file holds mostly in these goes to the 8-bit
-# set (item 3 of issue 22: 5-, 6- and 8-bit grids go to the 8-bit path): re-rounding them to 4 bits is a second
+# A kind of weight the file holds mostly in a type wider than 4 bits (WIDE_SOURCE_TYPES) goes to the 8-bit set
+# (item 3 of issue 22: 5-, 6- and 8-bit grids go to the 8-bit path): re-rounding it to 4 bits is a second
 # quantization, measured on the default model's Q4_K_M requantization (166 Q5_0 linears) at mean KLD 0.235 and
 # top-1 72.9 % against the file's own weights, where llama.cpp serving the file measured 0.0044
 # (benchmarks/gguf_fidelity.py, docs/reports/2026-12-01-gguf-models.md).
-WIDE_SOURCE_TYPES: tuple[str, ...] = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 def wide_source_kinds(model: ModelShape) -> tuple[str, ...]:

@@ -72,17 +72,17 @@ def _bf16_of_gguf(gguf: Path) -> Path:
 
     from edge.paths import converted_dir
 
+    def run(*argv: str) -> str:
+        done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise InputError("MODEL", str(gguf), f"a GGUF edge-convert reads ({done.stderr.strip()[-500:]})")
+        return done.stdout
+
     dst = converted_dir(gguf, None)
     with tempfile.TemporaryDirectory(prefix="edge-export-") as tmp:
-        plan = Path(tmp) / "bf16-plan.json"
-        steps = ([sys.executable, "-m", "edge.cli", "--model", str(gguf), "--path", "bf16", "--json"],
-                 [sys.executable, "-m", "kernels.convert.convert", str(gguf), str(dst), "--plan", str(plan)])
-        for i, argv in enumerate(steps):
-            done = subprocess.run(argv, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise InputError("MODEL", str(gguf), f"a GGUF edge-convert reads ({done.stderr.strip()[-500:]})")
-            if i == 0:
-                plan.write_text(done.stdout)
+        plan = Path(tmp) / "bf16-plan.json"  # without a plan edge-convert plans for this host, not bf16
+        plan.write_text(run("edge.cli", "--model", str(gguf), "--path", "bf16", "--json"))
+        run("kernels.convert.convert", str(gguf), str(dst), "--plan", str(plan))
     return dst
 
 
