@@ -145,12 +145,12 @@ def concurrent(url: str, model: str, streams: int, tokens: int) -> dict:
     return {"streams": streams, "tokens": total, "wall_s": wall, "tok_s": total / wall}
 
 
-def long_prompt(tokenizer, seed: int) -> str:
-    """About PREFILL_TOKENS tokens of prose, starting with `seed` (no shared prefix across calls)."""
+def long_prompt(tokenizer, seed: int, tokens: int = PREFILL_TOKENS) -> str:
+    """About `tokens` tokens of prose, starting with `seed` (no shared prefix across calls)."""
     text = f"{seed}. "
-    while len(tokenizer(text)["input_ids"]) < PREFILL_TOKENS:
+    while len(tokenizer(text)["input_ids"]) < tokens:
         text += PROSE
-    ids = tokenizer(text)["input_ids"][: PREFILL_TOKENS - 2]
+    ids = tokenizer(text)["input_ids"][: tokens - 2]
     return tokenizer.decode(ids)
 
 

@@ -54,6 +54,7 @@ class TreeSampler:
     pid: int
     interval_s: float = 0.2
     samples: list[tuple[float, int]] = field(default_factory=list)
+    root_samples: list[tuple[float, int]] = field(default_factory=list)  # the root process's own, same instants
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -64,7 +65,10 @@ class TreeSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), tree_rss_anon_bytes(self.pid)))
+            now, tree = time.monotonic(), process_tree(self.pid)
+            sizes = [rss_anon_bytes(p) for p in tree]
+            self.samples.append((now, sum(sizes)))
+            self.root_samples.append((now, sizes[0]))
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -80,3 +84,9 @@ class TreeSampler:
         """Median of the samples taken after `since` (time.monotonic())."""
         tail = [b for t, b in self.samples if t >= since]
         return int(statistics.median(tail)) if tail else 0
+
+    def below_root(self) -> TreeSampler:
+        """The same samples less the root process's own RssAnon: what its children hold (a wrapper's engine)."""
+        below = TreeSampler(self.pid, self.interval_s)
+        below.samples = [(t, b - r) for (t, b), (_, r) in zip(self.samples, self.root_samples, strict=True)]
+        return below

@@ -63,8 +63,6 @@ FACTS: dict[str, MeasuredFact] = {
               "tinygemm is linear in the batch: 12.9x slower than AMX bf16 GEMM at 512 rows"),
         _fact("amx.dequant_threshold", 2, "rows", "reference", "amx", _REF,
               "SIGILL when tinygemm on a multi-row batch precedes cpu_attention_with_kv_cache on AMX"),
-        _fact("any.allocator_retention_bytes", 150 * 2**20, "bytes", "reference", "any", _REF,
-              "allocator retention that malloc_trim does not return"),
         _fact("any.repack_chunk_rows", 2048, "rows", "reference", "amx", _REF,
               "repack chunk of 2048 output channels: 79 ms vs 208 ms whole, 16 MiB transient"),
         # This project's AVX2 host, PyTorch 2.13 CPU, 2 threads, 4096x4096, group 64, median ms.

@@ -3,7 +3,9 @@
 Peak model: peak_bytes = resident_bytes + the largest single transient. Transients are not summed: the loader
 converts one tensor (or one chunk of one tensor) at a time, and a w4a16 batch dequantizes one layer at a time.
 That run-time working set is filed under phase "run-transient". Memory means RssAnon summed over the vLLM
-process tree (docs/FACTS.md), which is what engine_baseline_bytes was measured as.
+process tree (docs/FACTS.md), which is what engine_baseline_bytes was measured as; the allocator's retention is
+inside that measurement, so it is not an item of its own (it was, as a 150 MiB reference figure, until
+benchmarks/ledger_vs_rss.py showed the ledger 16-20 % above the two-process engine, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from collections.abc import Iterable
 
 from edge import rules
 from edge.export_plan import WEIGHT_BLOCK
-from edge.facts import fact
 from edge.kernel_params import KernelParams
 from edge.kernel_registry import DEFAULT_DECODE_KERNEL, reads_row_major
 from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
@@ -71,7 +72,6 @@ def estimate(
                 engine_baseline_bytes,
                 "the vLLM process tree's RssAnon without weights and KV cache (measured, passed in)",
             ),
-            _allocator_retention(),
             *_transients(model, layers, path, kernel),
         ]
         if weight_format == "tinygemm":
@@ -387,16 +387,6 @@ def _kv_cache(model: ModelShape, max_model_len: int, max_num_seqs: int) -> Memor
     )
 
 
-def _allocator_retention() -> MemoryItem:
-    retained = fact("any.allocator_retention_bytes")
-    return _resident(
-        "allocator-retention",
-        "allocator retention",
-        int(retained.value),
-        f"{retained.note} ({retained.source}, fact any.allocator_retention_bytes)",
-    )
-
-
 # --- load-time transients ------------------------------------------------------------------------------
 
 
@@ -407,9 +397,9 @@ def _weight_matrices(model: ModelShape) -> list[LinearShape]:
 def _transients(
     model: ModelShape, layers: dict[str, LayerDecision], path: WeightPath, kernel: KernelParams
 ) -> list[MemoryItem]:
-    largest = max(_weight_matrices(model), key=lambda lin: lin.n * lin.k)
-    one = largest.model_copy(update={"count": 1})
     if PATHS[path].weight_format != "tinygemm":
+        largest = max(_weight_matrices(model), key=lambda lin: lin.n * lin.k)
+        one = largest.model_copy(update={"count": 1})
         return [
             _transient(
                 "load-copy",
@@ -420,15 +410,9 @@ def _transients(
         ]
     rows = kernel.repack_chunk_rows
     packed = [lin for lin in model.linears if layers[lin.name].format == "int4"]  # a tied embedding is the head
-    items = [
-        _transient(
-            "load-copy",
-            "bf16 source tensor being converted",
-            bf16_bytes(one),
-            f"largest single weight in bf16, {largest.name}: {_bf16_detail(one)}, held while it is quantized "
-            "(the checkpoint conversion on this box) or loaded (an untied bf16 embedding)",
-        )
-    ]
+    # No bf16 copy here: edge-convert quantizes in its own process before the engine starts (server.cli.prepare),
+    # and the engine loads the converted codes, so only the repack chunk stacks on the engine's resident bytes.
+    items = []
     if packed:
         widest = max(packed, key=lambda lin: min(rows, lin.n) * lin.k)
         chunk = min(rows, widest.n)

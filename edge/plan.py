@@ -32,7 +32,7 @@ def format_bytes(n: int) -> str:
 
 ItemKind = Literal[
     "bf16-weights", "int4-weights", "int8-weights", "row-major-copy", "lookup-copy", "untie-cost", "export-weights",
-    "norms", "biases", "rope", "kv-cache", "engine-baseline", "allocator-retention", "load-copy", "repack-transient",
+    "norms", "biases", "rope", "kv-cache", "engine-baseline", "load-copy", "repack-transient",
     "dequant-working-set",
 ]  # fmt: skip
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from edge import rules
-from edge.facts import fact
 from edge.kernel_params import KernelParams
 from edge.ledger import estimate
 from edge.model_reader import default_model, read_model
@@ -219,7 +218,7 @@ def test_bf16_untied_model_stores_the_head_apart():
 
 def test_export_only_has_no_engine_or_kv_items():
     led = ledger(default_model(), "export-only")
-    assert not {"kv-cache", "engine-baseline", "allocator-retention", "rope"} & {item.kind for item in led.items}
+    assert not {"kv-cache", "engine-baseline", "rope"} & {item.kind for item in led.items}
     assert by_kind(led)["export-weights", "embed_tokens"].bytes == 49152 * 576 + 49152 * 9 * 5  # 9 blocks of 64
 
 
@@ -228,7 +227,6 @@ def test_kv_item_is_the_rule_and_engine_items_are_the_inputs():
     items = by_kind(ledger(model, "bf16", max_model_len=2048, seqs=4))
     assert items["kv-cache", None].bytes == rules.kv_cache_bytes(model, 2048, 4)
     assert items["engine-baseline", None].bytes == BASELINE
-    assert items["allocator-retention", None].bytes == fact("any.allocator_retention_bytes").value
 
 
 @pytest.mark.parametrize(("rows", "widest"), [(512, 512 * 1536), (2048, 2048 * 576)])
@@ -237,7 +235,8 @@ def test_repack_transient_is_the_kernels_chunk_of_int32_codes(rows, widest):
     model = default_model()
     items = by_kind(ledger(model, "w4a16-tinygemm", "direct", 64, chunk=rows, quant=int4_head(model)))
     assert items["repack-transient", None].bytes == 4 * widest
-    assert items["load-copy", None].bytes == 49152 * 576 * 2
+    # edge-convert quantizes in its own process before the engine starts: no bf16 copy on top of the engine's bytes
+    assert ("load-copy", None) not in items
 
 
 def test_fits_compares_peak_with_the_budget():
