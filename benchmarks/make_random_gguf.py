@@ -78,14 +78,15 @@ def architecture_shapes(arch: str, dims: Dims = DIMS) -> dict[str, tuple[tuple[i
 
 
 def float_model(arch: str, rng: np.random.Generator, dims: Dims = DIMS) -> dict[str, tuple[np.ndarray, Q]]:
-    """A tiny `arch` model as llama.cpp's f16 files hold it: F16 matrices, F32 norms, biases and rope factors.
+    """A tiny `arch` model as llama.cpp's f16 files hold it: F16 matrices, F32 norms, biases and rope factors (all 1:
+    no RoPE scaling; edge.gguf_metadata refuses a rope_freqs.weight that is not Llama 3's form, as random ones are).
     Gemma's norms are stored as 1 + w, as llama.cpp writes them."""
     tensors: dict[str, tuple[np.ndarray, Q]] = {}
     for name, (shape, role) in architecture_shapes(arch, dims).items():
         if role == "matrix":
             tensors[name] = ((rng.standard_normal(shape) * 0.05).astype(np.float16), Q.F16)
         elif role == "rope":
-            tensors[name] = (rng.uniform(1.0, 4.0, shape).astype(np.float32), Q.F32)
+            tensors[name] = (np.ones(shape, np.float32), Q.F32)
         else:
             values = rng.standard_normal(shape).astype(np.float32) * 0.1
             if role == "norm":
@@ -205,8 +206,7 @@ def write_q4_k_m(path: Path, dims: Dims, tokenizer_from: Path | None, seed: int 
             kind = q4_k_m_type(name, dims.layers)
             tensors[name] = (raw_blocks(kind, rng, *shape), kind)
         else:
-            tensors[name] = (np.ones(shape, np.float32) if role == "norm" else rng.uniform(1, 4, shape).astype(
-                np.float32), Q.F32)  # fmt: skip
+            tensors[name] = (np.ones(shape, np.float32), Q.F32)  # norms, and rope_freqs of no scaling
     return write_gguf(path, "llama", tensors, dims, tokenizer_from=tokenizer_from)
 
 

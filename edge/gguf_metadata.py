@@ -2,16 +2,21 @@
 
 The planner reads a `.gguf` through it (edge.model_reader: shapes, no weights), the converter writes its
 config.json from it (kernels.convert.convert), and POST /plan takes the same metadata as JSON. Only the header is
-read (gguf-py's GGUFReader memory-maps the file; no tensor data is touched).
+read (gguf-py's GGUFReader memory-maps the file), and of the tensor data only the RoPE factors' few floats.
 
 The keys follow what llama.cpp's convert_hf_to_gguf.py writes and transformers reads back
 (transformers/integrations/ggml.py GGUF_CONFIG_MAPPING): `{arch}.context_length` is max_position_embeddings,
 `{arch}.block_count` num_hidden_layers, and so on. The architectures are the families vLLM serves on CPU that
 llama.cpp files carry; Mistral and SmolLM files say `llama`. A tied head is a file without `output.weight`.
+
+RoPE scaling becomes transformers 5's `rope_parameters` (what vLLM 0.28's get_rope reads): from the
+`{arch}.rope.scaling.*` keys for linear and YaRN, and from the tensors llama.cpp stores the other kinds as, Llama 3's
+`rope_freqs.weight` and Phi-3's `rope_factors_long/short.weight` (`_add_rope_parameters`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,11 +50,13 @@ _FAMILY = {
     "llama": {"rope.dimension_count": "head_dim"},
     "gemma2": {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
                "final_logit_softcapping": "final_logit_softcapping"},
-    "gemma3": {"attention.sliding_window": "sliding_window"},
+    "gemma3": {"attention.sliding_window": "sliding_window", "rope.freq_base_swa": "rope_local_base_freq"},
     "phi3": {"attention.sliding_window": "sliding_window", "rope.dimension_count": "rope_dimension_count"},
 }  # fmt: skip
 HEAD_TENSOR = "output.weight"
 EMBEDDING_TENSOR = "token_embd.weight"
+ROPE_FREQS_TENSOR = "rope_freqs.weight"  # Llama 3: per-frequency divisors of the base frequencies
+ROPE_LONG_TENSOR, ROPE_SHORT_TENSOR = "rope_factors_long.weight", "rope_factors_short.weight"  # Phi-3 LongRoPE
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,7 @@ def hf_config(header: GgufHeader) -> dict[str, Any]:
         if heads <= 0:
             raise InputError(f"{arch}.attention.head_count", heads, "a positive integer")
         config["head_dim"] = q.shape[0] // heads
+    _add_rope_parameters(header, config)
     config["torch_dtype"] = "bfloat16"
     return config
 
@@ -173,6 +181,176 @@ def _int(key: str, value: Any) -> int:
 
 def _tensor(header: GgufHeader, name: str) -> GgufTensorInfo | None:
     return next((t for t in header.tensors if t.name == name), None)
+
+
+# Llama 3's rope_freqs.weight (llama.cpp convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors): for frequency i,
+# theta^(-2i/d), of wavelength w = 2*pi*theta^(2i/d), the divisor is 1 where w < L/high_freq_factor, `factor` where
+# w > L/low_freq_factor, and 1/((1 - s)/factor + s) between, s = (L/w - low)/(high - low): the frequencies
+# transformers' _compute_llama3_parameters and vLLM's Llama3RotaryEmbedding compute from rope_type llama3. They
+# depend on low/L and high/L only, so L is fixed: the file's rope.scaling.original_context_length, else 8192 (what
+# llama.cpp's converter assumes, and Meta's Llama 3.1 and 3.2 value); s is linear in 1/w, which gives low and high.
+LLAMA3_ORIGINAL_CONTEXT = 8192
+LLAMA3_BAND = (1.0, 4.0)  # Meta's low/high_freq_factor: tried when fewer than two divisors lie between 1 and factor
+# How close the rebuilt divisors must be: llama.cpp rounds them in float32, 1.5-3.7 x 2^-24 off the exact ones for
+# Llama 3.1, 3.2 and a 64-wide head (measured here, 2026-12-02); 2^-20 is 16 such steps.
+FLOAT32_MATCH = 2.0**-20
+SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # gguf-py's RopeScalingType
+
+
+def _add_rope_parameters(header: GgufHeader, config: dict[str, Any]) -> None:
+    """The file's RoPE scaling as transformers 5 writes it (`rope_parameters`; Gemma 3's per layer type), and
+    Phi-3's partial rotary; nothing for a file without either, which keeps transformers' defaults."""
+    arch, meta = header.architecture, header.metadata
+    kind_key = f"{arch}.rope.scaling.type"
+    kind = meta.get(kind_key) or ("linear" if f"{arch}.rope.scale_linear" in meta else "none")
+    if kind not in SCALING_TYPES:
+        raise InputError(kind_key, kind, f"one of {', '.join(SCALING_TYPES)}")
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if _is_int(hidden) and _is_int(heads) and heads else None)
+    dims_key = f"{arch}.rope.dimension_count"
+    rotary_dim = _int(dims_key, meta[dims_key]) if meta.get(dims_key) is not None else head_dim
+    if not _is_int(rotary_dim) or rotary_dim <= 0:
+        return  # no head size: the model reader refuses the config for it
+    if arch == "phi3" and _is_int(head_dim) and rotary_dim != head_dim:  # Phi-4-mini rotates 96 of 128
+        config["partial_rotary_factor"] = rotary_dim / head_dim
+    from_metadata = _metadata_scaling(arch, meta, kind)
+    from_tensors = _llama3_scaling(header, config.get("rope_theta", 10000.0), rotary_dim) or _longrope_scaling(
+        header, config, rotary_dim)  # fmt: skip
+    if from_metadata and from_tensors:
+        raise InputError(kind_key, kind, f"none beside the file's {from_tensors['rope_type']} RoPE tensors")
+    scaling = from_metadata or from_tensors
+    if scaling is None:
+        return
+    theta = {"rope_theta": config["rope_theta"]} if "rope_theta" in config else {}
+    rope = {"rope_type": scaling.pop("rope_type"), **theta, **scaling}
+    if arch == "gemma3":  # only the global layers scale (llama.cpp; transformers' Gemma3TextConfig)
+        local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10000.0)}
+        rope = {"full_attention": rope, "sliding_attention": local}
+    config["rope_parameters"] = rope
+    if rope.get("rope_type") == "longrope":  # Phi3Config keeps it beside rope_parameters too, and prefers it
+        config["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+
+
+def _metadata_scaling(arch: str, meta: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
+    """Linear and YaRN scaling from the `{arch}.rope.scaling.*` keys (llama.cpp writes them for Llama, Qwen and
+    Gemma 3 configs with rope_scaling linear or yarn); None for a factor of 1 or none."""
+    factor_key = f"{arch}.rope.scaling.factor"
+    if factor_key not in meta:
+        factor_key = f"{arch}.rope.scale_linear"  # the older key llama.cpp still reads
+    if kind not in ("linear", "yarn") or meta.get(factor_key) is None:
+        return None
+    factor = _number(factor_key, meta[factor_key])
+    if factor == 1.0:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
+    if kind == "yarn":  # the same YaRN parameters in llama.cpp, transformers and vLLM
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:  # else the training context, in all three
+            scaling["original_max_position_embeddings"] = _context(f"{arch}.rope.scaling.original_context_length",
+                                                                   original)  # fmt: skip
+        for suffix, key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if meta.get(f"{arch}.rope.scaling.{suffix}") is not None:
+                scaling[key] = _number(f"{arch}.rope.scaling.{suffix}", meta[f"{arch}.rope.scaling.{suffix}"])
+    return scaling
+
+
+def _llama3_scaling(header: GgufHeader, theta: float, rotary_dim: int) -> dict[str, Any] | None:
+    """Llama 3's rope_scaling rebuilt from rope_freqs.weight (see LLAMA3_ORIGINAL_CONTEXT), checked to give back
+    every divisor; None without the tensor or for divisors all 1; InputError naming it when it is not of that form."""
+    divisors = _rope_values(header, ROPE_FREQS_TENSOR, rotary_dim // 2)
+    if divisors is None or all(d == 1 for d in divisors):
+        return None
+    theta = _number(f"{header.architecture}.rope.freq_base", theta)  # LlamaConfig's and llama.cpp's 10000 if absent
+    key = f"{header.architecture}.rope.scaling.original_context_length"
+    original = _context(key, header.metadata.get(key, LLAMA3_ORIGINAL_CONTEXT))
+    factor = max(divisors)
+    wavelengths = [2 * math.pi * theta ** (2 * i / rotary_dim) for i in range(len(divisors))]
+    # in the band 1/d = (1 - s)/factor + s with s = (L/w - low)/(high - low) = a/w + b: low = -bL/a, high = (1-b)L/a
+    band = [(1 / w, (1 / d - 1 / factor) / (1 - 1 / factor)) for w, d in zip(wavelengths, divisors, strict=True)
+            if 1 < d < factor]  # fmt: skip
+    candidates = [LLAMA3_BAND]
+    if len(band) >= 2 and (line := _line(band)):
+        low, high = -line[1] * original / line[0], (1 - line[1]) * original / line[0]
+        candidates = [(round(low, 3), round(high, 3)), (low, high)]  # 1.0, not 1.0000001, where that is as exact
+    for low, high in candidates:
+        rebuilt = [_llama3_divisor(w, factor, low, high, original) for w in wavelengths] if 0 < low < high else []
+        if rebuilt and all(abs(d - r) <= FLOAT32_MATCH * d for d, r in zip(divisors, rebuilt, strict=True)):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}  # fmt: skip
+    raise InputError(ROPE_FREQS_TENSOR, f"{len(divisors)} divisors from {min(divisors)} to {factor}",
+                     "Llama 3's RoPE divisors (rope_type llama3: 1, then a smooth band, then `factor`)")  # fmt: skip
+
+
+def _llama3_divisor(wavelength: float, factor: float, low: float, high: float, original: int) -> float:
+    """transformers' _compute_llama3_parameters, as the base frequency over the scaled one."""
+    if wavelength < original / high:
+        return 1.0
+    if wavelength > original / low:
+        return factor
+    smooth = (original / wavelength - low) / (high - low)
+    return 1 / ((1 - smooth) / factor + smooth)
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares slope and intercept of y = a*x + b; None unless the slope is positive."""
+    n, sx, sy = len(points), sum(x for x, _ in points), sum(y for _, y in points)
+    sxx, sxy = sum(x * x for x, _ in points), sum(x * y for x, y in points)
+    if n * sxx - sx * sx <= 0:
+        return None
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return (slope, (sy - slope * sx) / n) if slope > 0 else None
+
+
+def _longrope_scaling(header: GgufHeader, config: Mapping[str, Any], rotary_dim: int) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE from rope_factors_long/short.weight and the original context, as Phi3Config holds it."""
+    arch, meta = header.architecture, header.metadata
+    long, short = (_rope_values(header, name, rotary_dim // 2) for name in (ROPE_LONG_TENSOR, ROPE_SHORT_TENSOR))
+    if long is None and short is None:
+        return None
+    if long is None or short is None:
+        missing = ROPE_LONG_TENSOR if long is None else ROPE_SHORT_TENSOR
+        raise InputError(missing, None, "a tensor of the file beside the other LongRoPE factors")
+    context = _context(f"{arch}.context_length", config.get("max_position_embeddings"))
+    key = f"{arch}.rope.scaling.original_context_length"
+    original = _context(key, meta.get(key, context))  # llama.cpp: the training context when absent
+    scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+               "original_max_position_embeddings": original}  # fmt: skip
+    # llama.cpp scales cos and sin by rope.scaling.attn_factor; transformers and vLLM compute the same value from
+    # the two contexts (sqrt(1 + ln(s)/ln(original)), s = context/original, 1 for s <= 1) and are told where not
+    scale = context / original
+    implied = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    attn_key = f"{arch}.rope.scaling.attn_factor"
+    attn = _number(attn_key, meta[attn_key]) if meta.get(attn_key) is not None else implied
+    if not math.isclose(attn, implied, rel_tol=FLOAT32_MATCH):
+        scaling |= {"attention_factor": attn, "short_mscale": attn, "long_mscale": attn}  # transformers', vLLM's
+    return scaling
+
+
+def _rope_values(header: GgufHeader, name: str, length: int) -> list[float] | None:
+    """A RoPE tensor's F32 values, each the shortest decimal of its float32 (1.08, not 1.0800000429); None when
+    the file has none, or the header no data: POST /plan's JSON lists tensors without it, and these factors change
+    no shape or byte count the planner reads, so it plans without them."""
+    info = _tensor(header, name)
+    if info is None or header.reader is None:
+        return None
+    if info.type != "F32" or info.shape != (length,):
+        raise InputError(name, f"{info.type} {list(info.shape)}", f"F32 [{length}]: one per rotary frequency")
+    data = next(t.data for t in header.reader.tensors if t.name == name)
+    return [float(str(value)) for value in data]  # numpy's str of a float32 is its shortest round-trip decimal
+
+
+def _context(key: str, value: Any) -> int:
+    """A context length in tokens, more than one (a logarithm of it divides)."""
+    if _int(key, value) < 2:
+        raise InputError(key, value, "a context length of at least 2 tokens")
+    return value
+
+
+def _number(key: str, value: Any) -> float:
+    """A positive finite number (gguf-py reads float32 keys as floats; JSON may send anything)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise InputError(key, value, "a positive number")
+    return float(value)
 
 
 def tensor_types(header: GgufHeader) -> dict[str, int]:

@@ -59,6 +59,8 @@ def tiny_gguf(directory: Path, arch: str, tokenizer: Path, *, mixed: bool = Fals
     for name, (shape, role) in architecture_shapes(arch, dims).items():
         if role == "matrix":
             tensors[name] = (encoded(_types(name, mixed), rng, *shape), _types(name, mixed))
+        elif role == "rope":  # no scaling: transformers' GGUF loader reads no RoPE tensors, so its reference has none
+            tensors[name] = (np.ones(shape, np.float32), Q.F32)
         else:
             values = rng.standard_normal(shape).astype(np.float32) * 0.1 + (1.0 if role == "norm" else 0.0)
             tensors[name] = (values, Q.F32)
