@@ -10,7 +10,7 @@ from edge.device import DeviceProfile
 from edge.kernel_params import KernelParams
 from edge.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.plan import Layout, ServingMode, VllmConfig, WeightPath
-from edge.quantized_layers import LayerDecision, kept_bf16
+from edge.quantized_layers import LayerDecision, eight_bit_set, kept_bf16
 from edge.shapes import ModelShape
 from edge.weight_paths import PATHS, quant_method
 
@@ -68,7 +68,7 @@ def _cpu_int4(
         # weights not on a source grid: the scale-and-minimum search (kernels/ops/asym_search.py), measured to
         # cut the squared error 26 % at group 64 on the default model's weights (docs/reports/)
         "rounding": "search",
-        "int8": [layer.name for layer in layers if layer.format == "int8"],
+        "int8": eight_bit_set(layers),
         "ignore": kept_bf16(layers),
     }
 
@@ -85,7 +85,7 @@ def _cpu_w4a8(
         "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/ops/gptq.py)
         # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/ops/int4_ops.py)
         "dequant_threshold": kernel.dequant_threshold,
-        "int8": [layer.name for layer in layers if layer.format == "int8"],
+        "int8": eight_bit_set(layers),
         "ignore": kept_bf16(layers),
     }
 

@@ -365,17 +365,20 @@ def tensor_types(header: GgufHeader) -> dict[str, int]:
 # Q4_0 and Q4_1 blocks of 32, and Q4_K's 8 sub-blocks of 32 (kernels.source.gguf_source reads their codes).
 FOUR_BIT_GRIDS = ("Q4_0", "Q4_1", "Q4_K")
 GRID_GROUP = 32
-# The quantized types wider than 4 bits that kernels.source.gguf_source reads (edge.quantized_layers keeps a kind
-# the file holds mostly in these at 8 bits).
+# The quantized types wider than 4 bits that kernels.source.gguf_source reads (edge.quantized_layers keeps a tensor
+# the file holds in one of these at 8 bits).
 WIDE_SOURCE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 def source_grid(header: GgufHeader) -> int | None:
-    """32 when the file's decoder linears are mostly on a 4-bit group-32 grid (a Q4_K_M keeps some at Q6_K: those
-    are re-rounded, the rest copied), else None."""
+    """32 when the decoder linears a plan keeps at 4 bits (all but those in WIDE_SOURCE_TYPES, which go to the
+    8-bit set) are mostly on a 4-bit group-32 grid, else None. llama.cpp's Q4_K_M of a model whose rows are not
+    multiples of 256 holds 166 of its 210 linears at Q5_0 and 16 at Q4_K (docs/reports/2026-12-01-gguf-models.md):
+    its grid is the Q4_K ones', which keep their codes while the rest go to 8 bits."""
     linears = [t for t in header.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    on_grid = sum(t.type in FOUR_BIT_GRIDS for t in linears)
-    return GRID_GROUP if linears and on_grid * 2 >= len(linears) else None
+    narrow = [t for t in linears if t.type not in WIDE_SOURCE_TYPES]
+    on_grid = sum(t.type in FOUR_BIT_GRIDS for t in narrow)
+    return GRID_GROUP if on_grid and on_grid * 2 >= len(narrow) else None
 
 
 # The file's tensor names (blk.N.<name>.weight) as the kinds of weight a plan decides (edge.quantized_layers).
@@ -383,23 +386,48 @@ _KINDS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_outp
           "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # fmt: skip
 
 
-def source_types(header: GgufHeader) -> dict[str, dict[str, int]]:
-    """Per kind of weight, how many of its tensors the file holds in each type (a tied head counts as its
-    embedding); Phi-3's ffn_up holds the fused gate_up_proj."""
+def _weights(header: GgufHeader) -> list[tuple[str, int | None, str]]:
+    """(kind, layer index or None, type) of every tensor a plan decides: the embedding, the head and the decoder
+    linears; Phi-3's ffn_up holds the fused gate_up_proj. A layer index that is not an integer below
+    `{arch}.block_count` is refused naming the tensor."""
     phi3 = header.architecture == "phi3"
-    found: dict[str, dict[str, int]] = {}
+    blocks = header.metadata.get(f"{header.architecture}.block_count")
+    found = []
     for t in header.tensors:
         parts = t.name.split(".")
         if t.name == EMBEDDING_TENSOR:
-            kind = "embed_tokens"
+            found.append(("embed_tokens", None, t.type))
         elif t.name == HEAD_TENSOR:
-            kind = "lm_head"
+            found.append(("lm_head", None, t.type))
         elif len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _KINDS:
+            if not parts[1].isdecimal() or (_is_int(blocks) and int(parts[1]) >= blocks):
+                raise InputError(f"gguf tensor {t.name}", parts[1], f"a layer index below {blocks} "
+                                 f"({header.architecture}.block_count)")  # fmt: skip
             kind = "gate_up_proj" if phi3 and parts[2] == "ffn_up" else _KINDS[parts[2]]
-        else:
-            continue
+            found.append((kind, int(parts[1]), t.type))
+    return found
+
+
+def source_types(header: GgufHeader) -> dict[str, dict[str, int]]:
+    """Per kind of weight, how many of its tensors the file holds in each type (a tied head counts as its
+    embedding)."""
+    found: dict[str, dict[str, int]] = {}
+    for kind, _, type_name in _weights(header):
         counts = found.setdefault(kind, {})
-        counts[t.type] = counts.get(t.type, 0) + 1
+        counts[type_name] = counts.get(type_name, 0) + 1
     if "lm_head" not in found and "embed_tokens" in found:
         found["lm_head"] = dict(found["embed_tokens"])
     return {kind: dict(sorted(counts.items())) for kind, counts in found.items()}
+
+
+def source_layers(header: GgufHeader) -> dict[str, dict[str, list[int]]]:
+    """Per kind of decoder linear the file holds in more than one type, which layers hold each type, e.g. a
+    Q4_K_M's {"v_proj": {"Q4_K": [3, 4, 6, ...], "Q6_K": [0, 1, 2, 5, ...]}} (llama-quant.cpp gives attn_v and
+    ffn_down Q6_K on the first and last eighth of the layers and every third between). A kind held in one type
+    throughout is absent: source_types says it."""
+    found: dict[str, dict[str, list[int]]] = {}
+    for kind, layer, type_name in _weights(header):
+        if layer is not None:
+            found.setdefault(kind, {}).setdefault(type_name, []).append(layer)
+    return {kind: {t: sorted(layers) for t, layers in sorted(types.items())}
+            for kind, types in found.items() if len(types) > 1}  # fmt: skip

@@ -24,6 +24,7 @@ from edge.weight_paths import PATHS
 FP32 = 4  # bytes of an exported graph's scale
 BF16 = 2  # bytes; the engine runs every path with bf16 activations and bf16 non-quantized tensors
 LM_HEAD = "lm_head"
+Layers = dict[str, list[LayerDecision]]  # kind -> its parts (edge.quantized_layers.model_layers)
 
 
 def estimate(
@@ -47,7 +48,9 @@ def estimate(
     `quant`, by default the rules a plan writes (rules_for).
     """
     quant = quant or rules_for(model, path, group_size)
-    layers = {d.name: d for d in model_layers(model, quant)}
+    layers: Layers = {}
+    for decision in model_layers(model, quant):  # a kind split by format (a GGUF's mixed grid) has several parts
+        layers.setdefault(decision.name, []).append(decision)
     weight_format = PATHS[path].weight_format  # which weight items, edge.weight_paths
     if weight_format == "export":
         items = _export_weights(model)
@@ -154,6 +157,25 @@ def _head(model: ModelShape) -> LinearShape:
     return heads[0] if heads else _embedding(model).model_copy(update={"name": LM_HEAD})
 
 
+def _one(layers: Layers, name: str) -> LayerDecision:
+    """The decision of a weight that is one tensor (the embedding, the head): never split."""
+    (decision,) = layers[name]
+    return decision
+
+
+def _parts(linears: Iterable[LinearShape], layers: Layers) -> list[tuple[LinearShape, LayerDecision]]:
+    """Each of `linears` per format its layers take (a kind split by format counts each part in its own), as
+    LinearShapes of that many layers, each with the first of its parts' decisions."""
+    parts: list[tuple[LinearShape, LayerDecision]] = []
+    for lin in linears:
+        by_format: dict[str, tuple[LinearShape, LayerDecision]] = {}
+        for decision in layers[lin.name]:
+            part, first = by_format.get(decision.format, (lin.model_copy(update={"count": 0}), decision))
+            by_format[decision.format] = (part.model_copy(update={"count": part.count + decision.count}), first)
+        parts += by_format.values()
+    return parts
+
+
 # --- weights per path ----------------------------------------------------------------------------------
 
 
@@ -188,7 +210,7 @@ def _kept_bf16(lin: LinearShape, why: str) -> MemoryItem:
 
 
 def _tinygemm_weights(
-    model: ModelShape, layers: dict[str, LayerDecision], layout: Layout, group: int, block: int,
+    model: ModelShape, layers: Layers, layout: Layout, group: int, block: int,
     decode_kernel: str = DEFAULT_DECODE_KERNEL,
 ) -> list[MemoryItem]:  # fmt: skip
     """int4 tinygemm buffers, bf16 for the layers kept bf16, and the row-major copies the layout keeps.
@@ -199,10 +221,11 @@ def _tinygemm_weights(
     head = _head(model)
     tied = model.tie_word_embeddings
     items: list[MemoryItem] = []
-    if layers[EMBEDDING].format == "int8":
+    embedding = _one(layers, EMBEDDING)
+    if embedding.format == "int8":
         shared = " (tied: the head multiplies the same rows)" if tied else ""
         items.append(_int8(_embedding(model), shared))
-    elif tied and layers[EMBEDDING].format == "int4":
+    elif tied and embedding.format == "int4":
         detail = _tinygemm_detail(head, group)
         items += [
             _resident("int4-weights", "lm_head (tied embedding) int4 tinygemm", tinygemm_bytes(head, group), detail,
@@ -212,10 +235,9 @@ def _tinygemm_weights(
                       layer=EMBEDDING),
         ]  # fmt: skip
     else:
-        items.append(_kept_bf16(_embedding(model), layers[EMBEDDING].why))
+        items.append(_kept_bf16(_embedding(model), embedding.why))
     packed = []
-    for lin in _layer_linears(model) + ([] if tied else [head]):
-        decision = layers[lin.name]
+    for lin, decision in _parts(_layer_linears(model) + ([] if tied else [head]), layers):
         if decision.format == "int4":
             packed.append(lin)
             items.append(_resident("int4-weights", f"{lin.name} int4 tinygemm", tinygemm_bytes(lin, group),
@@ -261,15 +283,15 @@ def _row_major_copies(
     return items
 
 
-def _gptq_weights(model: ModelShape, layers: dict[str, LayerDecision], group: int | None) -> list[MemoryItem]:
+def _gptq_weights(model: ModelShape, layers: Layers, group: int | None) -> list[MemoryItem]:
     """GPTQ int4 linears; the embedding and the head as edge.quantized_layers decides. vLLM's own gptq path
     quantizes the head to 4 bits (docs/FACTS.md: a bf16 head costs more per step than the 4-bit saving), so a tied
     embedding is untied and stays bf16 beside it; the plugin's cpu_w4a8 keeps the 8-bit set (embedding and head
     int8, still tied) or, for fidelity, both bf16 and tied."""
     emb, head = _embedding(model), _head(model)
     tied = model.tie_word_embeddings
-    head_format = layers[LM_HEAD].format
-    if layers[EMBEDDING].format == "int8":
+    head_format, embedding_format = _one(layers, LM_HEAD).format, _one(layers, EMBEDDING).format
+    if embedding_format == "int8":
         embedding = _int8(emb, " (tied: the head multiplies the same rows)" if tied else "")
     elif tied and head_format != "bf16":
         embedding = _resident("untie-cost", "embedding kept bf16 (cost of untying the head)", bf16_bytes(emb),
@@ -279,9 +301,8 @@ def _gptq_weights(model: ModelShape, layers: dict[str, LayerDecision], group: in
         embedding = _resident("bf16-weights", "embedding (bf16)", bf16_bytes(emb), _bf16_detail(emb) + shared,
                               layer=EMBEDDING)  # fmt: skip
     items = [embedding]
-    head_shares_embedding = tied and head_format == layers[EMBEDDING].format
-    for lin in [*_layer_linears(model), *([] if head_shares_embedding else [head])]:
-        decision = layers[lin.name]
+    head_shares_embedding = tied and head_format == embedding_format
+    for lin, decision in _parts([*_layer_linears(model), *([] if head_shares_embedding else [head])], layers):
         if decision.format == "int4":
             assert group is not None
             groups = "1" if group == -1 else f"{lin.k}/{group}"
@@ -394,9 +415,7 @@ def _weight_matrices(model: ModelShape) -> list[LinearShape]:
     return [_embedding(model), *model.linears]
 
 
-def _transients(
-    model: ModelShape, layers: dict[str, LayerDecision], path: WeightPath, kernel: KernelParams
-) -> list[MemoryItem]:
+def _transients(model: ModelShape, layers: Layers, path: WeightPath, kernel: KernelParams) -> list[MemoryItem]:
     if PATHS[path].weight_format != "tinygemm":
         largest = max(_weight_matrices(model), key=lambda lin: lin.n * lin.k)
         one = largest.model_copy(update={"count": 1})
@@ -409,7 +428,8 @@ def _transients(
             )
         ]
     rows = kernel.repack_chunk_rows
-    packed = [lin for lin in model.linears if layers[lin.name].format == "int4"]  # a tied embedding is the head
+    # a tied embedding is the head
+    packed = [lin for lin in model.linears if any(d.format == "int4" for d in layers[lin.name])]
     # No bf16 copy here: edge-convert quantizes in its own process before the engine starts (server.cli.prepare),
     # and the engine loads the converted codes, so only the repack chunk stacks on the engine's resident bytes.
     items = []
@@ -430,7 +450,7 @@ def _transients(
 
 def _dequant_working_set(
     model: ModelShape,
-    layers: dict[str, LayerDecision],
+    layers: Layers,
     layout: Layout,
     kernel: KernelParams,
     max_model_len: int,
@@ -448,19 +468,20 @@ def _dequant_working_set(
     threshold = kernel.dequant_threshold
     # int4: uint8 codes + fp32 values (+ the bf16 cast unless fp32 is the prefill dtype); int8: fp32 + bf16
     bytes_per = {"int4": 1 + 4 + (2 if kernel.prefill_dtype == "bfloat16" else 0), "int8": 4 + 2}
-    def dequantizes(lin: LinearShape, rows: int, int4_dequantizes: bool) -> bool:
-        fmt = layers[lin.name].format
+    def dequantizes(fmt: str, rows: int, int4_dequantizes: bool) -> bool:
         return rows >= threshold and (fmt == "int8" or (fmt == "int4" and int4_dequantizes))
 
     # int8 layers dequantize wide batches in every layout (kernels/ops/int4_ops.py cpu_int8_linear)
-    candidates = [lin for lin in _layer_linears(model) if dequantizes(lin, max_model_len, layout != "kernel-only")]
+    candidates = [(lin, d.format) for lin in _layer_linears(model) for d in layers[lin.name]
+                  if dequantizes(d.format, max_model_len, layout != "kernel-only")]  # fmt: skip
     head = _head(model)
-    if dequantizes(head, max_num_seqs, layout != "kernel-only" or model.tie_word_embeddings):
-        candidates.append(head)
+    head_format = _one(layers, LM_HEAD).format
+    if dequantizes(head_format, max_num_seqs, layout != "kernel-only" or model.tie_word_embeddings):
+        candidates.append((head, head_format))
     if not candidates:
         return []
-    widest = max(candidates, key=lambda lin: lin.n * lin.k * bytes_per[layers[lin.name].format])
-    per_weight = bytes_per[layers[widest.name].format]
+    widest, fmt = max(candidates, key=lambda pair: pair[0].n * pair[0].k * bytes_per[pair[1]])
+    per_weight = bytes_per[fmt]
     size = per_weight * widest.n * widest.k
     what = {5: "uint8 codes + fp32 values", 7: "uint8 codes + fp32 values + bf16 cast", 6: "fp32 + bf16 values"}
     return [

@@ -92,13 +92,14 @@ def is_gguf(path: Path) -> bool:
 
 
 def read_gguf_header(header, name: str) -> ModelShape:
-    """Shapes of a GGUF's model from its header (edge.gguf_metadata.GgufHeader): its config, its 4-bit grid and
-    its tensor types per kind."""
+    """Shapes of a GGUF's model from its header (edge.gguf_metadata.GgufHeader): its config, its 4-bit grid, its
+    tensor types per kind and, for a kind held in several types, per layer."""
     from edge import gguf_metadata
 
     shape = read_model_config(gguf_metadata.hf_config(header), name)
-    types = gguf_metadata.source_types(header)
-    return shape.model_copy(update={"source_grid": gguf_metadata.source_grid(header), "source_types": types})
+    return shape.model_copy(update={"source_grid": gguf_metadata.source_grid(header),
+                                    "source_types": gguf_metadata.source_types(header),
+                                    "source_layers": gguf_metadata.source_layers(header) or None})  # fmt: skip
 
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")

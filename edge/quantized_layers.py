@@ -5,6 +5,10 @@ Asked three ways, always through `QuantRules`:
     per checkpoint tensor                     the converter (`QuantRules.weights`)
     per vLLM layer, fused or not              the `cpu_int4` method (`QuantRules.fused`)
 
+Decided per checkpoint weight (model.layers.3.self_attn.v_proj), so one kind may take two formats: a GGUF source's
+tensors keep the file's own mixed grid (a tensor on a 4-bit group-32 grid keeps its codes, one in a wider type goes
+to the 8-bit set), and the plan's `layers` then lists a kind once per format, with the layers each covers.
+
 A layer stays bf16 when `quantization_config.ignore` names it, when the kernel cannot take its shape (tinygemm
 packs N in 16s; vLLM's CPU GPTQ wants N and K in 32s), or when a layer vLLM fuses it with stays bf16 (q/k/v
 load into one qkv_proj, gate/up into one gate_up_proj: a fused layer takes one format, the widest of its parts).
@@ -24,7 +28,8 @@ Pure: no torch, no I/O.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -32,7 +37,7 @@ from pydantic import BaseModel
 
 from edge.errors import InputError
 from edge.gguf_metadata import FOUR_BIT_GRIDS, WIDE_SOURCE_TYPES
-from edge.shapes import ModelShape
+from edge.shapes import LinearShape, ModelShape
 from edge.weight_paths import METHODS, QUANTIZED_PATHS, MethodSpec, own_method, quant_method
 
 Format = Literal["int4", "int8", "bf16"]
@@ -57,23 +62,52 @@ SENSITIVE_SET: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 # model.embed_tokens.qweight in Gemma2ForCausalLM", seen 2026-12-01); their head is that embedding (tied), so
 # both stay bf16 whatever the priority. Gemma 3's class passes the config, so it takes the 8-bit set.
 BF16_EMBEDDING_ARCHITECTURES: tuple[str, ...] = ("GemmaForCausalLM", "Gemma2ForCausalLM")
-# A kind of weight the file holds mostly in a type wider than 4 bits (WIDE_SOURCE_TYPES) goes to the 8-bit set
-# (item 3 of issue 22: 5-, 6- and 8-bit grids go to the 8-bit path): re-rounding it to 4 bits is a second
-# quantization, measured on the default model's Q4_K_M requantization (166 Q5_0 linears) at mean KLD 0.235 and
-# top-1 72.9 % against the file's own weights, where llama.cpp serving the file measured 0.0044
-# (benchmarks/gguf_fidelity.py, docs/reports/2026-12-01-gguf-models.md).
+# A weight the file holds in a type wider than 4 bits (WIDE_SOURCE_TYPES) goes to the 8-bit set, tensor by tensor
+# (issue 22: 5-, 6- and 8-bit grids go to the 8-bit path; the file's own mixed grid is kept). Re-rounding such
+# weights to 4 bits is a second quantization: the default model's Q4_K_M requantization (166 Q5_0 linears) measured
+# mean KLD 0.235 and top-1 72.9 % against the file's own weights with every linear re-rounded, 0.063 with the
+# Q5_0-held kinds int8 and down_proj (16 Q4_K, 14 Q6_K) re-rounded at group 64, where llama.cpp serving the file
+# measured 0.0044 (benchmarks/gguf_fidelity.py, docs/reports/2026-12-01-gguf-models.md).
+
+# The module each kind of decoder linear sits in inside model.layers.N, as the Hugging Face checkpoints of every
+# architecture read here name them (transformers' Llama, Qwen2/3, Gemma 2/3 and Phi-3; kernels.source.gguf_source
+# gives a GGUF's tensors the same names).
+LAYER_MODULES: dict[str, str] = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"), "self_attn"),
+    **dict.fromkeys(("gate_proj", "up_proj", "down_proj", "gate_up_proj"), "mlp"),
+}
 
 
-def wide_source_kinds(model: ModelShape) -> tuple[str, ...]:
-    """The linear kinds whose tensors the source file holds mostly (more than half) in WIDE_SOURCE_TYPES."""
-    wide = []
-    for kind, types in (model.source_types or {}).items():
-        if kind in (EMBEDDING, HEAD):
+def layer_prefix(name: str, layer: int) -> str:
+    """A decoder linear's checkpoint prefix: ("v_proj", 3) -> model.layers.3.self_attn.v_proj (a kind no
+    architecture here has, as a ModelShape may name one, directly in the layer: model.layers.3.<name>)."""
+    module = LAYER_MODULES.get(name)
+    return f"model.layers.{layer}.{module}.{name}" if module else f"model.layers.{layer}.{name}"
+
+
+def source_weights(
+    model: ModelShape, held: Callable[[str], bool], kinds: Sequence[str] | None = None
+) -> tuple[str, ...]:
+    """The decoder weights (of `kinds`, default all) that the source file holds in a type `held` accepts, as
+    `quantization_config.int8` names them: a kind held so throughout by its name, the layers of a kind held so
+    only in part by their prefixes (model.layers.3.self_attn.v_proj). Nothing for a source without types."""
+    entries: list[str] = []
+    for name, types in (model.source_types or {}).items():
+        if name in (EMBEDDING, HEAD) or (kinds is not None and name not in kinds) or not any(map(held, types)):
             continue
-        count = sum(types.values())
-        if count and 2 * sum(n for t, n in types.items() if t in WIDE_SOURCE_TYPES) > count:
-            wide.append(kind)
-    return tuple(wide)
+        if all(map(held, types)):
+            entries.append(name)
+            continue
+        by_type = (model.source_layers or {}).get(name)
+        assert by_type is not None, f"{name} is held in {sorted(types)}: edge.model_reader gives its layers"
+        layers = sorted(i for type_name, indices in by_type.items() if held(type_name) for i in indices)
+        entries += [layer_prefix(name, i) for i in layers]
+    return tuple(entries)
+
+
+def wide_source_weights(model: ModelShape) -> tuple[str, ...]:
+    """The decoder weights the source file holds in WIDE_SOURCE_TYPES, which a plan keeps at 8 bits."""
+    return source_weights(model, lambda type_name: type_name in WIDE_SOURCE_TYPES)
 
 
 # When vLLM fuses weights of different formats into one layer, all take the widest.
@@ -87,7 +121,8 @@ FUSED: dict[str, str] = {shard: fused for fused, shards in SHARDS.items() for sh
 
 
 class LayerDecision(BaseModel):
-    """One kind of weight (all `count` of them) and what the path stores it as."""
+    """One kind of weight (`count` of them) and what the path stores it as. A kind whose layers take different
+    formats (or one format for different reasons) is listed once per part, each naming the layers it covers."""
 
     name: str  # "q_proj", ..., "lm_head", "embed_tokens"
     format: Format
@@ -96,6 +131,7 @@ class LayerDecision(BaseModel):
     k: int
     count: int
     source: dict[str, int] | None = None  # what a GGUF source holds them as: {GGML type: how many}
+    indices: list[int] | None = None  # the decoder layers (model.layers.N) of a kind split in parts; None: all
 
 
 @dataclass(frozen=True)
@@ -128,8 +164,20 @@ def kind(prefix: str) -> str:
 
 
 def matches(prefix: str, patterns: Sequence[str]) -> bool:
-    """An `ignore` entry is a layer kind ("q_proj", "lm_head"), a full prefix, or a glob."""
-    return any(prefix == p or prefix.endswith("." + p) or fnmatch.fnmatchcase(prefix, p) for p in patterns)
+    """An `ignore` entry is a layer kind ("q_proj", "lm_head"), a full prefix, or a glob: `prefix` is one, ends in
+    "." and one, or matches one."""
+    names, globs = _patterns(tuple(patterns))
+    parts = prefix.split(".")
+    return any(".".join(parts[i:]) in names for i in range(len(parts))) or any(
+        fnmatch.fnmatchcase(prefix, p) for p in globs
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _patterns(patterns: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The entries as names to look up and the globs among them (fnmatch's special characters). An 8-bit set that
+    names a Q4_K_M's layers one by one has ~160 entries, which every weight of the model is matched against."""
+    return frozenset(patterns), tuple(p for p in patterns if any(c in p for c in "*?["))
 
 
 @dataclass(frozen=True)
@@ -180,6 +228,14 @@ class QuantRules:
 
     def ignored(self, prefix: str) -> bool:
         return matches(prefix, self.ignore)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether an entry of `ignore` or `int8` can tell one layer of a kind from another: a glob, or a name
+        with a layer index (model.layers.3.self_attn.v_proj). Without one, every layer of a kind is decided alike."""
+        return any(_patterns(self.ignore + self.int8)[1]) or any(
+            part.isdecimal() for entry in self.ignore + self.int8 for part in entry.split(".")
+        )
 
     def weight(self, prefix: str, n: int, k: int) -> Decision:
         """One checkpoint weight [N, K] named by its prefix (model.layers.3.mlp.down_proj, lm_head,
@@ -270,16 +326,24 @@ def rules_for(
 ) -> QuantRules:
     """The rules a plan writes for this model: w4a16, and w4a8 on a device without AMX (`amx=False`: the plugin's
     cpu_w4a8), give the embedding and the head HEAD_FORMAT[priority] (the 8-bit set for speed; bf16, listed in
-    `ignore`, for fidelity); fidelity also keeps SENSITIVE_SET at 8 bits unless the source's own grid holds them
-    already (a GPTQ checkpoint never takes codes from the source). An architecture whose vLLM class cannot load a
-    quantized embedding (BF16_EMBEDDING_ARCHITECTURES) keeps the embedding and its tied head bf16."""
+    `ignore`, for fidelity); fidelity also keeps SENSITIVE_SET at 8 bits, but for the tensors whose codes come
+    from the source's own grid at this group (a GPTQ checkpoint never takes codes from the source). The weights a
+    GGUF source holds wider than 4 bits take the 8-bit set, tensor by tensor (wide_source_weights). An
+    architecture whose vLLM class cannot load a quantized embedding (BF16_EMBEDDING_ARCHITECTURES) keeps the
+    embedding and its tied head bf16."""
     method = quant_method(path, amx=amx)
     spec = METHODS.get(method) if method else None
     eight_bit = spec is not None and spec.eight_bit
     plain_embedding = model.architecture in BF16_EMBEDDING_ARCHITECTURES
     head_format = ("bf16" if plain_embedding else HEAD_FORMAT[priority]) if eight_bit else None
-    own_grid = bool(model.source_grid) and spec is not None and spec.source_codes
-    sensitive = SENSITIVE_SET if eight_bit and priority == "fidelity" and not own_grid else ()
+    own_grid = model.source_grid is not None and model.source_grid == group_size and bool(spec and spec.source_codes)
+    sensitive: tuple[str, ...] = ()
+    if eight_bit and priority == "fidelity":
+        # a source grid without types (an edge-source.json: every linear Q4_0/Q4_1) holds them all already
+        off_grid = source_weights(model, lambda type_name: type_name not in FOUR_BIT_GRIDS, SENSITIVE_SET)
+        sensitive = off_grid if own_grid else SENSITIVE_SET
+    wide = wide_source_weights(model) if eight_bit else ()
+    int8 = (EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive + wide
     return QuantRules(
         path=path,
         group_size=group_size,
@@ -287,8 +351,7 @@ def rules_for(
         # a tied head listed in `ignore` keeps it bf16 all the same
         quantize_embedding=model.tie_word_embeddings and not plain_embedding,
         quantize_head=True,
-        int8=tuple(dict.fromkeys((EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive
-                                 + (wide_source_kinds(model) if eight_bit else ()))),
+        int8=tuple(dict.fromkeys(int8)),
         tied=model.tie_word_embeddings,
         strict=False,
         quant_method=method,
@@ -296,30 +359,86 @@ def rules_for(
 
 
 def model_layers(model: ModelShape, quant: QuantRules) -> list[LayerDecision]:
-    """Per kind of weight in `model` (the embedding first), what `quant` stores it as."""
-    shapes = {EMBEDDING: (model.vocab_size, model.hidden_size, 1)}
-    shapes |= {lin.name: (lin.n, lin.k, lin.count) for lin in model.linears}
-    if HEAD not in shapes:
-        shapes[HEAD] = (model.vocab_size, model.hidden_size, 1)
-    decided = quant.weights({name: (n, k) for name, (n, k, _) in shapes.items()})
-    return [
-        LayerDecision(name=name, format=decided[name].format, why=_from_source(model, quant, name, decided[name]),
-                      n=n, k=k, count=count, source=(model.source_types or {}).get(name))  # fmt: skip
-        for name, (n, k, count) in shapes.items()
-    ]
+    """Per kind of weight in `model` (the embedding first), what `quant` stores it as, decided per checkpoint
+    weight as the converter decides it: one entry a kind, or one a part where its layers differ."""
+    kinds = [LinearShape(name=EMBEDDING, n=model.vocab_size, k=model.hidden_size, count=1), *model.linears]
+    if not any(lin.name == HEAD for lin in model.linears):
+        kinds.append(LinearShape(name=HEAD, n=model.vocab_size, k=model.hidden_size, count=1))
+    prefixes = {lin.name: _prefixes(lin, every_layer=quant.per_layer) for lin in kinds}
+    decided = quant.weights({prefix: (lin.n, lin.k) for lin in kinds for prefix in prefixes[lin.name]})
+    layers = []
+    for lin in kinds:
+        parts: dict[Decision, list[int]] = {}
+        for index, prefix in enumerate(prefixes[lin.name]):
+            parts.setdefault(decided[prefix], []).append(index)
+        whole = len(parts) == 1
+        for decision, indices in parts.items():
+            source = _source(model, lin.name, None if whole else indices)
+            layers.append(LayerDecision(
+                name=lin.name, format=decision.format, why=_from_source(model, quant, lin.name, decision, source),
+                n=lin.n, k=lin.k, count=lin.count if whole else len(indices), source=source,
+                indices=None if whole else indices))  # fmt: skip
+    return layers
 
 
-def _from_source(model: ModelShape, quant: QuantRules, name: str, decision: Decision) -> str:
-    """The decision's reason, and for a GGUF source's 4-bit layers on its own grid, which of its tensors keep the
-    file's codes and which are re-rounded (a Q4_K_M holds some v_proj/down_proj at Q6_K)."""
+def _prefixes(lin: LinearShape, *, every_layer: bool) -> list[str]:
+    """The checkpoint prefixes of a kind's weights, by layer: every layer's, or the first one's when every layer
+    is decided alike (QuantRules.per_layer: the same answer at 1/num_layers of the cost)."""
+    if lin.name in (EMBEDDING, HEAD):
+        return [f"model.{EMBEDDING}" if lin.name == EMBEDDING else HEAD]
+    return [layer_prefix(lin.name, i) for i in range(lin.count if every_layer else 1)]
+
+
+def _source(model: ModelShape, name: str, indices: Sequence[int] | None) -> dict[str, int] | None:
+    """What a GGUF source holds weights of kind `name` as, {GGML type: how many}: all of them (`indices` None),
+    or those of the layers named."""
     types = (model.source_types or {}).get(name)
-    if not types or decision.format != "int4" or quant.group_size != model.source_grid or not quant.method.source_codes:
+    if types is None or indices is None:
+        return types
+    by_type = (model.source_layers or {}).get(name)
+    if by_type is None:  # held in one type throughout
+        assert len(types) == 1, f"{name} is held in {sorted(types)}: edge.model_reader gives its layers"
+        return {next(iter(types)): len(indices)}
+    counts = {t: sum(i in layers for i in indices) for t, layers in by_type.items()}
+    return {t: n for t, n in counts.items() if n}
+
+
+def _from_source(model: ModelShape, quant: QuantRules, name: str, decision: Decision,
+                 types: Mapping[str, int] | None) -> str:  # fmt: skip
+    """The decision's reason, and for a GGUF source's decoder weights what the file held: for 4-bit ones on its own
+    grid which keep the file's codes and which are re-rounded (a float tensor), for int8 ones the file's types."""
+    if not types or name in (EMBEDDING, HEAD):
         return decision.why
-    kept = sum(count for kind, count in types.items() if kind in FOUR_BIT_GRIDS)
-    others = ", ".join(f"{kind} x{count}" for kind, count in types.items() if kind not in FOUR_BIT_GRIDS)
+    if decision.format == "int8":
+        return f"{decision.why}: from the file's " + ", ".join(f"{t} x{n}" for t, n in types.items())
+    if decision.format != "int4" or quant.group_size != model.source_grid or not quant.method.source_codes:
+        return decision.why
+    kept = sum(count for t, count in types.items() if t in FOUR_BIT_GRIDS)
+    others = ", ".join(f"{t} x{count}" for t, count in types.items() if t not in FOUR_BIT_GRIDS)
     return f"{decision.why}: the file's codes copied ({kept})" + (f", re-rounded from {others}" if others else "")
+
+
+def _named(layers: Sequence[LayerDecision], fmt: Format) -> list[str]:
+    """The weights `layers` store as `fmt`, as `quantization_config` names them: a kind all of whose weights take
+    it by its name, the layers of a kind split in parts by their prefixes, in layer order."""
+    found: dict[str, list[int] | None] = {}  # kind -> its layers in `fmt`, None: all of them
+    counts: dict[str, int] = {}
+    for layer in layers:
+        counts[layer.name] = counts.get(layer.name, 0) + layer.count
+        if layer.format == fmt:
+            known = found.get(layer.name, [])
+            found[layer.name] = None if layer.indices is None or known is None else known + layer.indices
+    found = {name: None if indices is not None and len(indices) == counts[name] else indices
+             for name, indices in found.items()}  # fmt: skip
+    return [entry for name, indices in found.items()
+            for entry in ([name] if indices is None else [layer_prefix(name, i) for i in sorted(indices)])]  # fmt: skip
+
+
+def eight_bit_set(layers: Sequence[LayerDecision]) -> list[str]:
+    """The plan's 8-bit set, as `quantization_config.int8` names it."""
+    return _named(layers, "int8")
 
 
 def kept_bf16(layers: Sequence[LayerDecision]) -> list[str]:
     """The linears a quantized path leaves bf16, as `quantization_config.ignore` names them."""
-    return [layer.name for layer in layers if layer.name != EMBEDDING and layer.format == "bf16"]
+    return [name for name in _named(layers, "bf16") if name != EMBEDDING]

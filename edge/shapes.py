@@ -53,6 +53,13 @@ class ModelShape(BaseModel):
         description="A GGUF source's tensor types per kind of weight (embed_tokens, q_proj, ..., lm_head): how "
         "many of each, e.g. {'v_proj': {'Q4_K': 26, 'Q6_K': 4}}. None for a Hugging Face source.",
     )
+    source_layers: dict[str, dict[str, list[int]]] | None = Field(
+        default=None,
+        description="A GGUF source's kinds of decoder linear held in more than one type: which layers (indices of "
+        "model.layers) hold each type, e.g. {'v_proj': {'Q4_K': [3, 4, ...], 'Q6_K': [0, 1, 2, 5, ...]}}. A kind "
+        "held in one type throughout is absent (source_types says it); None when there is none, and for a Hugging "
+        "Face source.",
+    )
 
     @property
     def embedding_params(self) -> int:

@@ -169,32 +169,121 @@ def test_a_repo_id_not_in_the_cache_is_refused_without_downloading(tmp_path, mon
     assert refused.value.field == "model" and "nothing is downloaded" in str(refused.value)
 
 
-def test_the_plans_layers_say_what_the_file_holds_and_what_each_kind_becomes():
-    """A Q4_K_M-like file: v_proj at Q6_K on a few layers, the rest Q4_K, the embedding Q6_K. The speed plan
-    (w4a16 at the file's group 32) says per kind what the file had, and which tensors keep their codes."""
-    from edge.describe import load_device_file
-    from edge.gguf_metadata import source_types
-    from edge.planner import make_plan
+# Qwen3-0.6B's linears as a GGUF names them (blk.N.<name>.weight), [N, K] in Hugging Face orientation, and the
+# Hugging Face names of the same weights (llama.cpp's convert_hf_to_gguf.py tensor map)
+QWEN3_LINEARS = {"attn_q": [2048, 1024], "attn_k": [1024, 1024], "attn_v": [1024, 1024], "attn_output": [1024, 2048],
+                 "ffn_gate": [3072, 1024], "ffn_up": [3072, 1024], "ffn_down": [1024, 3072]}  # fmt: skip
+HF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}  # fmt: skip
 
-    layers = 4
+
+def _mixed_header(layers: int, types: dict[str, list[str]], default: str = "Q4_K") -> dict:
+    """A Qwen3-0.6B-shaped header as JSON: each linear `default` but where `types` gives its kind's type per
+    layer; the embedding Q6_K (tied, as Qwen3's are), as llama.cpp's Q4_K_M holds it."""
     body = _json_header("qwen3", **{"qwen3.attention.key_length": 128})
     body["metadata"]["qwen3.block_count"] = layers
-    shapes = {"attn_q": [2048, 1024], "attn_k": [1024, 1024], "attn_v": [1024, 1024], "attn_output": [1024, 2048],
-              "ffn_gate": [3072, 1024], "ffn_up": [3072, 1024], "ffn_down": [1024, 3072]}  # fmt: skip
     body["tensors"] = [{"name": "token_embd.weight", "type": "Q6_K", "shape": [151936, 1024]}] + [
-        {"name": f"blk.{i}.{kind}.weight", "type": "Q6_K" if kind == "attn_v" and i < 1 else "Q4_K", "shape": shape}
-        for i in range(layers) for kind, shape in shapes.items()
+        {"name": f"blk.{i}.{name}.weight", "type": types.get(name, [default] * layers)[i], "shape": shape}
+        for i in range(layers) for name, shape in QWEN3_LINEARS.items()
     ]  # fmt: skip
-    header = header_from_json(body)
+    return body
+
+
+def _mixed_plan(body: dict, priority: str = "speed"):
+    from edge.describe import load_device_file
+    from edge.model_reader import read_gguf_header
+    from edge.planner import make_plan
+
+    device = load_device_file(str(Path(__file__).parent / "data" / "cpuinfo_host_epyc_avx2.txt"))
+    model = read_gguf_header(header_from_json(body), "qwen3-q4km")
+    return make_plan(device, model, priority=priority, path="w4a16-tinygemm")
+
+
+def _int4_bytes(n: int, k: int) -> int:
+    return n * k // 2 + 2 * 2 * n * (k // 32)  # codes [N, K/2] uint8 + bf16 scales and zeros [N, K/32] each
+
+
+def _int8_bytes(n: int, k: int) -> int:
+    return n * k + 2 * n  # codes [N, K] int8 + a bf16 scale per output channel
+
+
+def test_the_file_says_which_layers_of_a_kind_hold_which_type():
+    from edge.gguf_metadata import source_layers, source_types
+
+    header = header_from_json(_mixed_header(4, {"attn_v": ["Q6_K", "Q4_K", "Q4_K", "Q4_K"]}))
     assert source_types(header)["v_proj"] == {"Q4_K": 3, "Q6_K": 1}
     assert source_types(header)["lm_head"] == {"Q6_K": 1}  # tied: the embedding
-    model = read_model_config(hf_config(header), "qwen3-q4km").model_copy(
-        update={"source_grid": source_grid(header), "source_types": source_types(header)})
-    device = load_device_file(str(Path(__file__).parent / "data" / "cpuinfo_host_epyc_avx2.txt"))
-    plan = make_plan(device, model, priority="speed", path="w4a16-tinygemm")
-    by_name = {layer.name: layer for layer in plan.layers}
+    assert source_layers(header) == {"v_proj": {"Q4_K": [1, 2, 3], "Q6_K": [0]}}  # the kinds held in one type: absent
+
+
+@pytest.mark.parametrize("index", ["x", "4", "-1"])
+def test_a_layer_index_that_is_no_layer_of_the_model_is_refused_naming_the_tensor(index):
+    body = _mixed_header(4, {})
+    body["tensors"].append({"name": f"blk.{index}.attn_v.weight", "type": "Q4_K", "shape": [1024, 1024]})
+    with pytest.raises(InputError) as refused:
+        from edge.model_reader import read_gguf_header
+
+        read_gguf_header(header_from_json(body), "odd")
+    assert refused.value.field == f"gguf tensor blk.{index}.attn_v.weight"
+
+
+def test_the_grid_is_the_4_bit_tensors_when_the_rest_are_wider():
+    """llama.cpp's Q4_K_M of a model whose rows are not multiples of 256 holds most linears at Q5_0 and the 1536-wide
+    ffn_down at Q4_K (docs/reports/2026-12-01-gguf-models.md): the Q4_K ones keep their codes at group 32, the
+    wider ones go to 8 bits. A file of 8-bit linears has no 4-bit grid; nor one of mostly float linears."""
+    wide = {name: ["Q5_0"] * 4 for name in QWEN3_LINEARS if name != "ffn_down"}
+    assert source_grid(header_from_json(_mixed_header(4, wide))) == 32
+    assert source_grid(header_from_json(_mixed_header(4, {}, default="Q8_0"))) is None
+    assert source_grid(header_from_json(_mixed_header(4, {"ffn_down": ["Q4_K"] * 4}, default="F16"))) is None
+
+
+def test_the_plan_keeps_the_files_own_grid_tensor_by_tensor():
+    """A Q4_K_M-like file: v_proj at Q6_K on layers 0 and 3, Q4_K between; ffn_gate the other way round, Q8_0 but
+    on layer 2, Q4_0. The speed plan (w4a16 at the file's group 32) takes each tensor in its own format, a 4-bit
+    one with the file's codes, a wider one int8, and vLLM's fused siblings (q/k with v, up with gate) the widest
+    of their layer; the plan's layers and ledger count each part in its format."""
+    types = {"attn_v": ["Q6_K", "Q4_K", "Q4_K", "Q6_K"], "ffn_gate": ["Q8_0", "Q8_0", "Q4_0", "Q8_0"]}
+    plan = _mixed_plan(_mixed_header(4, types))
     assert plan.group_size == 32 and plan.quantization_config["codes_from_source"] is True
-    assert by_name["v_proj"].source == {"Q4_K": 3, "Q6_K": 1}
-    assert by_name["v_proj"].why == "quantized: the file's codes copied (3), re-rounded from Q6_K x1"
-    assert by_name["q_proj"].why == "quantized: the file's codes copied (4)"
-    assert by_name["embed_tokens"].source == {"Q6_K": 1} and by_name["embed_tokens"].format == "int8"
+    # written out from `types`: the wide tensors and their fused siblings, per layer
+    eight_bit = {(name, i) for name in ("attn_q", "attn_k", "attn_v") for i in (0, 3)}
+    eight_bit |= {(name, i) for name in ("ffn_gate", "ffn_up") for i in (0, 1, 3)}
+    assert set(plan.quantization_config["int8"]) == {"embed_tokens", "lm_head"} | {
+        f"model.layers.{i}.{HF_NAMES[name]}" for name, i in eight_bit}  # fmt: skip
+    parts = {(layer.name, layer.format): layer for layer in plan.layers}
+    assert {key: (part.count, part.indices, part.source) for key, part in parts.items()} == {
+        ("embed_tokens", "int8"): (1, None, {"Q6_K": 1}), ("lm_head", "int8"): (1, None, {"Q6_K": 1}),
+        ("q_proj", "int8"): (2, [0, 3], {"Q4_K": 2}), ("q_proj", "int4"): (2, [1, 2], {"Q4_K": 2}),
+        ("k_proj", "int8"): (2, [0, 3], {"Q4_K": 2}), ("k_proj", "int4"): (2, [1, 2], {"Q4_K": 2}),
+        ("v_proj", "int8"): (2, [0, 3], {"Q6_K": 2}), ("v_proj", "int4"): (2, [1, 2], {"Q4_K": 2}),
+        ("o_proj", "int4"): (4, None, {"Q4_K": 4}), ("down_proj", "int4"): (4, None, {"Q4_K": 4}),
+        ("gate_proj", "int8"): (3, [0, 1, 3], {"Q8_0": 3}), ("gate_proj", "int4"): (1, [2], {"Q4_0": 1}),
+        ("up_proj", "int8"): (3, [0, 1, 3], {"Q4_K": 3}), ("up_proj", "int4"): (1, [2], {"Q4_K": 1}),
+    }  # fmt: skip
+    assert parts["v_proj", "int4"].why == "quantized: the file's codes copied (2)"
+    assert parts["v_proj", "int8"].why.endswith("from the file's Q6_K x2")
+    ledger: dict[tuple[str, str], int] = {}
+    for item in plan.memory.items:
+        if item.kind in ("int4-weights", "int8-weights"):
+            key = (item.layer, item.kind.removesuffix("-weights"))
+            ledger[key] = ledger.get(key, 0) + item.bytes
+    for gguf_name, (n, k) in QWEN3_LINEARS.items():
+        name = HF_NAMES[gguf_name].split(".")[1]
+        for fmt, size in (("int8", _int8_bytes(n, k)), ("int4", _int4_bytes(n, k))):
+            layers = sum(((gguf_name, i) in eight_bit) == (fmt == "int8") for i in range(4))
+            assert ledger.get((name, fmt), 0) == layers * size, (name, fmt)
+
+
+def test_a_fidelity_plan_keeps_q_k_v_at_8_bits_where_the_file_has_no_4_bit_codes_for_them():
+    """Fidelity keeps SENSITIVE_SET at 8 bits, but for the tensors whose codes come from the file's own grid: the Q4_K
+    ones keep them, a wider one is int8 anyway, and an F16 one (no codes to keep) goes to 8 bits with its siblings."""
+    types = {"attn_v": ["Q6_K", "Q4_K", "Q4_K", "Q4_K"], "attn_q": ["Q4_K", "Q4_K", "F16", "Q4_K"]}
+    plan = _mixed_plan(_mixed_header(4, types), priority="fidelity")
+    formats: dict[tuple[str, str], list[int]] = {}  # a kind may be int8 for two reasons: two parts
+    for layer in plan.layers:
+        formats[layer.name, layer.format] = sorted(formats.get((layer.name, layer.format), []) + (layer.indices or []))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert (formats[name, "int8"], formats[name, "int4"]) == ([0, 2], [1, 3]), name
+    assert ("o_proj", "int4") in formats and ("o_proj", "int8") not in formats
+    assert ("embed_tokens", "bf16") in formats  # HEAD_FORMAT["fidelity"], as for any source

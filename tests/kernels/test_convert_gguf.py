@@ -6,7 +6,7 @@ GGUF loader on the same file (the file's weights dequantized, float32): the same
 the 4-bit scales and the int8 embedding and head the plan asks for.
 
 This checks, per family, what no unit test of one piece can: the config the header becomes (edge.gguf_metadata),
-the tensor names and row orders (kernels.source.gguf_source), the 4-bit codes copied and the other types re-rounded,
+the tensor names and row orders (kernels.source.gguf_source), the 4-bit codes copied and the wider types at 8 bits,
 Gemma's norm offset, and the plan's layer rules, against the library vLLM's model code mirrors."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ FAMILY_DIMS = {"qwen3": Dims(layers=2, hidden=256, heads=4, kv_heads=2, head_dim
 
 def _types(name: str, mixed: bool) -> Q:
     """Q4_K linears, the embedding and head at Q6_K (as Q4_K_M files hold them); `mixed` adds llama.cpp's
-    fallbacks: one attn_v at Q6_K and one ffn_down at Q5_0, which a group-32 plan re-rounds to 4 bits."""
+    fallbacks: one attn_v at Q6_K and one ffn_down at Q5_0, which a plan keeps at 8 bits."""
     if name in ("token_embd.weight", "output.weight") or (mixed and name == "blk.0.attn_v.weight"):
         return Q.Q6_K
     return Q.Q5_0 if mixed and name == "blk.1.ffn_down.weight" else Q.Q4_K
@@ -160,27 +160,32 @@ def test_a_gguf_of_each_family_converts_to_what_transformers_reads_from_the_file
     assert (dst / "tokenizer.json").is_file() and (dst / "chat_template.jinja").is_file()
 
 
-def test_the_tensors_off_the_grid_are_re_rounded_and_said_so(tmp_path, tokenizer_source):
-    """A Q4_K_M's fallbacks (an attn_v at Q6_K, an ffn_down at Q5_0) under a group-32 plan: re-rounded to 4 bits
-    from the file's float values (the plan's layers say so), every Q4_K tensor's codes copied as before."""
+def test_the_tensors_wider_than_4_bits_go_to_the_8_bit_set_and_said_so(tmp_path, tokenizer_source):
+    """A Q4_K_M's fallbacks (an attn_v at Q6_K, an ffn_down at Q5_0) under a group-32 plan: int8 per channel from the
+    file's float values, with attn_v's vLLM siblings (q/k of that layer, loaded into one qkv_proj); every other Q4_K
+    tensor's codes copied as before (the plan's layers say which)."""
     from edge.model_reader import read_model
     from edge.planner import make_plan
 
     path = tiny_gguf(tmp_path / "src", "llama", tokenizer_source, mixed=True)
     dst = _convert(path, tmp_path / "dst")
     summary = json.loads((dst / "edge-convert.json").read_text())["summary"]
-    off_grid = {"model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.down_proj.weight"}
-    assert off_grid <= set(summary["quantized"]) and not off_grid & set(summary["codes_from_source"])
+    wide = {"model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.down_proj.weight"}
+    siblings = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"}
+    assert wide | siblings <= set(summary["int8"]) and not (wide | siblings) & set(summary["codes_from_source"])
     errors = _relative_errors(_reference(path), _ours(dst))
-    assert all(errors[name] < 1e-2 for name in errors if name not in off_grid)
-    assert all(0.02 < errors[name] < 0.15 for name in off_grid), {name: errors[name] for name in off_grid}
+    # the copied codes: the bf16 rounding of scale and zero; int8 per channel: 6e-3 of the Q6_K and Q4_K tensors,
+    # 1.3e-2 of the Q5_0 one (weight-like values with a few 4x outliers, which widen a row's step; Zen 5, 2026-12-01)
+    assert all(errors[name] < 1e-2 for name in errors if name not in wide | siblings), errors
+    assert all(errors[name] < 2e-2 for name in wide | siblings), {name: errors[name] for name in wide | siblings}
     from edge.describe import load_device_file
 
     plan = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
                      path="w4a16-tinygemm")  # fmt: skip
-    layers = {layer.name: layer for layer in plan.layers}
-    assert layers["v_proj"].why.endswith("re-rounded from Q6_K x1")
-    assert layers["down_proj"].why.endswith("re-rounded from Q5_0 x1")
+    layers = {(layer.name, layer.format): layer for layer in plan.layers}
+    assert layers["v_proj", "int8"].why.endswith("from the file's Q6_K x1") and layers["v_proj", "int8"].indices == [0]
+    assert layers["down_proj", "int8"].why.endswith("from the file's Q5_0 x1")
+    assert layers["down_proj", "int4"].why == "quantized: the file's codes copied (1)"
 
 
 def test_edge_select_evaluate_scores_a_gguf_against_the_files_own_weights(tmp_path, tokenizer_source, monkeypatch):

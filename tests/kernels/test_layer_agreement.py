@@ -152,3 +152,46 @@ def test_the_narrow_model_really_keeps_its_fused_attention_bf16():
     assert formats["o_proj"] == formats["down_proj"] == "int4"
     assert formats["embed_tokens"] == formats["lm_head"] == "int8"
     assert "fused with k_proj" in next(layer.why for layer in plan.layers if layer.name == "q_proj")
+
+
+def test_plan_converter_and_vllm_method_agree_layer_by_layer_on_a_mixed_grid_gguf(tmp_path):
+    """A GGUF whose kinds are split by format across layers (tests/kernels/test_mixed_grid.py): the plan's parts,
+    the converter's decision for each tensor and the method vLLM gets for each layer's own (fused) module agree
+    for every layer, and the 8-bit ones are the file's wide tensors and their vLLM siblings."""
+    pytest.importorskip("gguf")
+    from edge.model_reader import read_model
+    from tests.kernels.test_mixed_grid import LAYERS, expected_int8, mixed_gguf
+
+    model = read_model(mixed_gguf(tmp_path))
+    plan = this_host_plan(model)
+    planned = {}
+    for layer in plan.layers:
+        for index in layer.indices if layer.indices is not None else range(layer.count):
+            planned[layer.name, index] = layer.format
+    # the decisions do not depend on where the 4-bit codes come from (a bare checkpoint has no GGUF to copy from)
+    qconfig = {**plan.quantization_config, "codes_from_source": False}
+    source = Source(Path("/nonexistent"), {"tie_word_embeddings": False}, {}, checkpoint_shapes(model))
+    decisions = decide(source, qconfig, "w4a16-tinygemm")
+    assert set(decisions.int8) - {"model.embed_tokens.weight", "lm_head.weight"} == expected_int8()
+    config = CpuInt4Config.from_config(plan.quantization_config)
+    config.maybe_update_config("model", hf_config=type("Hf", (), {"tie_word_embeddings": False}))
+    heads, kv_heads, head_dim, hidden = model.num_heads, model.num_kv_heads, model.head_dim, model.hidden_size
+    inter = model.intermediate_size
+    with torch.device("meta"):
+        modules = {
+            "self_attn.qkv_proj": (QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=False, disable_tp=True),
+                                   ("q_proj", "k_proj", "v_proj")),
+            "self_attn.o_proj": (RowParallelLinear(heads * head_dim, hidden, bias=False, disable_tp=True), ("o_proj",)),
+            "mlp.gate_up_proj": (MergedColumnParallelLinear(hidden, [inter, inter], bias=False, disable_tp=True),
+                                 ("gate_proj", "up_proj")),
+            "mlp.down_proj": (RowParallelLinear(inter, hidden, bias=False, disable_tp=True), ("down_proj",)),
+        }  # fmt: skip
+        for index in range(LAYERS):
+            for module, (layer, kinds) in modules.items():
+                method = config.get_quant_method(layer, f"model.layers.{index}.{module}")
+                served = "int8" if isinstance(method, CpuInt8LinearMethod) else "int4"
+                assert isinstance(method, CpuInt8LinearMethod | CpuInt4LinearMethod), (index, module, method)
+                for kind in kinds:
+                    name = f"model.layers.{index}.{module.split('.')[0]}.{kind}.weight"
+                    converted = "int8" if name in decisions.int8 else "int4" if name in decisions.quantize else "bf16"
+                    assert planned[kind, index] == converted == served, (name, planned[kind, index], converted, served)

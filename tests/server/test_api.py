@@ -105,6 +105,32 @@ def test_plan_for_a_gguf_header_equals_the_plan_for_the_file_itself(client):
     assert (plan["path"], plan["quantization_config"]) == (expected.path, expected.quantization_config)
 
 
+def test_plan_for_a_mixed_grid_gguf_header_decides_each_tensor_as_the_file_does(client, tmp_path):
+    """A file whose kinds are not on one grid (tests/kernels/test_mixed_grid.py: attn_v at Q6_K on some layers,
+    ffn_gate at Q8_0 but on one): its header as JSON gives the file's per-layer types and the plan's per-tensor 8-bit
+    set, the ones `edge-select --model FILE.gguf` gives."""
+    pytest.importorskip("gguf")
+    from edge.gguf_metadata import read_header
+    from edge.model_reader import read_model
+    from tests.kernels.test_mixed_grid import expected_int8, mixed_gguf
+
+    path = mixed_gguf(tmp_path)
+    header = read_header(path)
+    tensors = [{"name": t.name, "type": t.type, "shape": list(t.shape)} for t in header.tensors]
+    body = {"device": {"profile": GW17}, "model": {"gguf": {"metadata": header.metadata, "tensors": tensors},
+                                                   "name": path.stem}, "path": "w4a16-tinygemm"}  # fmt: skip
+    response = client.post("/plan", json=body)
+    assert response.status_code == 200, response.text
+    plan = response.json()
+    assert plan["model"] == read_model(path).model_dump()
+    assert plan["model"]["source_layers"]["v_proj"] == {"Q4_K": [1, 2, 3], "Q6_K": [0, 4, 5]}
+    expected = make_plan(parse_device_json(GW17), read_model(path), path="w4a16-tinygemm", quality=cached_records())
+    assert plan["quantization_config"] == expected.quantization_config
+    assert plan["layers"] == [layer.model_dump() for layer in expected.layers]
+    named = {entry + ".weight" for entry in plan["quantization_config"]["int8"]}
+    assert named - {"embed_tokens.weight", "lm_head.weight"} == expected_int8()
+
+
 def test_a_gguf_header_of_an_unknown_architecture_is_422_naming_it(client):
     body = {"device": {"profile": GW17}, "model": {"gguf": {"metadata": {"general.architecture": "rwkv7"}}}}
     response = client.post("/plan", json=body)
