@@ -168,12 +168,20 @@ def measure(server: Server, model: str, tokenizer, seed: int) -> dict:
             "rss_settled_mib": settled / 2**20}  # fmt: skip
 
 
-def edge_server(mode: str, args: argparse.Namespace, log: Path) -> tuple[Server, str, int]:
-    port = free_port()
-    argv = [str(ROOT / ".venv" / "bin" / "edge-serve"), "--priority", "speed", "--port", str(port),
-            "--serving-mode", mode, "--max-model-len", "2048"]  # fmt: skip
+def edge_argv(mode: str, args: argparse.Namespace, *extra: str) -> list[str]:
+    """edge-serve's command line for a variant: the speed plan in `mode`, --model and --path when `args` has them."""
+    argv = [str(ROOT / ".venv" / "bin" / "edge-serve"), "--priority", "speed", "--serving-mode", mode,
+            "--max-model-len", "2048", *extra]  # fmt: skip
     if args.model:
         argv += ["--model", str(args.model)]
+    if getattr(args, "path", None):
+        argv += ["--path", args.path]
+    return argv
+
+
+def edge_server(mode: str, args: argparse.Namespace, log: Path) -> tuple[Server, str, int]:
+    port = free_port()
+    argv = edge_argv(mode, args, "--port", str(port))
     server = Server(argv, dict(os.environ), port, log)
     server.ready_s = server.wait_ready("/readyz")
     status = httpx.get(f"{server.url}/status", timeout=30).json()

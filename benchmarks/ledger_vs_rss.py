@@ -1,7 +1,7 @@
 """The plan's memory ledger against what edge-serve's engine holds, per serving mode (issue 23, item 6).
 
     .venv/bin/python -m benchmarks.ledger_vs_rss [--modes two-process,three-process] [--passes 1] [--model DIR]
-        [--json OUT]
+        [--path PATH] [--cold] [--json OUT]
 
 For each (pass, mode), interleaved: `edge-serve --priority speed --serving-mode MODE` (bench_serve's launcher)
 starts fresh; RssAnon is sampled every 0.25 s over its whole process tree from launch to stop (benchmarks/rss.py),
@@ -11,12 +11,19 @@ concurrent requests whose prompts and outputs together reach max_model_len. Then
 figure. Compared with the plan's own ledger as /status reports it: resident against settled, load-time peak
 against the peak. A conversion the plan needs is run before the timed starts (`edge-serve --dry-run`), so the
 peak is the engine's load, not the converter's.
+
+Each row also gives the engine baseline this run implies: the engine's settled RssAnon less every other resident
+item of the ledger (what benchmarks/engine_baseline.py measures on the bf16 path, for the facts table). `--cold`
+removes the plan's vLLM compile cache before each mode's first pass, so that pass compiles (a box's first start)
+and the later ones load the cache (every start after it); the summary gives the difference, which the compiling
+process keeps for its lifetime.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import threading
@@ -26,7 +33,8 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from benchmarks.bench_serve import ROOT, edge_server, long_prompt
+from benchmarks.bench_serve import ROOT, edge_argv, edge_server, long_prompt
+from edge.paths import resolve
 
 MIB = 2**20
 
@@ -50,6 +58,13 @@ def fill_kv(url: str, model: str, tokenizer, seqs: int, max_model_len: int, seed
     return sum(done)
 
 
+def compile_cache(mode: str, args: argparse.Namespace) -> Path:
+    """The plan's vLLM cache root (VLLM_CACHE_ROOT: its compile cache lives there)."""
+    argv = [str(ROOT / ".venv" / "bin" / "edge-select"), *edge_argv(mode, args)[1:], "--json"]
+    plan = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+    return Path(resolve(plan["vllm"]["env"]["VLLM_CACHE_ROOT"]))
+
+
 def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Path) -> dict:
     server, model, _ = edge_server(mode, args, log)
     try:
@@ -64,12 +79,14 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
     engine = server.sampler.below_root()
     measured = {"peak": engine.peak_bytes, "settled": engine.settled_bytes(idle_from)}
     ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"]}
+    baseline = sum(i["bytes"] for i in plan["memory"]["items"] if i["kind"] == "engine-baseline")
     return {
         "mode": mode, "path": plan["path"], "layout": plan.get("layout"), "tokens_in_kv": tokens,
         "ready_s": server.ready_s,
         **{f"engine_{k}_mib": v / MIB for k, v in measured.items()},
         **{f"ledger_{k}_mib": v / MIB for k, v in ledger.items()},
         **{f"ledger_over_{k}": ledger[k] / measured[k] - 1 for k in measured},
+        "implied_baseline_bytes": measured["settled"] - (ledger["settled"] - baseline),
         "tree_settled_mib": server.sampler.settled_bytes(idle_from) / MIB,
         "wrapper_settled_mib": (server.sampler.settled_bytes(idle_from) - measured["settled"]) / MIB,
         "items_mib": {item["kind"] + (f":{item['layer']}" if item.get("layer") else ""): item["bytes"] / MIB
@@ -82,28 +99,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="two-process,three-process")
     parser.add_argument("--passes", type=int, default=1)
     parser.add_argument("--model", type=Path, help="default: the embedded default model")
+    parser.add_argument("--path", help="edge-serve's --path (default: the plan's)")
+    parser.add_argument("--cold", action="store_true", help="each mode's first pass without the compile cache")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     log = ROOT / ".cache" / "ledger_vs_rss.log"
     for mode in modes:  # convert first, so that no timed start includes the converter's peak
-        dry = [str(ROOT / ".venv" / "bin" / "edge-serve"), "--priority", "speed", "--serving-mode", mode, "--dry-run"]
-        subprocess.run(dry + (["--model", str(args.model)] if args.model else []), check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(edge_argv(mode, args, "--dry-run"), check=True, stdout=subprocess.DEVNULL)
     status_model = args.model
     if status_model is None:
         from kernels.source.default_model import ensure_default_model
 
         status_model = Path(ensure_default_model())
     tokenizer = AutoTokenizer.from_pretrained(status_model)
-    rows = [one_pass(mode, args, tokenizer, p * 10 + i, log) for p in range(args.passes)
-            for i, mode in enumerate(modes)]  # fmt: skip
+    rows = []
+    for p in range(args.passes):
+        for i, mode in enumerate(modes):
+            if args.cold and p == 0:
+                shutil.rmtree(compile_cache(mode, args), ignore_errors=True)
+            row = one_pass(mode, args, tokenizer, p * 10 + i, log)
+            rows.append({"pass": p + 1, "cold": args.cold and p == 0, **row})
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "items_mib"}))
     print("| mode | ledger resident MiB | engine settled MiB | ledger over | ledger peak MiB | engine peak MiB | "
           "ledger over | wrapper MiB |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for mode in modes:
-        mine = [r for r in rows if r["mode"] == mode]
+        mine = [r for r in rows if r["mode"] == mode and not r["cold"]] or [r for r in rows if r["mode"] == mode]
 
         def med(key: str, mine: list[dict] = mine) -> float:
             return statistics.median(r[key] for r in mine)
@@ -112,6 +134,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * med('ledger_over_settled'):+.1f} % | {med('ledger_peak_mib'):.0f} | "
               f"{med('engine_peak_mib'):.0f} | {100 * med('ledger_over_peak'):+.1f} % | "
               f"{med('wrapper_settled_mib'):.0f} |")  # fmt: skip
+    for mode in modes:
+        cold = [r["engine_settled_mib"] for r in rows if r["mode"] == mode and r["cold"]]
+        warm = [r for r in rows if r["mode"] == mode and not r["cold"]]
+        implied = statistics.median(r["implied_baseline_bytes"] for r in warm or rows)
+        line = f"{mode}: implied engine baseline {implied:.0f} B"
+        if cold and warm:
+            more = cold[0] - statistics.median(r["engine_settled_mib"] for r in warm)
+            line += f"; a compiling start holds {more:.0f} MiB more"
+        print(line)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
