@@ -21,10 +21,11 @@
 // the weights ~8 KB ahead are prefetched.
 // Compiled with -mavx2 -mfma -mf16c only, so one binary runs on every AVX2 CPU.
 //
-// The kernel body (between #else and #endif below) is compiled twice from this one file, which includes itself:
-// once for AVX2 (vpmaddwd, vpmaddubsw) and once under `#pragma GCC target("avxvnni")` (vpdpwssd, vpdpbusd); the
-// call picks the second where the CPU has AVX-VNNI (Alder Lake and later, Zen 5) unless EDGE_AVX2_VNNI=0. Both give
-// the same integer sums, so the same results.
+// The kernel body (between #else and #endif below) is compiled three times from this one file, which includes
+// itself: for AVX2 (vpmaddwd, vpmaddubsw), under `#pragma GCC target("avxvnni")` (vpdpwssd, vpdpbusd), and under
+// `target("avx512vnni,avx512vl")` (the same instructions, EVEX-encoded, still on 256-bit vectors); the call picks
+// AVX-VNNI where the CPU has it (Alder Lake and later, Zen 5), else AVX512-VNNI (Cascade Lake, Ice Lake, Zen 4),
+// unless EDGE_AVX2_VNNI=0. All give the same integer sums, so the same results.
 
 #ifndef EDGE_AVX2_INT4_BODY
 #define EDGE_AVX2_INT4_BODY
@@ -141,9 +142,28 @@ namespace isa_plain {
 #pragma GCC target("avxvnni")
 namespace isa_vnni {
 #define EDGE_AVX2_VNNI 1
+#define EDGE_DPWSSD _mm256_dpwssd_avx_epi32
+#define EDGE_DPBUSD _mm256_dpbusd_avx_epi32
 #include __FILE__
+#undef EDGE_DPBUSD
+#undef EDGE_DPWSSD
 #undef EDGE_AVX2_VNNI
 }  // namespace isa_vnni
+#pragma GCC pop_options
+
+// The same two instructions on 256-bit vectors in their EVEX form (AVX512-VNNI with AVX512VL): CPUs with AVX-512
+// VNNI but not AVX-VNNI (Cascade Lake, Ice Lake, Zen 4, and Zen 5 VMs whose hypervisor hides AVX-VNNI) run them.
+#pragma GCC push_options
+#pragma GCC target("avx512vnni,avx512vl")
+namespace isa_vnni512 {
+#define EDGE_AVX2_VNNI 1
+#define EDGE_DPWSSD _mm256_dpwssd_epi32
+#define EDGE_DPBUSD _mm256_dpbusd_epi32
+#include __FILE__
+#undef EDGE_DPBUSD
+#undef EDGE_DPWSSD
+#undef EDGE_AVX2_VNNI
+}  // namespace isa_vnni512
 #pragma GCC pop_options
 
 namespace {
@@ -152,19 +172,29 @@ template <typename Q>
 using Channels = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, const Acts<Q>&, float*, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t);
 
-// AVX-VNNI (vpdpwssd, vpdpbusd) where the CPU has it, unless EDGE_AVX2_VNNI=0: the same integer sums either way.
-bool use_vnni() {
-  static const bool use = [] {
+// vpdpwssd and vpdpbusd where the CPU has them, unless EDGE_AVX2_VNNI=0: the same integer sums either way.
+// 0: the plain AVX2 build; 1: AVX-VNNI (VEX); 2: AVX512-VNNI with AVX512VL (EVEX), where AVX-VNNI is absent.
+int vnni_build() {
+  static const int build = [] {
     const char* env = std::getenv("EDGE_AVX2_VNNI");
+    if (env && std::strcmp(env, "0") == 0) return 0;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avxvnni") && !(env && std::strcmp(env, "0") == 0);
+    if (__builtin_cpu_supports("avxvnni")) return 1;
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 2 : 0;
   }();
-  return use;
+  return build;
+}
+
+bool use_vnni() { return vnni_build() != 0; }
+
+template <typename F>
+F pick(F plain, F vnni, F vnni512) {
+  return vnni_build() == 1 ? vnni : vnni_build() == 2 ? vnni512 : plain;
 }
 
 template <typename Q>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
-                  int64_t group, int qmax, Channels<Q> plain, Channels<Q> vnni) {
+                  int64_t group, int qmax, Channels<Q> plain, Channels<Q> vnni, Channels<Q> vnni512) {
   TORCH_CHECK(group == 32 || group == 64 || group == 128, "group: expected 32, 64 or 128, got ", group);
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte,
               "qweight: expected uint8 [N, K/2], got ", qweight.scalar_type(), " ", qweight.sizes());
@@ -208,7 +238,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k / 2));  // ~16 KB of weights a task
-  const Channels<Q> run = use_vnni() ? vnni : plain;
+  const Channels<Q> run = pick(plain, vnni, vnni512);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run(wp, sp, zp, acts, yp, group, begin, end, m, n, k); });
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "edge_avx2_out", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -219,12 +249,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
 
 at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& zeros, int64_t group) {
-  return linear<int16_t>(x, qweight, scales, zeros, group, 32767, isa_plain::channels_a16, isa_vnni::channels_a16);
+  return linear<int16_t>(x, qweight, scales, zeros, group, 32767, isa_plain::channels_a16, isa_vnni::channels_a16,
+                          isa_vnni512::channels_a16);
 }
 
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group) {
-  return linear<int8_t>(x, qweight, scales, zeros, group, 127, isa_plain::channels_a8, isa_vnni::channels_a8);
+  return linear<int8_t>(x, qweight, scales, zeros, group, 127, isa_plain::channels_a8, isa_vnni::channels_a8,
+                         isa_vnni512::channels_a8);
 }
 
 // The 8-bit set's layers (embedding-tied head): int8 weights per channel, int16 activations per group of 32.
@@ -253,7 +285,7 @@ at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const int8_t* wp = qw.data_ptr<int8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   float* yp = out.data_ptr<float>();
-  const auto run = use_vnni() ? isa_vnni::channels_int8 : isa_plain::channels_int8;
+  const auto run = pick(isa_plain::channels_int8, isa_vnni::channels_int8, isa_vnni512::channels_int8);
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     run(wp, sp, xq.data(), a.data(), yp, begin, end, m, n, k);
@@ -302,7 +334,7 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("int4_linear", &int4_linear);
 }
 
-#else  // ---- the body: included twice above, inside namespace isa_plain and namespace isa_vnni ----
+#else  // ---- the body: included three times above, in namespaces isa_plain, isa_vnni and isa_vnni512 ----
 
 // ---- int16 activations: 16 bytes (32 codes) a step ----
 // acc[r][i] = the int32 lanes of sum_k q_k xq[r, k] over group i of NG groups from byte `off` of the channel's row.
@@ -319,8 +351,8 @@ inline void dots_a16(const uint8_t* w, const int16_t* xe, const int16_t* xo, int
       for (int r = 0; r < MB; ++r) {
 #if EDGE_AVX2_VNNI
         __m256i p = c == 0 ? _mm256_setzero_si256() : acc[r][i];
-        p = _mm256_dpwssd_avx_epi32(p, lo, loadu(xe + r * half_k + at));
-        acc[r][i] = _mm256_dpwssd_avx_epi32(p, hi, loadu(xo + r * half_k + at));
+        p = EDGE_DPWSSD(p, lo, loadu(xe + r * half_k + at));
+        acc[r][i] = EDGE_DPWSSD(p, hi, loadu(xo + r * half_k + at));
 #else
         const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, loadu(xe + r * half_k + at)),
                                            _mm256_madd_epi16(hi, loadu(xo + r * half_k + at)));
@@ -358,8 +390,8 @@ inline __m256i pairs_a8(__m256i lo, __m256i hi, const int8_t* xe, const int8_t* 
 // vpmaddubsw pairs, a 16-bit add and a vpmaddwd by ones.
 inline __m256i sums_a8(__m256i lo, __m256i hi, const int8_t* xe, const int8_t* xo, int64_t at, __m256i acc) {
 #if EDGE_AVX2_VNNI
-  acc = _mm256_dpbusd_avx_epi32(acc, lo, loadu(xe + at));
-  return _mm256_dpbusd_avx_epi32(acc, hi, loadu(xo + at));
+  acc = EDGE_DPBUSD(acc, lo, loadu(xe + at));
+  return EDGE_DPBUSD(acc, hi, loadu(xo + at));
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs_a8(lo, hi, xe, xo, at), _mm256_set1_epi16(1)));
 #endif
@@ -522,7 +554,7 @@ void int8_channel(const int8_t* qweight, const uint16_t* scales, const int16_t* 
     for (int r = 0; r < MB; ++r) {
       const int16_t* x = xq + (m0 + r) * k + 32 * g;
 #if EDGE_AVX2_VNNI
-      const __m256i p = _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(_mm256_setzero_si256(), w0, loadu(x)), w1,
+      const __m256i p = EDGE_DPWSSD(EDGE_DPWSSD(_mm256_setzero_si256(), w0, loadu(x)), w1,
                                                 loadu(x + 16));
 #else
       const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, loadu(x)), _mm256_madd_epi16(w1, loadu(x + 16)));
