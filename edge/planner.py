@@ -118,7 +118,7 @@ def _check_inputs(priority: str, path: str | None, layout: str | None, max_model
 
 def engine_baseline(mode: ServingMode, isa_class: str) -> MeasuredFact:
     """The engine's own RssAnon (the process tree less weights and KV cache) for this serving mode, measured on
-    this ISA class (facts `<class>.vllm_engine_baseline_bytes.<mode>`, benchmarks/engine_baseline.py), else the
+    this ISA class (facts `<class>.vllm_engine_baseline_bytes.<mode>`, benchmarks/ledger_vs_rss.py), else the
     three-process figure measured on the AVX2 host: a two-process engine carries one Python process fewer, so
     that figure overstates it."""
     key = f"{isa_class}.vllm_engine_baseline_bytes.{mode}"
