@@ -1,4 +1,6 @@
-"""Fixtures for tests that build vLLM layers without an engine."""
+"""Fixtures shared by the kernels tests: vLLM layers built without an engine, the tokenizer generated GGUFs carry."""
+
+from pathlib import Path
 
 import pytest
 
@@ -16,3 +18,15 @@ def single_rank_vllm(tmp_path_factory):
         yield
         parallel_state.destroy_model_parallel()
         parallel_state.destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_source() -> Path:
+    """The default model's GGUF, whose tokenizer the generated GGUFs of these tests carry."""
+    from edge.errors import InputError
+    from kernels.source.default_model import source_gguf
+
+    try:
+        return source_gguf()
+    except InputError as missing:
+        pytest.skip(f"the default model's GGUF (its tokenizer) is not installed: {missing}")

@@ -41,17 +41,6 @@ def _types(name: str, mixed: bool) -> Q:
     return Q.Q5_0 if mixed and name == "blk.1.ffn_down.weight" else Q.Q4_K
 
 
-@pytest.fixture(scope="module")
-def tokenizer_source() -> Path:
-    from edge.errors import InputError
-    from kernels.source.default_model import source_gguf
-
-    try:
-        return source_gguf()
-    except InputError as missing:
-        pytest.skip(f"the default model's GGUF (its tokenizer) is not installed: {missing}")
-
-
 def tiny_gguf(directory: Path, arch: str, tokenizer: Path, *, mixed: bool = False) -> Path:
     rng = np.random.default_rng(7)
     tensors = {}

@@ -85,17 +85,6 @@ def mixed_gguf(directory: Path, tokenizer: Path | None = None) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer_source() -> Path:
-    from edge.errors import InputError
-    from kernels.source.default_model import source_gguf
-
-    try:
-        return source_gguf()
-    except InputError as missing:
-        pytest.skip(f"the default model's GGUF (its tokenizer) is not installed: {missing}")
-
-
-@pytest.fixture(scope="module")
 def mixed(tmp_path_factory, tokenizer_source):
     """(the file, its w4a16 speed plan on the AVX2 host's recorded cpuinfo)."""
     from edge.describe import load_device_file
