@@ -12,6 +12,7 @@ Variants:
                   benchmarks/gguf_fidelity.py, built for this host's SIMD) on the default model's GGUF of that type:
                   Q4_1 is the file the default model is built from; Q4_0 is what llama.cpp repacks for AVX2/AVX-512
                   (its fastest 4-bit format here), made from it by llama.cpp's own quantizer (--make-q4_0)
+    llama:file    the same server on the very file edge-serve serves (--model FILE.gguf)
 
 Each (pass, variant) starts its server fresh, times launch-to-ready (`warm_start_s`: the environment, the
 conversion and vLLM's compile cache exist after the first pass), warms it with one request, then measures through
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     q4_1 = args.gguf_q4_1 or source_gguf()
     q4_0 = args.gguf_q4_0 or ROOT / ".cache" / f"{q4_1.stem.replace('Q4_1', 'Q4_0')}.gguf"
     variants = args.variants.split(",")
+    if "llama:file" in variants and (args.model is None or args.model.suffix != ".gguf"):
+        parser.error("llama:file serves --model's file: pass --model FILE.gguf")
     if "llama:Q4_0" in variants and not q4_0.exists():
         make_q4_0(args.llama_python, q4_1, q4_0)
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(), local_files_only=True)
@@ -278,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 server, model, threads_here = edge_server(what, args, args.log)
                 threads = threads or threads_here
             else:
-                server, model = llama_server(args.llama_python, q4_0 if what == "Q4_0" else q4_1, threads or 1,
-                                             args.log)
+                gguf = {"Q4_0": q4_0, "Q4_1": q4_1, "file": args.model}[what]
+                server, model = llama_server(args.llama_python, gguf, threads or 1, args.log)
             try:
                 row = measure(server, model, tokenizer, seed=p * 100 + len(rows))
             finally:
