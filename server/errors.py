@@ -7,8 +7,9 @@ a place in the request (routes that refuse a request themselves answer with it t
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
-from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -45,9 +46,34 @@ async def store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResp
     return JSONResponse({"detail": str(exc)}, status_code=503)
 
 
+# A validation 422 names each problem and the value it was given, shortened: FastAPI's own handler echoes every
+# error's whole input (a union's error carries the whole object it was given), so a body at the size limit could
+# come back several times over, and whatever it held with it (issue 24).
+MAX_ERRORS = 16
+MAX_VALUE_CHARS = 120
+
+
+def shown(value: Any) -> str:
+    """A request value as a 422 names it: a scalar's repr (cut at MAX_VALUE_CHARS), a container by its size."""
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    if isinstance(value, list | tuple):
+        return f"a list of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= MAX_VALUE_CHARS else f"{text[:MAX_VALUE_CHARS]}... ({len(text)} characters)"
+
+
 async def request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     _planning_error(request, "request")
-    return await request_validation_exception_handler(request, exc)
+    errors = exc.errors()
+    items = [
+        ErrorItem(loc=list(e["loc"]), msg=f"{e['msg']}, got {shown(e.get('input'))}", type=e["type"]).model_dump()
+        for e in errors[:MAX_ERRORS]
+    ]
+    body: dict[str, Any] = {"detail": items}
+    if len(errors) > MAX_ERRORS:
+        body["more_errors"] = len(errors) - MAX_ERRORS
+    return JSONResponse(body, status_code=422)
 
 
 async def internal_error(request: Request, exc: Exception) -> PlainTextResponse:

@@ -181,6 +181,16 @@ def test_config_json_missing_a_field_is_422_naming_it(client):
     assert error["loc"] == ["body", "model", "config"] and "hidden_size" in error["msg"]
 
 
+def test_a_validation_422_names_the_value_without_echoing_the_body(client):
+    """FastAPI's own handler returns each error's whole input; a 100 kB value must not come back whole."""
+    response = client.post("/plan", json={"device": {"profile": GW17}, "priority": "s" * 100_000,
+                                          "devices_note": ["x" * 1000] * 50})  # fmt: skip
+    assert response.status_code == 422
+    assert len(response.content) < 4096
+    [error] = [e for e in response.json()["detail"] if e["loc"] == ["body", "priority"]]
+    assert error["msg"].endswith(f"... ({100_000 + 2} characters)") and "'ssss" in error["msg"]
+
+
 def test_unreadable_memory_budget_is_422_naming_it(client):
     response = client.post("/plan", json={"device": {"profile": GW17}, "memory_budget": "three gigs"})
     assert response.status_code == 422
