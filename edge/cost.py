@@ -28,7 +28,7 @@ from edge.kernel_registry import (
     eight_bit_kernel,
     kernels_for,
 )
-from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision
+from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision, by_kind, format_counts
 from edge.weight_paths import PATHS, Layout, WeightPath
 
 PROMPT_TOKENS = 512
@@ -57,34 +57,25 @@ def engine_linears(layers: list[LayerDecision]) -> list[EngineLinear]:
     (a lookup, not a GEMM). A kind split by format (a GGUF's mixed grid) runs one GEMM per format, `count` layers
     each; fused siblings take each layer's widest format (edge.quantized_layers), so their counts agree."""
     out: list[EngineLinear] = []
-    by_name: dict[str, list[LayerDecision]] = {}
-    for layer in layers:
-        by_name.setdefault(layer.name, []).append(layer)
+    by_name = by_kind(layers)
     for name, parts in by_name.items():
         if name == EMBEDDING:
             continue
         fused = FUSED.get(name)
         if fused is None or not all(s in by_name for s in SHARDS[fused]):
-            out += [EngineLinear(name, parts[0].n, parts[0].k, count, fmt) for fmt, count in _counts(parts).items()]
+            out += [EngineLinear(name, parts[0].n, parts[0].k, count, fmt)
+                    for fmt, count in format_counts(parts).items()]  # fmt: skip
             continue
         if name != SHARDS[fused][0]:
             continue  # added with the first shard
         shards = [by_name[s] for s in SHARDS[fused]]
-        counts = [_counts(shard) for shard in shards]
+        counts = [format_counts(shard) for shard in shards]
         if any(c != counts[0] for c in counts):  # shards decided apart, not by the plan's rules: the widest
             assert all(len(c) == 1 for c in counts), counts
             counts = [{max((next(iter(c)) for c in counts), key=_WIDTH.__getitem__): parts[0].count}]
         n = sum(shard[0].n for shard in shards)
         out += [EngineLinear(fused, n, parts[0].k, count, fmt) for fmt, count in counts[0].items()]
     return out
-
-
-def _counts(parts: list[LayerDecision]) -> dict[str, int]:
-    """A kind's layers per format."""
-    counts: dict[str, int] = {}
-    for part in parts:
-        counts[part.format] = counts.get(part.format, 0) + part.count
-    return counts
 
 
 def calibration_shapes(layers: list[LayerDecision]) -> list[tuple[int, int]]:

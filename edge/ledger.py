@@ -17,7 +17,7 @@ from edge.export_plan import WEIGHT_BLOCK
 from edge.kernel_params import KernelParams
 from edge.kernel_registry import DEFAULT_DECODE_KERNEL, reads_row_major
 from edge.plan import ItemKind, Layout, MemoryItem, MemoryLedger, WeightPath
-from edge.quantized_layers import EMBEDDING, LayerDecision, QuantRules, model_layers, rules_for
+from edge.quantized_layers import EMBEDDING, LayerDecision, QuantRules, by_kind, format_counts, model_layers, rules_for
 from edge.shapes import LinearShape, ModelShape
 from edge.weight_paths import PATHS
 
@@ -48,9 +48,7 @@ def estimate(
     `quant`, by default the rules a plan writes (rules_for).
     """
     quant = quant or rules_for(model, path, group_size)
-    layers: Layers = {}
-    for decision in model_layers(model, quant):  # a kind split by format (a GGUF's mixed grid) has several parts
-        layers.setdefault(decision.name, []).append(decision)
+    layers: Layers = by_kind(model_layers(model, quant))  # a kind split by format (a GGUF's mixed grid): parts
     weight_format = PATHS[path].weight_format  # which weight items, edge.weight_paths
     if weight_format == "export":
         items = _export_weights(model)
@@ -168,11 +166,9 @@ def _parts(linears: Iterable[LinearShape], layers: Layers) -> list[tuple[LinearS
     LinearShapes of that many layers, each with the first of its parts' decisions."""
     parts: list[tuple[LinearShape, LayerDecision]] = []
     for lin in linears:
-        by_format: dict[str, tuple[LinearShape, LayerDecision]] = {}
-        for decision in layers[lin.name]:
-            part, first = by_format.get(decision.format, (lin.model_copy(update={"count": 0}), decision))
-            by_format[decision.format] = (part.model_copy(update={"count": part.count + decision.count}), first)
-        parts += by_format.values()
+        for fmt, count in format_counts(layers[lin.name]).items():
+            first = next(d for d in layers[lin.name] if d.format == fmt)
+            parts.append((lin.model_copy(update={"count": count}), first))
     return parts
 
 

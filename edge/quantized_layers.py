@@ -418,6 +418,22 @@ def _from_source(model: ModelShape, quant: QuantRules, name: str, decision: Deci
     return f"{decision.why}: the file's codes copied ({kept})" + (f", re-rounded from {others}" if others else "")
 
 
+def by_kind(layers: Sequence[LayerDecision]) -> dict[str, list[LayerDecision]]:
+    """model_layers' entries per kind: one part, or several where a kind's layers take different formats."""
+    kinds: dict[str, list[LayerDecision]] = {}
+    for layer in layers:
+        kinds.setdefault(layer.name, []).append(layer)
+    return kinds
+
+
+def format_counts(parts: Sequence[LayerDecision]) -> dict[Format, int]:
+    """How many layers of a kind (its parts) take each format."""
+    counts: dict[Format, int] = {}
+    for part in parts:
+        counts[part.format] = counts.get(part.format, 0) + part.count
+    return counts
+
+
 def _named(layers: Sequence[LayerDecision], fmt: Format) -> list[str]:
     """The weights `layers` store as `fmt`, as `quantization_config` names them: a kind all of whose weights take
     it by its name, the layers of a kind split in parts by their prefixes, in layer order."""
