@@ -26,9 +26,19 @@ from edge.kernel_registry import (
     PREFILL_KERNELS,
     decode_rows,
     eight_bit_kernel,
+    grouped_int8_kernel,
     kernels_for,
 )
-from edge.quantized_layers import EMBEDDING, FUSED, HEAD, SHARDS, LayerDecision, by_kind, format_counts
+from edge.quantized_layers import (
+    EMBEDDING,
+    FUSED,
+    HEAD,
+    SHARDS,
+    LayerDecision,
+    by_kind,
+    eight_bit_group_size,
+    format_counts,
+)
 from edge.weight_paths import PATHS, Layout, WeightPath
 
 PROMPT_TOKENS = 512
@@ -46,6 +56,7 @@ class EngineLinear:
     k: int
     count: int
     format: str  # int4, int8 or bf16 (edge.quantized_layers)
+    int8_group: int | None = None  # an int8 GEMM's scales per this many weights (per group); None: per channel
 
     @property
     def logits(self) -> bool:
@@ -58,13 +69,17 @@ def engine_linears(layers: list[LayerDecision]) -> list[EngineLinear]:
     each; fused siblings take each layer's widest format (edge.quantized_layers), so their counts agree."""
     out: list[EngineLinear] = []
     by_name = by_kind(layers)
+    group = eight_bit_group_size(layers)
+
+    def gemm(name: str, n: int, k: int, count: int, fmt: str) -> EngineLinear:
+        return EngineLinear(name, n, k, count, fmt, group if fmt == "int8" else None)
+
     for name, parts in by_name.items():
         if name == EMBEDDING:
             continue
         fused = FUSED.get(name)
         if fused is None or not all(s in by_name for s in SHARDS[fused]):
-            out += [EngineLinear(name, parts[0].n, parts[0].k, count, fmt)
-                    for fmt, count in format_counts(parts).items()]  # fmt: skip
+            out += [gemm(name, parts[0].n, parts[0].k, count, fmt) for fmt, count in format_counts(parts).items()]
             continue
         if name != SHARDS[fused][0]:
             continue  # added with the first shard
@@ -74,7 +89,7 @@ def engine_linears(layers: list[LayerDecision]) -> list[EngineLinear]:
             assert all(len(c) == 1 for c in counts), counts
             counts = [{max((next(iter(c)) for c in counts), key=_WIDTH.__getitem__): parts[0].count}]
         n = sum(shard[0].n for shard in shards)
-        out += [EngineLinear(fused, n, parts[0].k, count, fmt) for fmt, count in counts[0].items()]
+        out += [gemm(fused, n, parts[0].k, count, fmt) for fmt, count in counts[0].items()]
     return out
 
 
@@ -231,6 +246,8 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
         else:
             name = FORMAT_KERNEL[lin.format]
             eight_bit = eight_bit_kernel(decode_kernel, lin.k) if rows and lin.format == "int8" and m <= rows else name
+            if lin.int8_group and m < dequant_threshold:  # PyTorch's int8 GEMM takes no groups: the AVX2 one
+                eight_bit = grouped_int8_kernel(lin.k)
             if eight_bit != name:
                 if record.timed(eight_bit) is not None:
                     name = eight_bit

@@ -10,7 +10,7 @@ from edge.device import DeviceProfile
 from edge.kernel_params import KernelParams
 from edge.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.plan import Layout, ServingMode, VllmConfig, WeightPath
-from edge.quantized_layers import LayerDecision, eight_bit_set, kept_bf16
+from edge.quantized_layers import LayerDecision, eight_bit_group_size, eight_bit_set, kept_bf16
 from edge.shapes import ModelShape
 from edge.weight_paths import PATHS, quant_method
 
@@ -69,8 +69,16 @@ def _cpu_int4(
         # cut the squared error 26 % at group 64 on the default model's weights (docs/reports/)
         "rounding": "search",
         "int8": eight_bit_set(layers),
+        **_int8_group(layers),
         "ignore": kept_bf16(layers),
     }
+
+
+def _int8_group(layers: list[LayerDecision]) -> dict[str, int]:
+    """The 8-bit set's group where it is per group (a GGUF's own grid: edge.quantized_layers.eight_bit_group); a
+    per-channel set writes nothing, so its config, compile-cache key and quality records stay as they were."""
+    group = eight_bit_group_size(layers)
+    return {"int8_group_size": group} if group else {}
 
 
 def _cpu_w4a8(
@@ -86,6 +94,7 @@ def _cpu_w4a8(
         # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/ops/int4_ops.py)
         "dequant_threshold": kernel.dequant_threshold,
         "int8": eight_bit_set(layers),
+        **_int8_group(layers),
         "ignore": kept_bf16(layers),
     }
 

@@ -368,6 +368,11 @@ GRID_GROUP = 32
 # The quantized types wider than 4 bits that kernels.source.gguf_source reads (edge.quantized_layers keeps a tensor
 # the file holds in one of these at 8 bits).
 WIDE_SOURCE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+# The types the 8-bit set holds exactly, and their group: symmetric grids of at most 8 bits, w = s * q per group
+# (Q8_0, Q5_0, Q4_0: fp16 d per block of 32; Q6_K: fp16 d times an int8 scale per sub-block of 16, exact in
+# float32). int8 per group of that size, or of a divisor of it, copies their codes (kernels.source.gguf_source
+# .int8_tensors); the asymmetric ones (Q4_1, Q4_K, Q5_1, Q5_K: a minimum per group) are re-rounded per group.
+INT8_GRIDS: dict[str, int] = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q6_K": 16}
 
 
 def source_grid(header: GgufHeader) -> int | None:

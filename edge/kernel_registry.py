@@ -131,11 +131,14 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("int8", "int8 weights per output channel, bf16 activations (the 8-bit set: head, embedding)",
                    "aten::_weight_int8pack_mm", "torch", "int8-channel", None, False, _X86 + ("arm",),
                    facts=_times((49152, 576, 1, "1t.int8.m1_ms"))),
-        # The 8-bit set's decode rows where decode_kernel names an AVX2 kernel (its DecodeChoice.eight_bit).
-        KernelSpec("avx2-int8", "this project's AVX2 GEMV for the 8-bit set's int8 weights per channel, activations "
-                   "rounded to int16 per group of 32 (kernels/ops/avx2_int4.cpp)", "edge_avx2::w8a16_linear", "torch",
-                   "int8-channel", 16, False, _X86, facts=_times((49152, 576, 1, "1t.int8.avx2_m1_ms")),
-                   k_multiple=32),
+        # The 8-bit set's decode rows where decode_kernel names an AVX2 kernel (its DecodeChoice.eight_bit), and
+        # every batch below the dequant threshold of a set stored per group (GROUPED_INT8_KERNEL): the same loop
+        # with one more multiply per group of 32 (or two at 16), timed per channel (kernels.calibrate) and
+        # measured against it in benchmarks/avx2_gemv.py.
+        KernelSpec("avx2-int8", "this project's AVX2 GEMV for the 8-bit set's int8 weights, per channel or per "
+                   "group of 16 or 32, activations rounded to int16 per group of 32 (kernels/ops/avx2_int4.cpp)",
+                   "edge_avx2::w8a16_linear", "torch", "int8-channel", 16, False, _X86,
+                   facts=_times((49152, 576, 1, "1t.int8.avx2_m1_ms")), k_multiple=32),
         KernelSpec("vllm-wna16", "vLLM's GPTQ/AWQ kernel (what a GPTQ checkpoint gets without W4A8)",
                    "_C::cpu_gemm_wna16", "vllm", "int4-gptq", None, False, _X86),
         KernelSpec("vllm-w4a8", "vLLM's int4 x int8 kernel (activations quantized to int8 per row)",
@@ -196,6 +199,24 @@ def offered_lossy_decode_kernel(capability: str | None, isa_class: str) -> str |
 def reads_row_major(decode: str) -> bool:
     """The decode kernel reads the row-major copy of the int4 weights (so every quantized layer keeps one)."""
     return DECODE_KERNELS[decode].weight_format == "int4-rowmajor"
+
+
+# The kernel an 8-bit set stored per group (int8_group_size) runs below the dequant threshold: PyTorch's int8 GEMM
+# takes one scale per channel only.
+GROUPED_INT8_KERNEL = "avx2-int8"
+
+
+def runs_grouped_int8(isa_class: str) -> bool:
+    """Whether a device of this class runs a per-group 8-bit set's narrow batches on a kernel (elsewhere each
+    such batch would dequantize the whole weight, the head included, every decode step)."""
+    return isa_class in KERNELS[GROUPED_INT8_KERNEL].isa_classes
+
+
+def grouped_int8_kernel(k: int) -> str:
+    """The kernel a per-group int8 layer's narrow batches run at this K: the AVX2 one where K suits it; else the
+    layer dequantizes, counted at PyTorch's int8 kernel's times (no faster)."""
+    multiple = KERNELS[GROUPED_INT8_KERNEL].k_multiple
+    return GROUPED_INT8_KERNEL if multiple is None or k % multiple == 0 else FORMAT_KERNEL["int8"]
 
 
 def eight_bit_kernel(decode: str, k: int) -> str:

@@ -189,14 +189,17 @@ def _bf16_weights(model: ModelShape) -> list[MemoryItem]:
     return items
 
 
-def int8_bytes(lin: LinearShape) -> int:
-    """int8 codes [N, K] + one bf16 scale per output channel [N] (kernels/ops/int8.py)."""
-    return lin.count * (lin.n * lin.k + BF16 * lin.n)
+def int8_bytes(lin: LinearShape, group: int | None = None) -> int:
+    """int8 codes [N, K] + one bf16 scale per output channel [N], or per group a float32 scale each [N, K/group]
+    (kernels/ops/int8.py)."""
+    scales = BF16 * lin.n if group is None else FP32 * lin.n * (lin.k // group)
+    return lin.count * (lin.n * lin.k + scales)
 
 
-def _int8(lin: LinearShape, note: str = "") -> MemoryItem:
-    detail = f"{_times(lin)}({lin.n} x {lin.k} x 1 B + 2 B x {lin.n} scales) = {_mib(int8_bytes(lin))}{note}"
-    return _resident("int8-weights", f"{lin.name} int8 (8-bit set)", int8_bytes(lin), detail, layer=lin.name)
+def _int8(lin: LinearShape, group: int | None, note: str = "") -> MemoryItem:
+    scales = f"2 B x {lin.n}" if group is None else f"4 B x {lin.n} x {lin.k}/{group}"
+    detail = f"{_times(lin)}({lin.n} x {lin.k} x 1 B + {scales} scales) = {_mib(int8_bytes(lin, group))}{note}"
+    return _resident("int8-weights", f"{lin.name} int8 (8-bit set)", int8_bytes(lin, group), detail, layer=lin.name)
 
 
 def _kept_bf16(lin: LinearShape, why: str) -> MemoryItem:
@@ -220,7 +223,7 @@ def _tinygemm_weights(
     embedding = _one(layers, EMBEDDING)
     if embedding.format == "int8":
         shared = " (tied: the head multiplies the same rows)" if tied else ""
-        items.append(_int8(_embedding(model), shared))
+        items.append(_int8(_embedding(model), embedding.group, shared))
     elif tied and embedding.format == "int4":
         detail = _tinygemm_detail(head, group)
         items += [
@@ -239,7 +242,7 @@ def _tinygemm_weights(
             items.append(_resident("int4-weights", f"{lin.name} int4 tinygemm", tinygemm_bytes(lin, group),
                                    _tinygemm_detail(lin, group), layer=lin.name))  # fmt: skip
         elif decision.format == "int8":
-            items.append(_int8(lin))
+            items.append(_int8(lin, decision.group))
         else:
             items.append(_kept_bf16(lin, decision.why))
     return items + _row_major_copies(packed, layout, group, block, decode_kernel=decode_kernel)
@@ -288,7 +291,8 @@ def _gptq_weights(model: ModelShape, layers: Layers, group: int | None) -> list[
     tied = model.tie_word_embeddings
     head_format, embedding_format = _one(layers, LM_HEAD).format, _one(layers, EMBEDDING).format
     if embedding_format == "int8":
-        embedding = _int8(emb, " (tied: the head multiplies the same rows)" if tied else "")
+        shared = " (tied: the head multiplies the same rows)" if tied else ""
+        embedding = _int8(emb, _one(layers, EMBEDDING).group, shared)
     elif tied and head_format != "bf16":
         embedding = _resident("untie-cost", "embedding kept bf16 (cost of untying the head)", bf16_bytes(emb),
                               f"the head is quantized apart: {_bf16_detail(emb)}", layer=EMBEDDING)  # fmt: skip
@@ -309,7 +313,7 @@ def _gptq_weights(model: ModelShape, layers: Layers, group: int | None) -> list[
             items.append(_resident("int4-weights", f"{lin.name} GPTQ int4", gptq_bytes(lin, group), detail,
                                    layer=lin.name))  # fmt: skip
         elif decision.format == "int8":
-            items.append(_int8(lin))
+            items.append(_int8(lin, decision.group))
         else:
             items.append(_kept_bf16(lin, decision.why))
     return items

@@ -18,7 +18,7 @@ from edge.errors import InputError
 from edge.export_plan import export_section
 from edge.facts import FACTS, MeasuredFact, fact
 from edge.gates import Gate, all_gates
-from edge.kernel_registry import kernels_for
+from edge.kernel_registry import kernels_for, runs_grouped_int8
 from edge.plan import (
     LAYOUTS,
     PRIORITIES,
@@ -388,7 +388,8 @@ def _calibration_ref(record: CalibrationRecord | None) -> CalibrationRef | None:
 
 
 def _quant(option: Option, gate: Gate, req: Request):
-    return rules_for(req.model, option.path, gate.group_size, req.priority, amx=req.device.has_amx)
+    return rules_for(req.model, option.path, gate.group_size, req.priority, amx=req.device.has_amx,
+                     int8_groups=runs_grouped_int8(req.device.isa_class))
 
 
 def _qconfig(option: Option, gate: Gate, req: Request) -> dict | None:

@@ -28,7 +28,7 @@ from edge.kernel_registry import LOSSY_DECODE_KERNELS
 DEFAULT_MAX_KLD = 0.08
 # Settings of a quantization_config that change the weights' values (and so the quality).
 _NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "quantize_embedding",
-                 "int8", "ignore", "lm_head")  # fmt: skip
+                 "int8", "int8_group_size", "ignore", "lm_head")  # fmt: skip
 
 
 class QualityRecord(BaseModel):

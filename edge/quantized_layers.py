@@ -12,7 +12,9 @@ to the 8-bit set), and the plan's `layers` then lists a kind once per format, wi
 A layer stays bf16 when `quantization_config.ignore` names it, when the kernel cannot take its shape (tinygemm
 packs N in 16s; vLLM's CPU GPTQ wants N and K in 32s), or when a layer vLLM fuses it with stays bf16 (q/k/v
 load into one qkv_proj, gate/up into one gate_up_proj: a fused layer takes one format, the widest of its parts).
-A w4a16 weight in the 8-bit set (`quantization_config.int8`: kinds, prefixes or globs) is int8 per channel.
+A w4a16 weight in the 8-bit set (`quantization_config.int8`: kinds, prefixes or globs) is int8, per channel, or per
+group of `quantization_config.int8_group_size` for a model read from a GGUF (eight_bit_group: the file's own 8-bit
+grids copied, not re-rounded per channel).
 The embedding and the head:
     w4a16-tinygemm  plans give both HEAD_FORMAT[priority]: the 8-bit set (EIGHT_BIT_SET) for speed, bf16 (listed
                     in `ignore`) for fidelity; a tied head follows its embedding. A config with neither quantizes
@@ -36,7 +38,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from edge.errors import InputError
-from edge.gguf_metadata import FOUR_BIT_GRIDS, WIDE_SOURCE_TYPES
+from edge.gguf_metadata import FOUR_BIT_GRIDS, GRID_GROUP, INT8_GRIDS, WIDE_SOURCE_TYPES
 from edge.shapes import LinearShape, ModelShape
 from edge.weight_paths import METHODS, QUANTIZED_PATHS, MethodSpec, own_method, quant_method
 
@@ -83,6 +85,22 @@ def layer_prefix(name: str, layer: int) -> str:
     architecture here has, as a ModelShape may name one, directly in the layer: model.layers.3.<name>)."""
     module = LAYER_MODULES.get(name)
     return f"model.layers.{layer}.{module}.{name}" if module else f"model.layers.{layer}.{name}"
+
+
+def eight_bit_group(model: ModelShape, int8: Sequence[str]) -> int | None:
+    """The 8-bit set's group for a model whose weights come from a GGUF (a file, or the default model's
+    edge-source.json): the smallest INT8_GRIDS group among the types the file holds the set's kinds in (16 where
+    one is Q6_K), else the Q8_0 block's 32; None (one scale per channel) for any other source, or an empty set.
+
+    Why: llama.cpp's files hold these weights on grids of 32 (or 16) with a scale each; one scale per channel
+    re-rounds them, and a row whose groups differ in range loses most (the default model's Q4_K_M, mostly Q5_0:
+    the W4A16 plan measured mean KLD 0.00479 against llama.cpp's 0.00438 with per-channel int8,
+    docs/reports/2026-12-01-grid-ledger-served-decode.md)."""
+    if not int8 or (model.source_types is None and model.source_grid is None):
+        return None
+    kinds = {kind(entry) for entry in int8}
+    held = {t for name, types in (model.source_types or {}).items() if name in kinds for t in types}
+    return min((INT8_GRIDS[t] for t in held if t in INT8_GRIDS), default=GRID_GROUP)
 
 
 def source_weights(
@@ -132,6 +150,7 @@ class LayerDecision(BaseModel):
     count: int
     source: dict[str, int] | None = None  # what a GGUF source holds them as: {GGML type: how many}
     indices: list[int] | None = None  # the decoder layers (model.layers.N) of a kind split in parts; None: all
+    group: int | None = None  # int8: one scale per this many weights along K (int8_group_size); None: per channel
 
 
 @dataclass(frozen=True)
@@ -190,6 +209,7 @@ class QuantRules:
     quantize_embedding: bool = False  # w4a16: the tied embedding and the head it serves
     quantize_head: bool = True  # w4a8-gptq: `lm_head`
     int8: tuple[str, ...] = ()  # the 8-bit set, as kinds, prefixes or globs (`quantization_config.int8`)
+    int8_group: int | None = None  # its scales per this many weights (`int8_group_size`); None: per channel
     tied: bool = False
     # the checkpoint's quant_method; None: the path's own (cpu_int4 for w4a16, vLLM's gptq for w4a8)
     quant_method: str | None = None
@@ -210,7 +230,9 @@ class QuantRules:
             tied=tied,
             quant_method=method,
         )
-        return replace(rules, int8=tuple(qconfig.get("int8") or ())) if rules.eight_bit else rules
+        if not rules.eight_bit:
+            return rules
+        return replace(rules, int8=tuple(qconfig.get("int8") or ()), int8_group=qconfig.get("int8_group_size"))
 
     @property
     def method(self) -> MethodSpec:
@@ -323,6 +345,7 @@ def rules_for(
     ignore: Sequence[str] = (),
     *,
     amx: bool = True,
+    int8_groups: bool = True,
 ) -> QuantRules:
     """The rules a plan writes for this model: w4a16, and w4a8 on a device without AMX (`amx=False`: the plugin's
     cpu_w4a8), give the embedding and the head HEAD_FORMAT[priority] (the 8-bit set for speed; bf16, listed in
@@ -330,7 +353,8 @@ def rules_for(
     from the source's own grid at this group (a GPTQ checkpoint never takes codes from the source). The weights a
     GGUF source holds wider than 4 bits take the 8-bit set, tensor by tensor (wide_source_weights). An
     architecture whose vLLM class cannot load a quantized embedding (BF16_EMBEDDING_ARCHITECTURES) keeps the
-    embedding and its tied head bf16."""
+    embedding and its tied head bf16. `int8_groups`: the device runs a per-group 8-bit set at decode speed
+    (edge.kernel_registry.runs_grouped_int8); where it does not, the set stays per channel."""
     method = quant_method(path, amx=amx)
     spec = METHODS.get(method) if method else None
     eight_bit = spec is not None and spec.eight_bit
@@ -343,7 +367,7 @@ def rules_for(
         off_grid = source_weights(model, lambda type_name: type_name not in FOUR_BIT_GRIDS, SENSITIVE_SET)
         sensitive = off_grid if own_grid else SENSITIVE_SET
     wide = wide_source_weights(model) if eight_bit else ()
-    int8 = (EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive + wide
+    int8 = tuple(dict.fromkeys((EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive + wide))
     return QuantRules(
         path=path,
         group_size=group_size,
@@ -351,7 +375,8 @@ def rules_for(
         # a tied head listed in `ignore` keeps it bf16 all the same
         quantize_embedding=model.tie_word_embeddings and not plain_embedding,
         quantize_head=True,
-        int8=tuple(dict.fromkeys(int8)),
+        int8=int8,
+        int8_group=eight_bit_group(model, int8) if int8_groups else None,
         tied=model.tie_word_embeddings,
         strict=False,
         quant_method=method,
@@ -377,7 +402,8 @@ def model_layers(model: ModelShape, quant: QuantRules) -> list[LayerDecision]:
             layers.append(LayerDecision(
                 name=lin.name, format=decision.format, why=_from_source(model, quant, lin.name, decision, source),
                 n=lin.n, k=lin.k, count=lin.count if whole else len(indices), source=source,
-                indices=None if whole else indices))  # fmt: skip
+                indices=None if whole else indices,
+                group=quant.int8_group if decision.format == "int8" else None))  # fmt: skip
     return layers
 
 
@@ -405,12 +431,19 @@ def _source(model: ModelShape, name: str, indices: Sequence[int] | None) -> dict
 
 def _from_source(model: ModelShape, quant: QuantRules, name: str, decision: Decision,
                  types: Mapping[str, int] | None) -> str:  # fmt: skip
-    """The decision's reason, and for a GGUF source's decoder weights what the file held: for 4-bit ones on its own
-    grid which keep the file's codes and which are re-rounded (a float tensor), for int8 ones the file's types."""
+    """The decision's reason, and for a GGUF source's weights what the file held: for 4-bit ones on its own grid
+    which keep the file's codes and which are re-rounded (a float tensor), for int8 ones the file's types and, per
+    group, which keep their codes (INT8_GRIDS at a multiple of the group)."""
+    if decision.format == "int8" and types:
+        if quant.int8_group is None:
+            return f"{decision.why}: from the file's " + ", ".join(f"{t} x{n}" for t, n in types.items())
+        copied = ", ".join(f"{t} x{n}" for t, n in types.items() if INT8_GRIDS.get(t, 1) % quant.int8_group == 0)
+        others = ", ".join(f"{t} x{n}" for t, n in types.items() if INT8_GRIDS.get(t, 1) % quant.int8_group)
+        parts = ([f"the file's codes copied ({copied})"] if copied else []) + (
+            [f"re-rounded per group of {quant.int8_group} from {others}"] if others else [])
+        return f"{decision.why}: " + "; ".join(parts)
     if not types or name in (EMBEDDING, HEAD):
         return decision.why
-    if decision.format == "int8":
-        return f"{decision.why}: from the file's " + ", ".join(f"{t} x{n}" for t, n in types.items())
     if decision.format != "int4" or quant.group_size != model.source_grid or not quant.method.source_codes:
         return decision.why
     kept = sum(count for t, count in types.items() if t in FOUR_BIT_GRIDS)
@@ -453,6 +486,13 @@ def _named(layers: Sequence[LayerDecision], fmt: Format) -> list[str]:
 def eight_bit_set(layers: Sequence[LayerDecision]) -> list[str]:
     """The plan's 8-bit set, as `quantization_config.int8` names it."""
     return _named(layers, "int8")
+
+
+def eight_bit_group_size(layers: Sequence[LayerDecision]) -> int | None:
+    """The 8-bit set's group (`quantization_config.int8_group_size`), one for the whole set; None: per channel."""
+    groups = {layer.group for layer in layers if layer.format == "int8"}
+    assert len(groups) <= 1, f"one int8 group per checkpoint, got {groups}"
+    return next(iter(groups), None)
 
 
 def kept_bf16(layers: Sequence[LayerDecision]) -> list[str]:

@@ -17,7 +17,7 @@ from edge.calibration import CalibrationRecord, KernelResult, KernelTime
 from edge.cost import NEW_TOKENS, PROMPT_TOKENS, RequestCost, Unmeasured, engine_linears, request_cost
 from edge.facts import fact
 from edge.kernel_params import KernelParams
-from edge.kernel_registry import KERNELS
+from edge.kernel_registry import KERNELS, runs_grouped_int8
 from edge.plan import Layout, Priority, Reason, WeightPath
 from edge.quantized_layers import model_layers, rules_for
 from edge.shapes import ModelShape
@@ -107,7 +107,8 @@ def _record_options(inp: RankInput, record: CalibrationRecord, source: str, fact
     options = []
     for path, layout in _PATHS:
         group = inp.groups.get(path)
-        layers = model_layers(inp.model, rules_for(inp.model, path, group, "speed"))
+        layers = model_layers(inp.model, rules_for(inp.model, path, group, "speed",
+                                                   int8_groups=runs_grouped_int8(inp.isa_class)))
         linears = engine_linears(layers)
         try:
             cost, batched = (request_cost(record, linears, path, layout, batch=batch,

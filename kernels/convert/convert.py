@@ -119,6 +119,8 @@ class Decisions:
     head_from_embedding: str | None = None  # gptq: the embedding also written as the quantized lm_head
     grid: Any = None  # the source's GGUF (kernels.source.gguf_source.GgufModel) when codes come from its own grid
     exact: set[str] = field(default_factory=set)  # 4-bit tensors whose codes are read from `grid`
+    int8_group: int | None = None  # the 8-bit set's scales per this many weights (int8_group_size); None: per channel
+    int8_exact: set[str] = field(default_factory=set)  # 8-bit-set tensors whose codes are read from `grid`
 
 
 def read_source(src: Path) -> Source:
@@ -228,7 +230,39 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
     if quant.method.source_codes and qconfig.get("codes_from_source"):
         _read_codes_from_source(source, qconfig, decisions)
+    decisions.int8_group = quant.int8_group
+    if quant.int8_group and decisions.int8:
+        _read_int8_from_source(source, quant.int8_group, decisions)
     return decisions
+
+
+def _read_int8_from_source(source: Source, group: int, decisions: Decisions) -> None:
+    """The 8-bit set's tensors the source's GGUF holds on an 8-bit grid whose group `group` divides (INT8_GRIDS)
+    take its codes; the rest are rounded per group from the file's float32 values."""
+    from kernels.ops.int8 import check_group
+    from kernels.source.gguf_source import INT8_GRIDS
+
+    check_group(group, name="quantization_config.int8_group_size")
+    grid = decisions.grid if decisions.grid is not None else _source_gguf(source)
+    if grid is None:
+        return  # a Hugging Face source without a GGUF behind it: every int8 tensor rounded per group
+    decisions.grid = grid
+    decisions.int8_exact = {
+        name for name in decisions.int8
+        if name in grid.tensors and INT8_GRIDS.get(grid.tensors[name].type, 1) % group == 0
+    }  # fmt: skip
+
+
+def _source_gguf(source: Source) -> Any:
+    """The GGUF behind a source: the source itself, or the one its edge-source.json names; None for neither."""
+    from kernels.source.gguf_source import read_gguf
+
+    if source.gguf is not None:
+        return source.gguf
+    record_file = source.directory / SOURCE_RECORD
+    if not record_file.is_file():
+        return None
+    return read_gguf(_locate_gguf(json.loads(record_file.read_text())))
 
 
 def _read_codes_from_source(source: Source, qconfig: dict[str, Any], decisions: Decisions) -> None:
@@ -411,7 +445,7 @@ def _write(
         "bytes_out": writer.bytes_written,
         "quantized": sorted(decisions.quantize),
         "int8": sorted(decisions.int8),
-        "codes_from_source": sorted(decisions.exact),
+        "codes_from_source": sorted(decisions.exact | decisions.int8_exact),
         "kept": dict(sorted(decisions.kept.items())),
         "dropped": dict(sorted(decisions.dropped.items())),
         "added": ["lm_head (quantized from the embedding; tie_word_embeddings set false)"]
@@ -429,7 +463,7 @@ def _tensors(source: Source, decisions: Decisions) -> Iterator[tuple[str, Callab
         from kernels.source.gguf_source import dequantized
 
         for name in source.gguf.tensors:
-            if name in decisions.exact:  # its codes are copied from the file: no float copy at all
+            if name in decisions.exact or name in decisions.int8_exact:  # codes copied from the file: no float copy
                 yield name, lambda: None
                 continue
             # a tensor that is re-quantized is read in float32 (the file's values, not bf16-rounded ones)
@@ -464,10 +498,16 @@ def _convert_tensor(
         prefix = decisions.quantize[name]
         return {f"{prefix}.qweight": qweight, f"{prefix}.scales": scales, f"{prefix}.zeros": zeros}
     if name in decisions.int8:
-        from kernels.ops.int8 import quantize_int8
+        if name in decisions.int8_exact:
+            from kernels.source.gguf_source import int8_tensors
 
-        qweight, scales = quantize_int8(tensor, name=name)
-        return {f"{decisions.int8[name]}.qweight": qweight, f"{decisions.int8[name]}.scales": scales}  # [N, K], [N]
+            qweight, scales = int8_tensors(decisions.grid, name, decisions.int8_group)  # the file's codes
+        else:
+            from kernels.ops.int8 import quantize_int8
+
+            qweight, scales = quantize_int8(tensor, name=name, group=decisions.int8_group)
+        # [N, K] int8; scales bf16 [N] per channel, float32 [N, K/g] per group
+        return {f"{decisions.int8[name]}.qweight": qweight, f"{decisions.int8[name]}.scales": scales}
     prefix = decisions.quantize.get(name)
     if prefix is None:
         return {name: tensor.to(torch.bfloat16)}  # no copy when already bf16: bit-exact passthrough

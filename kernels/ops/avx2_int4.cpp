@@ -259,15 +259,24 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                          isa_vnni512::channels_a8);
 }
 
-// The 8-bit set's layers (embedding-tied head): int8 weights per channel, int16 activations per group of 32.
+// The 8-bit set's layers: int8 weights per channel (scales bf16 [N]) or per group of 16 or 32 along K (scales
+// float32 [N, K/g]: a GGUF's own grid, kernels/ops/int8.py), int16 activations per group of 32.
 at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar,
               "qweight: expected int8 [N, K], got ", qweight.scalar_type(), " ", qweight.sizes());
   const int64_t n = qweight.size(0), k = qweight.size(1);
   TORCH_CHECK(k % 32 == 0, "qweight: expected K divisible by 32, got K=", k);
   TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == n,
-              "scales: expected bf16 [", n, "], got ", scales.scalar_type(), " ", scales.sizes());
+  int64_t wgroup = 0;
+  if (scales.dim() == 2) {
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.size(0) == n && scales.size(1) > 0 &&
+                    (scales.size(1) * 16 == k || scales.size(1) * 32 == k),
+                "scales: expected float32 [", n, ", K/16 or K/32], got ", scales.scalar_type(), " ", scales.sizes());
+    wgroup = k / scales.size(1);
+  } else {
+    TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == n,
+                "scales: expected bf16 [", n, "], got ", scales.scalar_type(), " ", scales.sizes());
+  }
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
               "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
   auto out_shape = x.sizes().vec();
@@ -283,12 +292,12 @@ at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   });
   at::Tensor qw = qweight.contiguous(), sc = scales.contiguous();
   const int8_t* wp = qw.data_ptr<int8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  const void* sp = sc.data_ptr();
   float* yp = out.data_ptr<float>();
   const auto run = pick(isa_plain::channels_int8, isa_vnni::channels_int8, isa_vnni512::channels_int8);
   const int64_t grain = std::max<int64_t>(1, 16384 / k);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    run(wp, sp, xq.data(), a.data(), yp, begin, end, m, n, k);
+    run(wp, sp, xq.data(), a.data(), yp, wgroup, begin, end, m, n, k);
   });
   return out.to(x.scalar_type()).reshape(out_shape);
 }
@@ -539,13 +548,16 @@ void channels(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const A
 }
 
 
-// ---- int8 weights per output channel (kernels/ops/int8.py: qweight int8 [N, K], scales bf16 [N]), int16 activations
-// in order, per group of 32: y[m, n] = s_n * sum_g a[m, g] * sum_{k in g} w[n, k] xq[m, k].
-template <int MB>
-void int8_channel(const int8_t* qweight, const uint16_t* scales, const int16_t* xq, const float* a, float* y,
+// ---- int8 weights (kernels/ops/int8.py: qweight int8 [N, K]), int16 activations in order, per group of 32 ----
+// Per channel (WG 0: scales bf16 [N]):   y[m, n] = s_n * sum_g a[m, g] * sum_{k in g} w[n, k] xq[m, k]
+// Per weight group of WG = 32 or 16 (scales float32 [N, K/WG], a GGUF's own grid): each group's integer sum meets
+// a[m, g] * s[n, g'] at once; at 16 the two halves of an activation group meet their own weight scales.
+template <int MB, int WG>
+void int8_channel(const int8_t* qweight, const void* scales, const int16_t* xq, const float* a, float* y,
                   int64_t col, int64_t m0, int64_t n, int64_t k) {
   const int64_t groups = k / 32;
   const int8_t* row = qweight + col * k;
+  const float* gs = WG ? static_cast<const float*>(scales) + col * (k / (WG ? WG : 32)) : nullptr;
   __m256 acc[MB];
   for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -553,21 +565,34 @@ void int8_channel(const int8_t* qweight, const uint16_t* scales, const int16_t* 
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g + 16)));
     for (int r = 0; r < MB; ++r) {
       const int16_t* x = xq + (m0 + r) * k + 32 * g;
+      const float ag = a[(m0 + r) * groups + g];
+      if (WG == 16) {
 #if EDGE_AVX2_VNNI
-      const __m256i p = EDGE_DPWSSD(EDGE_DPWSSD(_mm256_setzero_si256(), w0, loadu(x)), w1,
-                                                loadu(x + 16));
+        const __m256i p0 = EDGE_DPWSSD(_mm256_setzero_si256(), w0, loadu(x));
+        const __m256i p1 = EDGE_DPWSSD(_mm256_setzero_si256(), w1, loadu(x + 16));
 #else
-      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, loadu(x)), _mm256_madd_epi16(w1, loadu(x + 16)));
+        const __m256i p0 = _mm256_madd_epi16(w0, loadu(x));
+        const __m256i p1 = _mm256_madd_epi16(w1, loadu(x + 16));
 #endif
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(a[(m0 + r) * groups + g]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ag * gs[2 * g]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ag * gs[2 * g + 1]), acc[r]);
+      } else {
+#if EDGE_AVX2_VNNI
+        const __m256i p = EDGE_DPWSSD(EDGE_DPWSSD(_mm256_setzero_si256(), w0, loadu(x)), w1, loadu(x + 16));
+#else
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, loadu(x)), _mm256_madd_epi16(w1, loadu(x + 16)));
+#endif
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(WG ? ag * gs[g] : ag), acc[r]);
+      }
     }
   }
-  const float s = bf16_to_float(scales[col]);
+  const float s = WG ? 1.f : bf16_to_float(static_cast<const uint16_t*>(scales)[col]);
   for (int r = 0; r < MB; ++r) y[(m0 + r) * n + col] = hsum_ps(acc[r]) * s;
 }
 
-void channels_int8(const int8_t* wp, const uint16_t* sp, const int16_t* xq, const float* a, float* yp,
-                   int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+template <int WG>
+void channels_int8_wg(const int8_t* wp, const void* sp, const int16_t* xq, const float* a, float* yp,
+                      int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
   const int64_t ahead = std::max<int64_t>(1, (8192 + k - 1) / k);  // ~8 KB ahead, as channels()
   for (int64_t c = begin; c < end; ++c) {
     if (c + ahead < end) {
@@ -575,8 +600,18 @@ void channels_int8(const int8_t* wp, const uint16_t* sp, const int16_t* xq, cons
       for (int64_t off = 0; off < k; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     }
     int64_t m0 = 0;
-    for (; m0 + 2 <= m; m0 += 2) int8_channel<2>(wp, sp, xq, a, yp, c, m0, n, k);
-    if (m0 < m) int8_channel<1>(wp, sp, xq, a, yp, c, m0, n, k);
+    for (; m0 + 2 <= m; m0 += 2) int8_channel<2, WG>(wp, sp, xq, a, yp, c, m0, n, k);
+    if (m0 < m) int8_channel<1, WG>(wp, sp, xq, a, yp, c, m0, n, k);
+  }
+}
+
+// wgroup: 0 (scales bf16 [N]), 16 or 32 (scales float32 [N, K/wgroup]).
+void channels_int8(const int8_t* wp, const void* sp, const int16_t* xq, const float* a, float* yp, int64_t wgroup,
+                   int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  switch (wgroup) {
+    case 16: channels_int8_wg<16>(wp, sp, xq, a, yp, begin, end, m, n, k); break;
+    case 32: channels_int8_wg<32>(wp, sp, xq, a, yp, begin, end, m, n, k); break;
+    default: channels_int8_wg<0>(wp, sp, xq, a, yp, begin, end, m, n, k); break;
   }
 }
 

@@ -107,15 +107,18 @@ def _embedding_fake(
 def int8_linear_impl(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N] bf16 for an int8 layer (kernels/ops/int8.py): qweight int8 [N, K], scales bf16 [N].
-    Narrow batches run PyTorch's int8 weight-only GEMM; from dequant_threshold rows, dequantize and run bf16.
+    """x [..., K] -> [..., N] bf16 for an int8 layer (kernels/ops/int8.py): qweight int8 [N, K], scales bf16 [N]
+    (per channel) or float32 [N, K/g] (per group). Per channel, narrow batches run PyTorch's int8 weight-only GEMM;
+    from dequant_threshold rows, and for per-group scales (which PyTorch's kernel cannot take) every batch the AVX2
+    kernel does not, dequantize and run bf16.
     avx2_rows: batches of up to this many rows (K a multiple of avx2_int4.INT8_K_MULTIPLE) run the AVX2 int8 kernel
-    (int16 activations, kernels/ops/avx2_int4.py) where a decode_kernel names an AVX2 kernel; 0: never."""
+    (int16 activations, kernels/ops/avx2_int4.py), which takes either form; 0: never (the plugin's configs choose:
+    kernels.vllm_plugin.cpu_int4.PluginConfig.int8_rows)."""
     n = qweight.shape[0]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
     if x2.shape[0] <= avx2_rows and x2.shape[1] % avx2_int4.INT8_K_MULTIPLE == 0:
         y = avx2_int4.int8_linear(x2, qweight, scales)  # [M, N] bf16
-    elif x2.shape[0] < dequant_threshold:
+    elif x2.shape[0] < dequant_threshold and scales.dim() == 1:
         # torch 2.13's AVX-512 kernel crashes (SIGSEGV) on int8 weights not 64-byte aligned, as tensors read
         # straight from a safetensors file are (8-byte); vLLM's own parameters are aligned, so this never copies there.
         if qweight.data_ptr() % 64:
@@ -133,7 +136,7 @@ def _int8_linear_fake(
 
 
 def int8_embedding_impl(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """ids [...] -> [..., H] bf16: gather the int8 rows and their scales, dequantize only those."""
+    """ids [...] -> [..., H] bf16: gather the int8 rows and their scales ([N] or [N, K/g]), dequantize only those."""
     flat = ids.reshape(-1)  # [T]
     rows = dequantize_int8(qweight.index_select(0, flat), scales.index_select(0, flat))  # [T, H]
     return rows.view(*ids.shape, rows.shape[-1])

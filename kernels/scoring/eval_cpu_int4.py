@@ -3,10 +3,11 @@
 Each module holds what kernels.vllm_plugin.cpu_int4 keeps on a vLLM layer after loading (the tinygemm buffer from
 kernels.ops.tinygemm.to_tinygemm, plus the row-major tensors only where its mode reads them) and calls the body of
 the op vLLM runs: kernels.ops.int4_ops.int4_linear_impl / embedding_impl for int4 layers, int8_linear_impl /
-int8_embedding_impl for the 8-bit set (kernels/ops/int8.py: qweight int8 [N, K], scales [N]). The settings come
-from the checkpoint's quantization_config through the engine's own parser (CpuInt4Config.from_config: the same
-defaults for missing fields, the same refusal of a checkpoint planned for another tinygemm block), so the
-modules run the branch the engine runs for the same number of rows, in the same prefill dtype.
+int8_embedding_impl for the 8-bit set (kernels/ops/int8.py: qweight int8 [N, K], scales [N] or [N, K/g]). The
+settings come from the checkpoint's quantization_config through the engine's own parser
+(CpuInt4Config.from_config: the same defaults for missing fields, the same refusal of a checkpoint planned for
+another tinygemm block), so the modules run the branch the engine runs for the same number of rows, in the same
+prefill dtype.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class Int4Settings:
     # decode_kernel "avx2"/"avx2-w4a8": every row runs that AVX2 kernel (its activation bits), so each scored
     # position is computed as a decoded token is; None: tinygemm and the dequantize branch, as configured.
     avx2_bits: int | None = None
+    # the 8-bit set's batches of up to this many rows run the AVX2 int8 kernel, as the engine's
+    # (kernels.vllm_plugin.cpu_int4.int8_rows: a per-group set's below the threshold); 0: never
+    int8_rows: int = 0
 
 
 def engine_settings(qconfig: dict[str, Any]) -> Int4Settings:
@@ -57,7 +61,7 @@ def engine_settings(qconfig: dict[str, Any]) -> Int4Settings:
         raise InputError("quantization_config.decode_kernel", config.decode_kernel,
                          f"a decode kernel that runs here ({avx2_int4.load()})")  # fmt: skip
     return Int4Settings(config.group_size, config.mode, config.dequant_threshold, config.prefill_dtype == "float32",
-                        config.avx2_bits if config.avx2_rows else None)  # fmt: skip
+                        config.avx2_bits if config.avx2_rows else None, config.int8_rows)  # fmt: skip
 
 
 class Int4Linear(nn.Module):
@@ -124,16 +128,17 @@ class Int8Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)  # [N, K] int8
-        self.register_buffer("scales", scales)  # [N] bf16
+        self.register_buffer("scales", scales)  # [N] bf16 or [N, K/g] float32
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.dequant_threshold = settings.dequant_threshold
         self.avx2 = settings.avx2_bits is not None  # every row on the AVX2 int8 kernel, as Int4Linear's
+        self.int8_rows = settings.int8_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.avx2 and self.qweight.shape[1] % avx2_int4.INT8_K_MULTIPLE == 0:
             y = avx2_int4.int8_linear(x.to(torch.bfloat16), self.qweight, self.scales)
             return y if self.bias is None else y + self.bias
-        y = int8_linear_impl(x, self.qweight, self.scales, self.dequant_threshold)
+        y = int8_linear_impl(x, self.qweight, self.scales, self.dequant_threshold, self.int8_rows)
         return y if self.bias is None else y + self.bias
 
 
@@ -143,7 +148,7 @@ class Int8Embedding(nn.Module):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("qweight", qweight)  # [V, H] int8
-        self.register_buffer("scales", scales)  # [V] bf16
+        self.register_buffer("scales", scales)  # [V] bf16 or [V, H/g] float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return int8_embedding_impl(ids, self.qweight, self.scales)
@@ -219,7 +224,10 @@ def _check_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Module,
     else:
         raise InputError(f"{prefix}.qweight", type(module).__name__, "a linear or embedding layer of the source")
     if eight_bit:
-        expected = {"qweight": ((n, k), torch.int8), "scales": ((n,), None)}
+        from kernels.ops.int8 import check_params
+
+        expected = {"qweight": ((n, k), torch.int8)}
+        check_params(parts["qweight"], parts["scales"], prefix)  # [N] or [N, K/g]
     else:
         expected = {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // group), None),
                     "zeros": ((n, k // group), None)}  # fmt: skip

@@ -53,7 +53,8 @@ def install_cpu_w4a8(
     if not op_available():
         raise InputError("quantization_config.quant_method", "cpu_w4a8",
                          "a host whose vLLM library registers int4_scaled_mm_cpu (_C)")  # fmt: skip
-    settings = Int4Settings(config.group_size, 0, config.dequant_threshold, False)  # the int8 modules read only this
+    # the int8 modules read only the threshold and the rows that take the AVX2 int8 kernel
+    settings = Int4Settings(config.group_size, 0, config.dequant_threshold, False, int8_rows=config.int8_rows)
     embedding_prefix = prefix_of(model, model.get_input_embeddings())
     head_prefix = prefix_of(model, model.get_output_embeddings())
     int4, int8, tied_head = [], [], None

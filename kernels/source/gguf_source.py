@@ -14,7 +14,14 @@ such values (multiples of 2^-24, fp16's smallest step) is exact in float32's 24-
 as every zero is. The one loss is rounding them to bf16, the kernel's dtype. With them unrounded,
 (q - 8)*scale + zero is the same exact value gguf-py's float32 dequantization rounds once, so the two agree bit for
 bit (tests/kernels/test_gguf_source.py checks it per type, and reports what bf16 adds).
-Q8_0 blocks (fp16 d, 32 int8 q, w = d*q) are returned as int8 codes and float32 scales (exact) for an 8-bit path.
+The 8-bit grids, INT8_GRIDS (int8 per group, kernels/ops/int8.py: w = q * scale):
+    Q8_0  w = d*q          q in -128..127     scale = d per 32
+    Q5_0  w = d*(q - 16)   q - 16 in -16..15  scale = d per 32
+    Q4_0  w = d*(q - 8)    q - 8 in -8..7     scale = d per 32
+    Q6_K  w = d*sc_j*(q - 32)                 scale = d*sc_j per sub-block j of 16 (sc_j int8)
+come back as int8 codes and float32 scales, exact: each scale is fp16 times an integer of at most 8 bits, and each
+weight that scale times an integer of at most 8 bits, so gguf-py's float32 value is the product unrounded and the
+code is that value divided by the scale (`int8_tensors` checks both, per chunk of rows).
 
 Block layouts, read in gguf-py's gguf/quants.py (`*.dequantize_blocks`):
     Q4_0  32 weights: fp16 d | 16 bytes qs                 byte i: element i in the low nibble, i+16 in the high
@@ -49,7 +56,7 @@ import numpy as np
 import torch
 
 from edge.errors import InputError
-from edge.gguf_metadata import FOUR_BIT_GRIDS  # their codes go to cpu_int4 at group 32 unchanged
+from edge.gguf_metadata import FOUR_BIT_GRIDS, INT8_GRIDS  # codes copied: cpu_int4 at group 32, int8 per group
 
 BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block and per Q4_K sub-block: the cpu_int4 group size we return
 FLOATS = ("F32", "F16", "BF16")
@@ -182,12 +189,37 @@ def cpu_int4_tensors(model: GgufModel, hf_name: str) -> tuple[torch.Tensor, torc
     )
 
 
-def int8_tensors(model: GgufModel, hf_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 tensor as (codes int8 [N, K], scales float32 [N, K/32]), exact: w = codes * scale per block."""
-    t = _tensor(model, hf_name, ("Q8_0",), "int8_tensors")
-    blocks = _blocks(t)  # [N, K/32, 34] uint8
-    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(t.shape)  # [N, K] int8
-    return torch.from_numpy(codes), torch.from_numpy(_fp16(blocks, 0))
+def int8_tensors(
+    model: GgufModel, hf_name: str, group: int = BLOCK, chunk_rows: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor on one of INT8_GRIDS as (codes int8 [N, K], scales float32 [N, K/group]), exact: w = code * scale.
+    `group` must divide the type's own group (a Q8_0's scales at group 16 repeat each block's twice; a Q6_K at 32
+    would re-round, so it is refused). Read `chunk_rows` rows at a time: one chunk is in float32 at once."""
+    t = _tensor(model, hf_name, tuple(INT8_GRIDS), "int8_tensors")
+    own = INT8_GRIDS[t.type]
+    if group <= 0 or own % group:
+        raise InputError("group", group, f"a divisor of {t.type}'s own group {own} (its codes copied exactly)")
+    from gguf import GGMLQuantizationType
+
+    n, k = t.shape
+    blocks = _blocks(t)  # [N, K/block, block bytes], rows in HF order
+    if t.type == "Q6_K":  # ql 128 | qh 64 | int8 scales 16 | fp16 d
+        d = _fp16(blocks, 208)  # [N, K/256]
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)  # [N, K/256, 16]
+        scales = (d[..., None] * sc).reshape(n, k // own)  # [N, K/16]: fp16 x int8, exact in float32
+    else:
+        scales = _fp16(blocks, 0)  # [N, K/32]
+    codes = np.empty((n, k), dtype=np.int8)
+    kind = GGMLQuantizationType[t.type]
+    for start in range(0, n, chunk_rows):
+        stop = min(start + chunk_rows, n)
+        values = _decoded(blocks[start:stop].reshape(stop - start, -1), kind, 0.0)  # [rows, K] float32
+        step = np.repeat(scales[start:stop], own, axis=1)  # [rows, K]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            chunk = np.where(step != 0, np.rint(values / step), 0)
+        assert np.array_equal(chunk * step, values), f"{hf_name}: {t.type} codes are not exact in int8 per {own}"
+        codes[start:stop] = chunk
+    return torch.from_numpy(codes), torch.from_numpy(np.repeat(scales, own // group, axis=1))
 
 
 def float_tensor(model: GgufModel, hf_name: str) -> torch.Tensor:

@@ -14,8 +14,9 @@ Layouts:
     kernel-only  prefill_dequant false: tinygemm for every batch, no copy
 
 The 8-bit set (`int8`: the embedding and the head in every plan, kernels/ops/int8.py) loads `<prefix>.qweight` int8
-[N, K] and `.scales` bf16 [N] and runs PyTorch's int8 weight-only GEMM. Which weights are int4, int8 or bf16 is
-asked of edge.quantized_layers, as the plan's ledger and the converter ask it.
+[N, K] and `.scales`: bf16 [N] (PyTorch's int8 weight-only GEMM), or with `int8_group_size` g float32 [N, K/g] (a
+GGUF's own 8-bit grids, on the AVX2 int8 kernel; PyTorch's takes one scale per channel only). Which weights are
+int4, int8 or bf16 is asked of edge.quantized_layers, as the plan's ledger and the converter ask it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from edge.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
 from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
 from edge.weight_paths import METHODS
 from kernels.ops.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear, int8_embedding, int8_linear
+from kernels.ops.int8 import check_group as check_int8_group
 from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
 
@@ -71,6 +73,7 @@ def quantization_config(
     int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
     ignore: list[str] | None = None,
     decode_kernel: str = DEFAULT_DECODE_KERNEL,
+    int8_group_size: int | None = None,
 ) -> dict[str, Any]:
     """The `quantization_config` dict for a layout on this host, as a plan would write it (tests, benchmarks);
     `int8=()` leaves the embedding and the head to 4 bits."""
@@ -88,9 +91,25 @@ def quantization_config(
         "repack_chunk_rows": host.repack_chunk_rows,
         "quantize_embedding": quantize_embedding,
         "int8": list(int8),
+        **int8_group_entry(int8_group_size),
         "ignore": list(ignore or []),
         **({"decode_kernel": decode_kernel} if decode_kernel != DEFAULT_DECODE_KERNEL else {}),
     }
+
+
+def int8_group_entry(group: int | None) -> dict[str, int]:
+    """quantization_config's int8_group_size, written only when the 8-bit set is per group (a per-channel
+    checkpoint's config, and so its compile-cache key and quality records, stay as they were)."""
+    return {"int8_group_size": group} if group else {}
+
+
+def int8_rows(group: int | None, dequant_threshold: int, decode_rows: int = 0) -> int:
+    """Batches of up to this many rows run the 8-bit set on the AVX2 int8 kernel: the decode kernel's rows, and
+    with per-group scales every batch below dequant_threshold (PyTorch's int8 GEMM takes one scale per channel),
+    where that kernel runs here; without it, such a layer dequantizes every batch (kernels.ops.int4_ops)."""
+    if group and _avx2_available():
+        return max(decode_rows, dequant_threshold - 1)
+    return decode_rows
 
 
 def weight_param(data: torch.Tensor, **attrs: Any) -> Parameter:
@@ -174,8 +193,10 @@ class CpuInt4Config(PluginConfig):
         int8: list[str] | None = None,
         ignore: list[str] | None = None,
         decode_kernel: str = DEFAULT_DECODE_KERNEL,
+        int8_group_size: int | None = None,
     ) -> None:
         super().__init__()
+        check_int8_group(int8_group_size, name="int8_group_size")
         if group_size not in TINYGEMM_GROUP_SIZES:
             raise InputError("group_size", group_size, f"one of {TINYGEMM_GROUP_SIZES} (tinygemm's group sizes)")
         if dequant_threshold is not None and dequant_threshold < 1:
@@ -210,6 +231,8 @@ class CpuInt4Config(PluginConfig):
         avx2 = reads_row_major(decode_kernel) and _avx2_available()
         self.avx2_rows = decode_rows(decode_kernel) if avx2 else 0
         self.avx2_bits = DECODE_KERNELS[decode_kernel].activation_bits or 16  # its activations: int16 or int8
+        self.int8_group_size = int8_group_size
+        self.int8_rows = int8_rows(int8_group_size, self.dequant_threshold, self.avx2_rows)
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
     def __repr__(self) -> str:
@@ -250,6 +273,7 @@ class CpuInt4Config(PluginConfig):
             int8=list(config.get("int8", [])),
             ignore=list(config.get("ignore", [])),
             decode_kernel=config.get("decode_kernel", DEFAULT_DECODE_KERNEL),
+            int8_group_size=config.get("int8_group_size"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -265,6 +289,7 @@ class CpuInt4Config(PluginConfig):
             "repack_chunk_rows": self.repack_chunk_rows,
             "quantize_embedding": self.quantize_embedding,
             "int8": list(self.int8),
+            **int8_group_entry(self.int8_group_size),
             "ignore": list(self.ignore),
             **({"decode_kernel": self.decode_kernel} if self.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
         }
@@ -427,22 +452,26 @@ def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias:
 
 
 class _Int8Weights(PluginWeights):
-    """The 8-bit set's tensors (kernels/ops/int8.py): qweight int8 [N, K] and scales bf16 [N], loaded as stored."""
+    """The 8-bit set's tensors (kernels/ops/int8.py): qweight int8 [N, K] and scales, bf16 [N] or, with the
+    config's int8_group_size g, float32 [N, K/g]; loaded as stored."""
 
     def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
         layer.register_parameter(
             "qweight", weight_param(torch.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra)
         )  # [N, K]
-        scales = torch.empty(n, dtype=torch.bfloat16)  # [N]
-        layer.register_parameter("scales", weight_param(scales, output_dim=0, **extra))
+        group = self.config.int8_group_size
+        if group:
+            check_int8_group(group, k, name="int8_group_size")
+            scales = weight_param(torch.empty(n, k // group, dtype=torch.float32), input_dim=1, output_dim=0, **extra)
+        else:
+            scales = weight_param(torch.empty(n, dtype=torch.bfloat16), output_dim=0, **extra)  # [N]
+        layer.register_parameter("scales", scales)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        pass  # PyTorch's int8 weight-only GEMM reads the checkpoint layout as is
+        pass  # the int8 kernels read the checkpoint layout as is
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # The AVX2 decode kernels' rows also take the AVX2 int8 kernel (cpu_w4a8's config has none: 0).
-        y = int8_linear(x, layer.qweight, layer.scales, self.config.dequant_threshold,
-                        getattr(self.config, "avx2_rows", 0))  # fmt: skip
+        y = int8_linear(x, layer.qweight, layer.scales, self.config.dequant_threshold, self.config.int8_rows)
         return y if bias is None else y + bias
 
 

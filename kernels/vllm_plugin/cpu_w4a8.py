@@ -31,6 +31,7 @@ from edge.errors import InputError
 from edge.quantized_layers import EIGHT_BIT_SET
 from edge.rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
 from edge.weight_paths import METHODS
+from kernels.ops.int8 import check_group as check_int8_group
 from kernels.vllm_plugin.cpu_int4 import (
     CpuInt8EmbeddingMethod,
     CpuInt8LinearMethod,
@@ -38,6 +39,8 @@ from kernels.vllm_plugin.cpu_int4 import (
     PluginWeights,
     empty_param,
     host_params,
+    int8_group_entry,
+    int8_rows,
     weight_param,
 )
 
@@ -121,7 +124,7 @@ def w4a8_linear(
 
 def quantization_config(
     *, group_size: int = 64, int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
-    ignore: list[str] | None = None, dequant_threshold: int | None = None,
+    ignore: list[str] | None = None, dequant_threshold: int | None = None, int8_group_size: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The `quantization_config` a plan writes for w4a8-gptq (edge.engine_config), for tests and
     benchmarks; `int8=()` leaves the embedding and the head bf16."""
@@ -134,6 +137,7 @@ def quantization_config(
         "checkpoint_format": "gptq",
         "dequant_threshold": host_params().dequant_threshold if dequant_threshold is None else dequant_threshold,
         "int8": list(int8),
+        **int8_group_entry(int8_group_size),
         "ignore": list(ignore or []),
     }
 
@@ -149,8 +153,10 @@ class CpuW4A8Config(PluginConfig):
         dequant_threshold: int | None = None,
         int8: list[str] | None = None,
         ignore: list[str] | None = None,
+        int8_group_size: int | None = None,
     ) -> None:
         super().__init__()
+        check_int8_group(int8_group_size, name="int8_group_size")
         if group_size not in GPTQ_GROUP_SIZES:
             raise InputError("group_size", group_size, f"one of {GPTQ_GROUP_SIZES} (vLLM 0.28 GPTQ on CPU)")
         if dequant_threshold is not None and dequant_threshold < 1:
@@ -160,6 +166,8 @@ class CpuW4A8Config(PluginConfig):
         self.dequant_threshold = host_params().dequant_threshold if dequant_threshold is None else dequant_threshold
         self.int8 = list(int8 or [])
         self.ignore = list(ignore or [])
+        self.int8_group_size = int8_group_size
+        self.int8_rows = int8_rows(int8_group_size, self.dequant_threshold)  # no AVX2 decode kernel here
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
     def __repr__(self) -> str:
@@ -176,11 +184,13 @@ class CpuW4A8Config(PluginConfig):
             dequant_threshold=config.get("dequant_threshold"),
             int8=list(config.get("int8", [])),
             ignore=list(config.get("ignore", [])),
+            int8_group_size=config.get("int8_group_size"),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return quantization_config(group_size=self.group_size, int8=self.int8, ignore=self.ignore,
-                                   dequant_threshold=self.dequant_threshold)  # fmt: skip
+                                   dequant_threshold=self.dequant_threshold,
+                                   int8_group_size=self.int8_group_size)  # fmt: skip
 
     def get_name(self) -> str:
         return NAME

@@ -235,9 +235,10 @@ def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name
 _PLAIN_SCRIPT = """
 import sys, torch
 from kernels.ops import avx2_int4
-from tests.kernels.test_avx2_int4 import _vnni_cases
+from tests.kernels.test_avx2_int4 import _int8_cases, _vnni_cases
 assert avx2_int4.load() is None and not torch.ops.edge_avx2.uses_vnni()
-torch.save([avx2_int4.linear(*case) for case in _vnni_cases()], sys.argv[1])
+torch.save([avx2_int4.linear(*case) for case in _vnni_cases()]
+           + [avx2_int4.int8_linear(*case) for case in _int8_cases()], sys.argv[1])
 """
 
 
@@ -248,6 +249,15 @@ def _vnni_cases():
         x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
         cases.append((x, qweight, scales, zeros, group, bits))
     return cases
+
+
+def _int8_cases():
+    """The int8 weights kernel per channel and per group of 16 and 32."""
+    from kernels.ops.int8 import quantize_int8
+
+    w = torch.randn(200, 1024, generator=torch.Generator().manual_seed(9)) * 0.02
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    return [(x, *quantize_int8(w, group=group)) for group in (None, 16, 32)]
 
 
 @needs_kernel
@@ -265,8 +275,9 @@ def test_the_avx_vnni_build_gives_the_plain_avx2_builds_results_bit_for_bit(tmp_
     env = {**os.environ, "EDGE_AVX2_VNNI": "0", "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", _PLAIN_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=600)
     plain = torch.load(out)
-    for case, expected in zip(_vnni_cases(), plain, strict=True):
-        assert torch.equal(avx2_int4.linear(*case), expected), case[4:]
+    ours = [avx2_int4.linear(*case) for case in _vnni_cases()] + [avx2_int4.int8_linear(*c) for c in _int8_cases()]
+    for i, (mine, expected) in enumerate(zip(ours, plain, strict=True)):
+        assert torch.equal(mine, expected), i
 
 
 @needs_kernel
@@ -307,6 +318,67 @@ def test_the_int8_op_sends_up_to_avx2_rows_to_the_kernel():
         narrow = rows <= 2
         expected = avx2_int4.int8_linear(x, qweight, scales) if narrow else int8_linear_impl(x, qweight, scales, 128)
         assert torch.equal(y, expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("n, k, m", [(64, 576, 1), (37, 1024, 3), (9, 96, 4)])
+def test_the_int8_weights_kernel_with_a_scale_per_group_gives_the_int64_reference_bit_for_bit(n, k, m, group):
+    """float32 scales per group of 16 or 32 (a GGUF's Q6_K or Q8_0/Q5_0 grid): power-of-two scales and integer
+    activations with one +-32767 per activation group of 32 (a = 1), so every product is exact in fp32."""
+    generator = torch.Generator().manual_seed(n + k + m + group)
+    qweight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    qweight.view(n, k // 32, 32)[:, :, 0] = 0
+    scales = 2.0 ** torch.randint(-3, 2, (n, k // group), generator=generator).float()
+    x = torch.randint(-15, 16, (m, k), generator=generator).float()
+    x.view(m, k // 32, 32)[:, :, 0] = 32767.0
+    w = (qweight.double().view(n, -1, group) * scales.double().unsqueeze(-1)).view(n, k)
+    reference = (x.double() @ w.t()).float()
+    assert torch.equal(avx2_int4.int8_linear(x, qweight, scales), reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [16, 32])
+def test_the_int8_weights_kernel_with_group_scales_matches_the_dequantized_product(group):
+    from kernels.ops.int8 import dequantize_int8, quantize_int8
+
+    generator = torch.Generator().manual_seed(group)
+    w = torch.randn(300, 576, generator=generator) * 0.02
+    w[:, :32] *= 40  # one group per row far wider than the rest: what per-channel scales lose
+    qweight, scales = quantize_int8(w, group=group)
+    x = torch.randn(4, 576, generator=generator)
+    dequantized = dequantize_int8(qweight, scales, torch.float32)
+    bound = _rounding_bound(x, dequantized, 32, 16) + RELATIVE * (x.abs() @ dequantized.abs().t()) + 1e-6
+    assert ((avx2_int4.int8_linear(x, qweight, scales) - x @ dequantized.t()).abs() <= bound).all()
+    per_channel = dequantize_int8(*quantize_int8(w), torch.float32)
+    assert (dequantized - w).norm() < (per_channel - w).norm() / 4  # what the groups buy on such rows
+
+
+@needs_kernel
+def test_the_int8_weights_kernel_refuses_scales_of_another_shape_or_dtype():
+    qweight = torch.zeros(8, 64, dtype=torch.int8)
+    x = torch.zeros(1, 64)
+    for scales in (torch.ones(8, 64 // 8), torch.ones(8, 2, dtype=torch.bfloat16), torch.ones(7, 2)):
+        with pytest.raises(RuntimeError, match="scales: expected"):
+            avx2_int4.int8_linear(x, qweight, scales)
+
+
+@needs_kernel
+def test_a_per_group_int8_layer_takes_the_kernel_below_the_threshold_and_dequantizes_from_it():
+    """PyTorch's int8 GEMM takes one scale per channel: a per-group layer's narrow batches run this kernel
+    (avx2_rows, the plugin's int8_rows), and every other batch dequantizes, whatever the threshold."""
+    from kernels.ops.int4_ops import int8_linear_impl
+    from kernels.ops.int8 import dequantize_int8, quantize_int8
+
+    qweight, scales = quantize_int8(torch.randn(256, 576) * 0.02, group=32)
+    for rows in (1, 3, 200):
+        x = torch.randn(rows, 576).to(torch.bfloat16)
+        y = int8_linear_impl(x, qweight, scales, 128, 127)
+        if rows <= 127:
+            assert torch.equal(y, avx2_int4.int8_linear(x, qweight, scales))
+        else:
+            assert torch.equal(y, torch.mm(x, dequantize_int8(qweight, scales).t()))
+        assert torch.equal(int8_linear_impl(x, qweight, scales, 2), torch.mm(x, dequantize_int8(qweight, scales).t()))
 
 
 def test_ninja_from_the_ninja_package_joins_path_when_none_is_on_it(monkeypatch, tmp_path):

@@ -627,3 +627,31 @@ def test_only_llama_rows_are_permuted_and_only_gemma_norms_offset(architectures)
                 assert torch.equal(reference[name][rotary_row_order(len(written), t.rotary_heads).argsort()], written)
             else:
                 assert torch.equal(reference[name], written - 1 if offset else written), name
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0", "Q6_K"])
+def test_each_8bit_grid_is_copied_exactly_as_int8_per_group(tmp_path, kind):
+    """codes x scales equals gguf-py's float32 dequantization bit for bit (no rounding anywhere: a scale is fp16
+    times an integer, a weight that times a code of at most 8 bits), in transformers' row order (attn_k: llama.cpp
+    permuted its rows), at the type's own group and at 16 (a group-32 scale repeated)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from kernels.source.gguf_source import INT8_GRIDS
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    data = fx.encoded(qtype, np.random.default_rng(5), 32, 256)
+    model = read_gguf(_write(tmp_path / f"{kind}.gguf", {"blk.0.attn_k.weight": (data, qtype)}))
+    reference = LlamaTensorProcessor()._reverse_permute_weights(gguf.dequantize(data, qtype), 2, 2)
+    for group in sorted({INT8_GRIDS[kind], 16}):
+        codes, scales = int8_tensors(model, "model.layers.0.self_attn.k_proj.weight", group, chunk_rows=12)
+        assert codes.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (32, 256 // group)
+        weight = codes.float().view(32, -1, group) * scales.unsqueeze(-1)
+        assert np.array_equal(weight.view(32, 256).numpy(), reference), (kind, group)
+
+
+def test_a_q6k_tensor_is_not_copied_at_group_32(tmp_path):
+    """Q6_K's scales change every 16 weights: one scale per 32 would re-round it, so the reader refuses."""
+    data = fx.encoded(gguf.GGMLQuantizationType.Q6_K, np.random.default_rng(6), 32, 256)
+    model = read_gguf(_write(tmp_path / "q6k.gguf", {"blk.0.attn_v.weight": (data, gguf.GGMLQuantizationType.Q6_K)}))
+    with pytest.raises(InputError, match=r"group: expected a divisor of Q6_K's own group 16.*got 32"):
+        int8_tensors(model, "model.layers.0.self_attn.v_proj.weight", 32)
