@@ -2,6 +2,12 @@
 ms and GB/s of weights read.
 
     python benchmarks/avx2_gemv.py [--rounds 30] [--rows 1,4] [--group 64] [--json]
+    python benchmarks/avx2_gemv.py --int8 [--rounds 30] [--rows 1,4]     # the 8-bit set's kernels instead
+
+`--int8`: the 8-bit set's int8 weights per output channel (PyTorch's `_weight_int8pack_mm` and the AVX2 int8
+kernel) against per group of 32 and 16 (a GGUF's Q8_0/Q5_0 and Q6_K grids, quantization_config's
+`int8_group_size`; the AVX2 kernel only), at the default model's head (49152x576) and its linears' shapes, GB/s
+over codes + scales.
 
 Two processes: this host's own dispatch (tinygemm takes the CPU's widest path, AVX-512 on Zen 5) and a child under
 `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` (tinygemm's and oneDNN's AVX2 code, as on an AVX2-only box; the
@@ -29,6 +35,8 @@ import torch
 SHAPES = [(4096, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536)]  # N x K; the default model's four
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 KERNELS = ("avx2", "avx2-w4a8", "tinygemm", "bf16")
+INT8_SHAPES = [(49152, 576), (576, 576), (1536, 576), (576, 1536)]
+INT8_KERNELS = ("int8pack-channel", "avx2-int8-channel", "avx2-int8-g32", "avx2-int8-g16")
 
 
 def _builders(group: int):
@@ -52,20 +60,33 @@ def _builders(group: int):
         held = w.to(torch.bfloat16)
         return (lambda x: torch.nn.functional.linear(x, held)), held.nbytes
 
-    return {"avx2": avx2_kernel(16), "avx2-w4a8": avx2_kernel(8), "tinygemm": tinygemm, "bf16": bf16}
+    def int8(group, kernel):
+        from kernels.ops.int8 import quantize_int8
+
+        def build(w):
+            q, s = quantize_int8(w, group=group)
+            return (lambda x: kernel(x, q, s)), q.nbytes + s.nbytes
+
+        return build
+
+    int8pack = torch.ops.aten._weight_int8pack_mm
+    return {"avx2": avx2_kernel(16), "avx2-w4a8": avx2_kernel(8), "tinygemm": tinygemm, "bf16": bf16,
+            "int8pack-channel": int8(None, int8pack), "avx2-int8-channel": int8(None, avx2_int4.int8_linear),
+            "avx2-int8-g32": int8(32, avx2_int4.int8_linear), "avx2-int8-g16": int8(16, avx2_int4.int8_linear)}
 
 
-def measure(rounds: int, rows: list[int], group: int) -> dict:
+def measure(rounds: int, rows: list[int], group: int, kernel_set: tuple[str, ...] = KERNELS,
+            shapes: list[tuple[int, int]] = SHAPES) -> dict:  # fmt: skip
     from kernels.calibrate.calibration_timers import last_level_cache_bytes, read_bandwidth_gb_s
     from kernels.ops.avx2_int4 import load
 
     torch.set_num_threads(1)
     reason = load()
-    kernels = [k for k in KERNELS if not (k.startswith("avx2") and reason)]
+    kernels = [k for k in kernel_set if not (k.startswith("avx2") and reason)]
     llc = last_level_cache_bytes()
     builders = _builders(group)
     results = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         generator = torch.Generator().manual_seed(n * k)
         runs, nbytes = {}, {}
         for kernel in kernels:
@@ -143,25 +164,52 @@ def table(native: dict, avx2: dict) -> str:
     return "\n".join(lines)
 
 
+def int8_table(native: dict, avx2: dict) -> str:
+    """Markdown for --int8: ms (GB/s) per kernel under each dispatch, and per-group against per-channel."""
+    lines = [
+        f"CPU: {_cpu_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
+        f"native dispatch {native['capability']}, child {avx2['capability']}; AVX2 kernels: {native['avx2_kernel']}",
+        "",
+        "| dispatch | N x K | M | " + " | ".join(f"{k} ms (GB/s)" for k in INT8_KERNELS)
+        + " | g32 / avx2 channel | g16 / avx2 channel | g32 / int8pack |",
+        "|---|---|---|" + "---|" * (len(INT8_KERNELS) + 3),
+    ]
+    for label, run in (("native", native), ("avx2", avx2)):
+        found = {(r["n"], r["k"], r["m"], r["kernel"]): r for r in run["results"]}
+        for n, k, m in dict.fromkeys((r["n"], r["k"], r["m"]) for r in run["results"]):
+            cells = [found[n, k, m, kernel] for kernel in INT8_KERNELS]
+            ms = {kernel: cell["ms"] for kernel, cell in zip(INT8_KERNELS, cells, strict=True)}
+            lines.append(
+                f"| {label} | {n}x{k} | {m} | " + " | ".join(f"{c['ms']:.3f} ({c['gb_s']:.1f})" for c in cells)
+                + f" | {ms['avx2-int8-g32'] / ms['avx2-int8-channel']:.2f}x"
+                f" | {ms['avx2-int8-g16'] / ms['avx2-int8-channel']:.2f}x"
+                f" | {ms['avx2-int8-g32'] / ms['int8pack-channel']:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--rows", default="1,4")
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--int8", action="store_true", help="the 8-bit set's kernels, per channel and per group")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     if args.child:
-        print(json.dumps(measure(args.rounds, rows, args.group)))
+        sets = (INT8_KERNELS, INT8_SHAPES) if args.int8 else (KERNELS, SHAPES)
+        print(json.dumps(measure(args.rounds, rows, args.group, *sets)))
         return 0
     runs = {}
     for label, extra in (("native", {}), ("avx2", AVX2_ENV)):
         command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--rows", args.rows,
-                   "--group", str(args.group)]  # fmt: skip
+                   "--group", str(args.group), *(["--int8"] if args.int8 else [])]  # fmt: skip
         done = subprocess.run(command, env={**os.environ, **extra}, capture_output=True, text=True, check=True)
         runs[label] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(json.dumps(runs, indent=1) if args.json else table(runs["native"], runs["avx2"]))
+    render = int8_table if args.int8 else table
+    print(json.dumps(runs, indent=1) if args.json else render(runs["native"], runs["avx2"]))
     return 0
 
 

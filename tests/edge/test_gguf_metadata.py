@@ -205,7 +205,7 @@ def _int4_bytes(n: int, k: int) -> int:
 
 
 def _int8_bytes(n: int, k: int) -> int:
-    return n * k + 2 * n  # codes [N, K] int8 + a bf16 scale per output channel
+    return n * k + 4 * n * (k // 16)  # codes [N, K] int8 + a float32 scale per 16 (the file holds Q6_K)
 
 
 def test_the_file_says_which_layers_of_a_kind_hold_which_type():
@@ -262,7 +262,9 @@ def test_the_plan_keeps_the_files_own_grid_tensor_by_tensor():
         ("up_proj", "int8"): (3, [0, 1, 3], {"Q4_K": 3}), ("up_proj", "int4"): (1, [2], {"Q4_K": 1}),
     }  # fmt: skip
     assert parts["v_proj", "int4"].why == "quantized: the file's codes copied (2)"
-    assert parts["v_proj", "int8"].why.endswith("from the file's Q6_K x2")
+    assert parts["v_proj", "int8"].why.endswith("the file's codes copied (Q6_K x2)")
+    assert parts["q_proj", "int8"].why.endswith("re-rounded per group of 16 from Q4_K x2")
+    assert plan.quantization_config["int8_group_size"] == 16  # the file holds Q6_K: its sub-blocks of 16
     ledger: dict[tuple[str, str], int] = {}
     for item in plan.memory.items:
         if item.kind in ("int4-weights", "int8-weights"):
@@ -287,3 +289,24 @@ def test_a_fidelity_plan_keeps_q_k_v_at_8_bits_where_the_file_has_no_4_bit_codes
         assert (formats[name, "int8"], formats[name, "int4"]) == ([0, 2], [1, 3]), name
     assert ("o_proj", "int4") in formats and ("o_proj", "int8") not in formats
     assert ("embed_tokens", "bf16") in formats  # HEAD_FORMAT["fidelity"], as for any source
+
+
+def test_the_8_bit_set_is_per_group_only_where_the_weights_come_from_a_gguf_and_a_kernel_runs_it():
+    """A model read from a GGUF (the default model's edge-source.json; a file) keeps the file's 8-bit grids, one
+    scale per 32 weights (the default model's embedding is Q8_0); a Hugging Face checkpoint has no grid to keep
+    and stays per channel, as does an ARM board, where no kernel runs per-group int8 (each decode step would
+    dequantize the head)."""
+    from edge.describe import load_device_file
+    from edge.planner import make_plan
+
+    data = Path(__file__).parent / "data"
+    zen5 = load_device_file(str(data / "cpuinfo_epyc_zen5_avx512.txt"))
+    graviton = load_device_file(str(data / "cpuinfo_graviton3.txt"))
+    speed = make_plan(zen5, default_model(), priority="speed", path="w4a16-tinygemm")
+    assert speed.quantization_config["int8_group_size"] == 32
+    assert {layer.name: layer.group for layer in speed.layers if layer.format == "int8"} == {
+        "embed_tokens": 32, "lm_head": 32}  # fmt: skip
+    hf = make_plan(zen5, read_model(data / "configs" / "smollm2-135m-instruct.json"), path="w4a16-tinygemm")
+    assert "int8" in hf.quantization_config and "int8_group_size" not in hf.quantization_config
+    arm = make_plan(graviton, default_model(), priority="speed", path="w4a16-tinygemm")
+    assert "int8_group_size" not in arm.quantization_config

@@ -128,9 +128,10 @@ def test_dual_keeps_a_row_major_copy_of_every_int4_layer():
     assert row_major_copies(with_int4_head) == {"n48_proj", "n64_proj", "n96_proj", "lm_head"}
 
 
-def test_the_plans_8_bit_set_stores_a_tied_embedding_once_as_int8_codes_and_channel_scales():
+def test_the_plans_8_bit_set_stores_a_tied_embedding_once_as_int8_codes_and_group_scales():
+    """The default model comes from a GGUF (its Q8_0 embedding): a float32 scale per 32 weights, as the file's."""
     items = by_kind(ledger(default_model(), "w4a16-tinygemm", "direct", 64))
-    assert items["int8-weights", "embed_tokens"].bytes == 49152 * 576 + 2 * 49152
+    assert items["int8-weights", "embed_tokens"].bytes == 49152 * 576 + 4 * 49152 * 576 // 32
     assert not {("int4-weights", "lm_head"), ("lookup-copy", "embed_tokens"), ("int8-weights", "lm_head")} & set(items)
 
 
@@ -187,7 +188,7 @@ def test_rope_has_nothing_to_avoid_at_full_context():
 def test_w4a8_keeps_a_tied_head_as_its_8_bit_embedding_with_no_untie_cost():
     """cpu_w4a8 (every host's W4A8, AMX included) runs the head from the int8 embedding it is tied to."""
     items = by_kind(ledger(default_model(), "w4a8-gptq", group=64))
-    assert items["int8-weights", "embed_tokens"].bytes == 49152 * 576 + 49152 * 2  # codes + a bf16 scale per row
+    assert items["int8-weights", "embed_tokens"].bytes == 49152 * 576 + 4 * 49152 * 576 // 32  # codes + group scales
     assert ("int4-weights", "lm_head") not in items and not layers_of(ledger(default_model(), "w4a8-gptq", group=64),
                                                                        "untie-cost")  # fmt: skip
 
