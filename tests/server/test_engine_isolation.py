@@ -1,15 +1,14 @@
 """Only the wrapper talks to the engine: `/v1/*` alone is forwarded, with the engine's own key (fresh for each
-start, in its environment, never its argv), to a port chosen afresh for each start and checked to be the engine's;
-the API process's secrets stay out of the engine's environment. Run against the STAND-IN engine, which guards /v1
-with VLLM_API_KEY as vLLM does."""
+start, in its environment, never its argv), over a Unix socket made afresh for each start in a directory only this
+user may enter, and checked to be the engine's (SO_PEERCRED); the engine holds no TCP port; the API process's
+secrets stay out of the engine's environment. Run against the STAND-IN engine, which guards /v1 with VLLM_API_KEY
+and binds --uds as vLLM does."""
 
 from __future__ import annotations
 
 import http.client
 import os
 import signal
-import subprocess
-import sys
 import time
 from urllib.parse import urlsplit
 
@@ -20,10 +19,9 @@ from server.app import create_app
 from server.proxy import UnsafePath, engine_path
 from server.supervisor import EngineSupervisor
 from tests.server.conftest import (
-    STANDIN,
+    engine_request,
     eventually,
     fast_settings,
-    free_port,
     smollm2_plan,
     standin,
     uvicorn_on_loopback,
@@ -105,28 +103,30 @@ def test_a_dot_segment_is_refused_however_it_ends():
 
 def test_the_engine_refuses_v1_without_its_key_and_the_wrapper_adds_it(served):
     url, supervisor = served
-    assert httpx.get(f"{supervisor.engine_url}/v1/models").status_code == 401
-    assert httpx.get(f"{supervisor.engine_url}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}
-                     ).status_code == 401  # fmt: skip
+    assert engine_request(supervisor, "GET", "/v1/models").status_code == 401
+    assert engine_request(supervisor, "GET", "/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}
+                          ).status_code == 401  # fmt: skip
     assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
 
 
 @pytest.mark.anyio
-async def test_each_start_gets_a_fresh_port_and_a_fresh_key_kept_out_of_its_argv():
+async def test_each_start_gets_a_fresh_socket_and_a_fresh_key_kept_out_of_its_argv():
     supervisor = EngineSupervisor.for_plan(smollm2_plan(), MODEL_DIR, settings=fast_settings(), executable=standin())
     await supervisor.start()
     try:
         assert await supervisor.wait_ready(30)
-        first = (supervisor.port, supervisor.api_key, supervisor.engine_pid)
+        first = (supervisor.socket_path, supervisor.api_key, supervisor.engine_pid)
         with open(f"/proc/{first[2]}/cmdline", "rb") as f:
             assert first[1].encode() not in f.read()
         os.kill(supervisor.pid, signal.SIGKILL)
         await eventually(lambda: supervisor.restarts == 1 and supervisor.is_ready)
-        assert supervisor.port != first[0] and supervisor.api_key != first[1]
-        assert httpx.get(f"{supervisor.engine_url}/v1/models", headers={"Authorization": f"Bearer {first[1]}"}
-                         ).status_code == 401  # fmt: skip
+        assert supervisor.socket_path != first[0] and supervisor.api_key != first[1]
+        assert not first[0].exists()  # the dead engine's socket is gone with it
+        assert engine_request(supervisor, "GET", "/v1/models", headers={"Authorization": f"Bearer {first[1]}"}
+                              ).status_code == 401  # fmt: skip
     finally:
         await supervisor.stop()
+    assert not supervisor.socket_path.exists()  # and so is the last one's, once stopped
 
 
 @pytest.mark.anyio
@@ -150,34 +150,3 @@ async def test_the_api_processes_secrets_never_reach_the_engines_environment(mon
     assert not {b"EDGE_API_TOKEN", b"EDGE_REPORT_TOKEN", b"EDGE_CALIBRATION_DB"} & set(environ)
     assert environ[b"VLLM_API_KEY"] == supervisor.api_key.encode() != b"inherited"
     assert environ[b"EDGE_TEST_MARKER"] == b"from-plan"  # the plan's environment does reach it
-
-
-@pytest.mark.anyio
-async def test_a_process_holding_the_engines_port_never_becomes_the_engine():
-    """Another local process listens on the engine's port first (here a stand-in without a key, which serves
-    anyone): the supervisor finds it is not its engine, never turns ready, and never sends it the key."""
-    port = free_port()
-    squatter = subprocess.Popen([sys.executable, STANDIN, "--model", "squat", "--port", str(port)],
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "VLLM_API_KEY": ""})  # fmt: skip
-    try:
-        wait_until(lambda: _answers(f"http://127.0.0.1:{port}/health"))
-        supervisor = EngineSupervisor.for_plan(smollm2_plan(), MODEL_DIR, port=port, settings=fast_settings(),
-                                               executable=standin())  # fmt: skip
-        await supervisor.start()
-        try:
-            await eventually(lambda: supervisor.restart_reasons["port-taken"] >= 2)
-            assert not supervisor.is_ready and "another process holds the engine's port" in supervisor.last_error
-        finally:
-            await supervisor.stop()
-    finally:
-        squatter.terminate()
-        seen = squatter.communicate(timeout=30)[0]
-    assert "GET /v1/models auth=none" in seen
-    assert "auth=other" not in seen and "auth=engine-key" not in seen and "/v1/completions" not in seen
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url).status_code == 200
-    except httpx.HTTPError:
-        return False

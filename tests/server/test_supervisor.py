@@ -26,7 +26,7 @@ from server.supervisor import (
     vllm_launcher,
     write_record,
 )
-from tests.server.conftest import eventually, fast_settings, free_port, smollm2_plan, standin
+from tests.server.conftest import eventually, fast_settings, smollm2_plan, standin
 
 REPO = Path(__file__).parents[2]
 
@@ -37,7 +37,6 @@ def supervisor_for(*flags: str, **settings) -> EngineSupervisor:
     return EngineSupervisor.for_plan(
         smollm2_plan(),
         "/models/SmolLM2-135M-Instruct",
-        port=free_port(),
         settings=fast_settings(**settings),
         executable=standin(*flags),
     )
@@ -58,29 +57,28 @@ def worker_pid(supervisor: EngineSupervisor) -> int:
     return int(lines[-1].rsplit(" ", 1)[1])
 
 
-def test_engine_command_is_vllm_serve_with_the_plan_args_on_loopback():
+def test_engine_command_is_vllm_serve_with_the_plan_args_on_a_unix_socket():
     plan = smollm2_plan()
-    argv = engine_argv(plan, "/m", host="127.0.0.1", port=8123)
+    argv = engine_argv(plan, "/m", socket_path="/cache/run/engine-1-0a1b2c3d.sock")
     launcher = vllm_launcher()
-    assert argv == [*launcher, "--model", "/m", *plan.vllm.args, "--host", "127.0.0.1", "--port", "8123"]
+    assert argv == [*launcher, "--model", "/m", *plan.vllm.args, "--uds", "/cache/run/engine-1-0a1b2c3d.sock"]
     assert launcher[-2:] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert argv[: -4] == plan.vllm.command("/m", launcher)  # built in one place, the plan's
+    assert argv[:-2] == plan.vllm.command("/m", launcher)  # built in one place, the plan's
+    assert "--host" not in argv and "--port" not in argv  # no TCP port at all
 
 
 def test_engine_serves_the_model_under_its_short_name_and_its_path():
     plan = smollm2_plan()
-    argv = EngineSupervisor.for_plan(plan, "/cache/converted/SmolLM2-135M-Instruct-bf16-bdf0e2de72f9",
-                                     port=8123).argv  # fmt: skip
-    names = argv[argv.index("--served-model-name") + 1 : argv.index("--host")]
+    command = EngineSupervisor.for_plan(plan, "/cache/converted/SmolLM2-135M-Instruct-bf16-bdf0e2de72f9").command
+    names = command[command.index("--served-model-name") + 1 :]
     assert names == ["SmolLM2-135M-Instruct-bf16", "/cache/converted/SmolLM2-135M-Instruct-bf16-bdf0e2de72f9"]
-    assert argv[: argv.index("--served-model-name")] == plan.vllm.command(names[1], vllm_launcher())
+    assert command[: command.index("--served-model-name")] == plan.vllm.command(names[1], vllm_launcher())
 
 
 def test_a_served_model_name_set_by_the_user_replaces_the_short_name():
-    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", port=8123, settings=fast_settings(
-        served_model_name="smollm2"))  # fmt: skip
-    argv = supervisor.argv
-    assert argv[argv.index("--served-model-name") + 1 : argv.index("--host")] == ["smollm2", "/m"]
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", settings=fast_settings(served_model_name="smollm2"))
+    command = supervisor.command
+    assert command[command.index("--served-model-name") + 1 :] == ["smollm2", "/m"]
     assert supervisor.status().served_model_name == "smollm2"
 
 
@@ -93,19 +91,19 @@ def test_plan_env_is_added_to_the_engine_environment():
 
 def test_plan_over_its_memory_budget_is_refused():
     with pytest.raises(EngineRefused, match="over the memory budget"):
-        EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", port=free_port())
+        EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m")
 
 
 def test_plan_over_its_memory_budget_starts_when_forced():
-    supervisor = EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", port=free_port(), force=True)
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", force=True)
     assert supervisor.state == "stopped"
-    assert supervisor.argv[: len(vllm_launcher()) + 2] == [*vllm_launcher(), "--model", "/m"]
+    assert supervisor.command[: len(vllm_launcher()) + 2] == [*vllm_launcher(), "--model", "/m"]
 
 
 def test_export_only_plan_is_refused_even_when_forced():
     plan = smollm2_plan().model_copy(update={"path": "export-only", "vllm": None})
     with pytest.raises(EngineRefused, match="nothing to serve"):
-        EngineSupervisor.for_plan(plan, "/m", port=free_port(), force=True)
+        EngineSupervisor.for_plan(plan, "/m", force=True)
 
 
 def test_backoff_doubles_from_initial_and_stops_at_the_cap():
@@ -135,7 +133,7 @@ async def test_engine_is_starting_until_its_health_answers_then_ready():
         assert await supervisor.wait_ready(30)
         status = supervisor.status()
         assert status.state == "ready" and status.pid == supervisor.pid and status.restarts == 0
-        assert any("listening on 127.0.0.1" in line for line in supervisor.log_tail)
+        assert any(f"listening on unix:{supervisor.socket_path}" in line for line in supervisor.log_tail)
     finally:
         await supervisor.stop()
 
@@ -190,7 +188,7 @@ async def test_engine_not_ready_in_time_is_killed_and_started_again():
 
 
 async def test_command_that_cannot_start_is_retried_not_fatal():
-    supervisor = EngineSupervisor(["/nonexistent/vllm", "serve"], port=free_port(), settings=fast_settings())
+    supervisor = EngineSupervisor(["/nonexistent/vllm", "serve"], settings=fast_settings())
     await supervisor.start()
     try:
         await eventually(lambda: len(supervisor.delays) >= 2)
@@ -247,15 +245,16 @@ async def test_dead_engine_is_crashed_during_its_backoff_and_stop_cuts_the_wait_
 WRAPPER = """
 import asyncio, json, sys
 from server.supervisor import EngineSupervisor
-from tests.server.conftest import fast_settings, free_port, smollm2_plan, standin
+from tests.server.conftest import fast_settings, smollm2_plan, standin
 
 async def main():
-    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", port=free_port(),
-        settings=fast_settings(run_dir=sys.argv[1]), executable=standin("--spawn-worker"))
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", settings=fast_settings(run_dir=sys.argv[1]),
+                                           executable=standin("--spawn-worker"))
     await supervisor.start()
     assert await supervisor.wait_ready(30)
     worker = [line for line in supervisor.log_tail if line.startswith("stand-in worker pid ")][-1].split()[-1]
-    print(json.dumps({"leader": supervisor.pid, "engine": supervisor.engine_pid, "worker": int(worker)}), flush=True)
+    print(json.dumps({"leader": supervisor.pid, "engine": supervisor.engine_pid, "worker": int(worker),
+                      "socket": str(supervisor.socket_path)}), flush=True)
     await asyncio.sleep(3600)
 
 asyncio.run(main())
@@ -269,6 +268,7 @@ def start_wrapper(run_dir: Path) -> tuple[subprocess.Popen, dict[str, int]]:
     line = wrapper.stdout.readline()
     assert line, f"the wrapper exited {wrapper.wait()} before its engine was ready"
     pids = json.loads(line)
+    wrapper.engine_socket = Path(pids.pop("socket"))
     return wrapper, {name: (pid, process_start_time(pid)) for name, pid in pids.items()}
 
 
@@ -377,8 +377,9 @@ async def test_an_engine_under_way_is_recorded_and_its_record_removed_when_it_st
     assert (record.wrapper_pid, record.leader_pid) == (os.getpid(), supervisor.pid)
     assert record.leader_start == process_start_time(supervisor.pid)
     assert set(group_members(supervisor.pid)) <= set(record.members)  # engine and worker, once ready
+    assert record.socket == str(supervisor.socket_path) and supervisor.socket_path.is_socket()
     await supervisor.stop()
-    assert not list(tmp_path.glob("engine-*.json"))
+    assert not list(tmp_path.glob("engine-*.json")) and not list(tmp_path.glob("*.sock"))
 
 
 async def test_the_sweep_never_signals_a_process_whose_command_line_is_not_the_one_recorded(tmp_path):
