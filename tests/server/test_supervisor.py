@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from server.engine_socket import MAX_SOCKET_PATH_BYTES
 from server.supervisor import (
     EngineRecord,
     EngineRefused,
@@ -380,6 +382,69 @@ async def test_an_engine_under_way_is_recorded_and_its_record_removed_when_it_st
     assert record.socket == str(supervisor.socket_path) and supervisor.socket_path.is_socket()
     await supervisor.stop()
     assert not list(tmp_path.glob("engine-*.json")) and not list(tmp_path.glob("*.sock"))
+
+
+async def test_the_socket_a_killed_wrapper_left_is_removed_by_the_next_one(tmp_path):
+    """The engine dies with its wrapper, but its socket file stays (vLLM never removes it); the next wrapper of the
+    run directory removes it, with the pid file that names it, before its own engine listens on a fresh one."""
+    wrapper, pids = start_wrapper(tmp_path)
+    left = wrapper.engine_socket
+    kill_wrapper(wrapper)
+    wait_gone(pids)
+    assert left.is_socket() and left.parent == tmp_path
+    supervisor = supervisor_for(run_dir=str(tmp_path))
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        assert not left.exists() and list(tmp_path.glob("*.sock")) == [supervisor.socket_path]
+    finally:
+        await supervisor.stop()
+    assert not list(tmp_path.glob("*.sock"))
+
+
+def bound_socket(path: Path) -> None:
+    """A socket file at `path`, as an engine that died leaves it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))
+
+
+async def test_a_socket_no_record_names_is_removed_once_its_wrapper_is_gone(tmp_path):
+    """A wrapper killed before it wrote its pid file leaves a socket no record names: the pid in its name tells
+    whose it was; gone, it is removed, still running, it is left alone."""
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        stale, kept = tmp_path / f"engine-{a_dead_process()[0]}-00000000.sock", tmp_path / f"engine-{other.pid}-1.sock"
+        bound_socket(stale)
+        bound_socket(kept)
+        supervisor = supervisor_for(run_dir=str(tmp_path))
+        await supervisor.start()
+        try:
+            assert await supervisor.wait_ready(30)
+            assert not stale.exists() and kept.is_socket()
+        finally:
+            await supervisor.stop()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_run_directory_too_deep_for_a_socket_path_is_refused_naming_it(tmp_path):
+    deep = tmp_path / ("d" * (MAX_SOCKET_PATH_BYTES - len(str(tmp_path)) - 28))  # 80 bytes: 2 too many
+    with pytest.raises(EngineRefused) as refused:
+        supervisor_for(run_dir=str(deep))
+    message = str(refused.value)
+    assert f"run directory {str(deep)!r}" in message and "over the 107 a Unix socket's path may hold" in message
+    assert "at most 78 bytes" in message and "EDGE_RUN_DIR" in message
+    supervisor_for(run_dir=str(tmp_path / ("d" * (78 - len(str(tmp_path)) - 1))))  # 78 bytes: accepted
+
+
+def test_a_socket_path_of_107_bytes_binds_and_one_of_109_does_not(tmp_path):
+    """The limit the run directory's length is checked against is the kernel's (sun_path: 108 bytes)."""
+    longest = tmp_path / ("s" * (MAX_SOCKET_PATH_BYTES - len(str(tmp_path)) - 1))
+    assert len(os.fsencode(longest)) == MAX_SOCKET_PATH_BYTES
+    bound_socket(longest)
+    with pytest.raises(OSError, match="too long"):
+        bound_socket(tmp_path / ("s" * (MAX_SOCKET_PATH_BYTES + 2 - len(str(tmp_path)) - 1)))
 
 
 async def test_the_sweep_never_signals_a_process_whose_command_line_is_not_the_one_recorded(tmp_path):
