@@ -2,7 +2,9 @@
 
 A loopback port is anyone's: chosen by binding port 0 and releasing it, another local process could bind it before
 vLLM did, answer /health and receive users' prompts. A socket file in a directory only this user may enter (the
-run directory, 0700) is out of every other user's reach, and each start of the engine gets a fresh one.
+run directory, 0700) is out of every other user's reach, and each start of the engine gets a fresh one. A run
+directory whose path is too long for a socket's (sun_path) has its sockets in a private directory of its own under
+the temp directory instead (socket_dir).
 
 vLLM 0.28 listens there with `--uds PATH`, and then ignores --host and --port (entrypoints/openai/cli_args.py:261).
 Its bind is plain (api_server.py:571 create_server_unix_socket, called at :613 before the model loads; listen()
@@ -14,11 +16,13 @@ checks that the process listening on it is its engine (SO_PEERCRED), and removes
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import socket
 import stat
 import struct
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,25 +42,76 @@ def socket_name() -> str:
     return f"engine-{os.getpid()}-{secrets.token_hex(4)}.sock"
 
 
+def fits_socket_path(directory: Path) -> bool:
+    """Whether the longest name socket_name() makes, in `directory`, fits a Unix socket's path."""
+    return len(os.fsencode(directory)) + 1 + LONGEST_SOCKET_NAME <= MAX_SOCKET_PATH_BYTES
+
+
+def fallback_socket_dir(run_dir: Path) -> Path:
+    """<temp dir>/edge-select-<uid>/<16 hex digits of the sha256 of the run directory's resolved path>: short,
+    this user's, and the same for the same run directory, so the next edge-serve of this cache directory finds
+    (and sweeps) the sockets a killed one left there."""
+    digest = hashlib.sha256(os.fsencode(run_dir.resolve())).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"edge-select-{os.getuid()}" / digest
+
+
 def socket_path_problem(run_dir: Path) -> str | None:
-    """Why an engine socket in `run_dir` could not be bound (its path would be too long), or None.
-
-    Refused rather than moved to a directory under /tmp: the socket stays beside the pid files, where the next
-    edge-serve of this cache directory removes what a killed one left, and where an operator looks; a run
-    directory of up to 78 bytes is easy to choose (EDGE_RUN_DIR)."""
-    longest = len(os.fsencode(run_dir)) + 1 + LONGEST_SOCKET_NAME
-    if longest <= MAX_SOCKET_PATH_BYTES:
+    """Why no engine socket for `run_dir` could be bound (its path would be too long both in the run directory and
+    in its fallback directory under the temp directory), or None."""
+    if fits_socket_path(run_dir):
         return None
-    return (f"run directory {str(run_dir)!r}: the engine's socket there ({run_dir}/engine-PID-XXXXXXXX.sock) "
-            f"would take up to {longest} bytes, over the {MAX_SOCKET_PATH_BYTES} a Unix socket's path may hold; "
-            f"expected a run directory of at most {MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME} bytes: set "
-            "EDGE_RUN_DIR (or EDGE_SELECT_CACHE_DIR) to a shorter one")  # fmt: skip
+    fallback = fallback_socket_dir(run_dir)
+    if fits_socket_path(fallback):
+        return None
+    longest = len(os.fsencode(fallback)) + 1 + LONGEST_SOCKET_NAME
+    spare = len(os.fsencode(fallback)) - len(os.fsencode(fallback.parent.parent))
+    return (f"run directory {str(run_dir)!r}: the engine's socket fits neither there ({run_dir}/engine-PID-XXXXXXXX"
+            f".sock) nor under the temp directory ({fallback}/engine-PID-XXXXXXXX.sock, up to {longest} bytes): "
+            f"both are over the {MAX_SOCKET_PATH_BYTES} a Unix socket's path may hold; expected a run directory "
+            f"of at most {MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME} bytes or a temp directory of at most "
+            f"{MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME - spare} bytes: set EDGE_RUN_DIR (or "
+            "EDGE_SELECT_CACHE_DIR), or TMPDIR, to a shorter one")  # fmt: skip
 
 
-def fresh_socket_path(run_dir: Path) -> Path:
-    """A path in `run_dir` (private already: supervisor.private_dir) that nothing holds now."""
+def private_dir(path: Path, what: str = "run directory") -> Path:
+    """`path` made ours alone (0700): another user could otherwise plant or change pid files or sockets, or links
+    where they are written. Raises OSError, naming it, for one that is a symlink or another user's."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise OSError(f"{what} {path} is not a directory (a symlink?): refusing to keep the engine's files there")
+    if info.st_uid != os.getuid():
+        raise OSError(f"{what} {path} belongs to uid {info.st_uid}, not this user ({os.getuid()})")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        path.chmod(0o700)
+    return path
+
+
+def socket_dir(run_dir: Path) -> Path:
+    """Where the engine's sockets for `run_dir` go, made private (private_dir): the run directory itself when a
+    socket's path there fits, beside the pid files; else its fallback_socket_dir, both levels of it 0700 and this
+    user's (the temp directory is shared: another user may have made edge-select-<uid> first, or a link there),
+    found again by the next wrapper of the same cache directory. Raises OSError naming the path refused."""
+    private_dir(run_dir)
+    if fits_socket_path(run_dir):
+        return run_dir
+    fallback = fallback_socket_dir(run_dir)
+    if not fits_socket_path(fallback):
+        raise OSError(socket_path_problem(run_dir))
+    try:
+        private_dir(fallback.parent, "socket directory")
+        return private_dir(fallback, "socket directory")
+    except OSError as exc:
+        raise OSError(
+            f"{exc} (the run directory {run_dir} is too long for a socket's path, so the engine's "
+            "sockets go under the temp directory: set TMPDIR, or EDGE_RUN_DIR to a shorter one)"
+        ) from exc
+
+
+def fresh_socket_path(directory: Path) -> Path:
+    """A path in `directory` (private already: socket_dir) that nothing holds now."""
     while True:
-        path = run_dir / socket_name()
+        path = directory / socket_name()
         if not os.path.lexists(path):
             return path
 

@@ -55,7 +55,8 @@ class Settings(BaseSettings):
         default=None,
         description="Where the engine's pid file and its socket are kept (made 0700, this user's alone), for the "
         "next edge-serve of this cache directory to find an engine a killed wrapper left; default: "
-        "<cache directory>/run. At most 78 bytes long: a Unix socket's path holds 107.",
+        "<cache directory>/run. One over 78 bytes (a Unix socket's path holds 107) keeps the pid files, but its "
+        "sockets go to a private directory of its own under the temp directory (<tmp>/edge-select-<uid>/<hash>).",
     )
     served_model_name: str | None = Field(
         default=None,

@@ -1,7 +1,8 @@
 """EngineSupervisor: runs the engine (`vllm serve ...`) as a child process group and keeps it serving.
 
 The engine listens on a Unix socket in the run directory (0700), fresh for each start, never on a TCP port
-(server/engine_socket.py says why and how vLLM binds it); every request to it carries its per-start key.
+(server/engine_socket.py says why and how vLLM binds it, and where the socket goes when the run directory's path is
+too long for one); every request to it carries its per-start key.
 
 The API process never imports vLLM: the engine runs under a small watchdog, the supervisor's direct child, in
 a session of its own (so vLLM's workers share one process group that is signalled at once), watched through its
@@ -26,7 +27,6 @@ import os
 import random
 import secrets
 import signal
-import stat
 import sys
 import textwrap
 import time
@@ -48,7 +48,9 @@ from server.engine_socket import (
     fresh_socket_path,
     listener_pid,
     make_private,
+    private_dir,
     remove_socket,
+    socket_dir,
     socket_path_problem,
     wrapper_pid_of,
 )
@@ -78,7 +80,7 @@ def vllm_launcher() -> list[str]:
 
 class EngineRefused(ValueError):
     """The plan cannot be started as asked (does not fit its memory budget, or has no engine), or not here (its
-    socket's path in the run directory would be too long)."""
+    socket's path would be too long both in the run directory and under the temp directory)."""
 
 
 class EngineStatus(BaseModel):
@@ -109,7 +111,8 @@ class EngineStatus(BaseModel):
     engine_socket: str | None = Field(
         default=None,
         description="The Unix socket the engine of this start listens on, in the run directory (0700, this "
-        "user's alone); null before the first start.",
+        "user's alone), or, when the run directory's path is too long for a socket's, in a private directory of "
+        "its own under the temp directory (<tmp>/edge-select-<uid>/<hash>); null before the first start.",
     )
 
 
@@ -392,20 +395,6 @@ def record_path(run_dir: Path, leader_pid: int) -> Path:
     return run_dir / f"engine-{os.getpid()}-{leader_pid}.json"
 
 
-def private_dir(path: Path) -> Path:
-    """The run directory, made ours alone (0700): another user could otherwise plant or change pid files, or
-    links where they are written. Raises OSError for one that is a symlink or another user's."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.lstat()
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise OSError(f"run directory {path} is not a directory (a symlink?): refusing to keep pid files there")
-    if info.st_uid != os.getuid():
-        raise OSError(f"run directory {path} belongs to uid {info.st_uid}, not this user ({os.getuid()})")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        path.chmod(0o700)
-    return path
-
-
 def write_record(path: Path, record: EngineRecord) -> None:
     """Written whole or not at all, never through a link: a fresh file (O_EXCL | O_NOFOLLOW, mode 0600) renamed
     into place (a rename replaces a link, it does not follow it)."""
@@ -460,9 +449,11 @@ async def sweep_left_engines(run_dir: Path, grace_s: float) -> list[str]:
 
     A record whose wrapper still runs (same pid, same start time) is that wrapper's: left alone. Any other is
     removed, after what of its engine still runs is stopped, and so is its engine's socket (vLLM never removes
-    it). So is a socket no record names whose wrapper (the pid in its name) no longer runs.
+    it). So is a socket no record names whose wrapper (the pid in its name) no longer runs, in the run directory
+    or in its socket directory (socket_dir: under the temp directory when the run directory's path is too long).
+    The engines are stopped before the socket directory is looked at: refusing that one costs only the sockets.
     """
-    stopped, live_sockets = [], set()
+    stopped, live_sockets, left_sockets = [], set(), []
     private_dir(run_dir)
     for path in sorted(run_dir.glob("engine-*.json")):
         try:
@@ -479,10 +470,14 @@ async def sweep_left_engines(run_dir: Path, grace_s: float) -> list[str]:
             log.warning("stopping the engine a previous wrapper (pid %d) left: pids %s", record.wrapper_pid, pids)
             await _end_processes(pids, grace_s, record.leader_pid)
             stopped.append(f"engine of wrapper {record.wrapper_pid} (pids {', '.join(map(str, pids))})")
-        if record.socket is not None and Path(record.socket).parent == run_dir:
-            remove_socket(Path(record.socket))
+        if record.socket is not None:
+            left_sockets.append(Path(record.socket))
         path.unlink(missing_ok=True)
-    for path in run_dir.glob(SOCKET_GLOB):
+    directories = list(dict.fromkeys([run_dir, socket_dir(run_dir)]))
+    for left in left_sockets:
+        if left.parent in directories:  # never a file elsewhere, whatever a record names
+            remove_socket(left)
+    for path in [path for directory in directories for path in directory.glob(SOCKET_GLOB)]:
         wrapper = wrapper_pid_of(path)
         if str(path) not in live_sockets and (wrapper in (None, os.getpid()) or process_start_time(wrapper) is None):
             log.warning("engine socket %s left by a wrapper no longer running: removed", path)
@@ -516,7 +511,7 @@ class EngineSupervisor:
         self.run_dir = Path(self.settings.run_dir) if self.settings.run_dir else default_run_dir()
         if problem := socket_path_problem(self.run_dir):
             raise EngineRefused(problem)
-        self.socket_path: Path | None = None  # a fresh one in run_dir for each start
+        self.socket_path: Path | None = None  # a fresh one in socket_dir(run_dir) for each start
         self.state: EngineState = "stopped"
         self.restarts = 0
         self.restart_reasons: Counter[str] = Counter()
@@ -672,7 +667,7 @@ class EngineSupervisor:
         try:
             self.swept = await sweep_left_engines(self.run_dir, self.settings.stop_grace_s)
         except OSError as exc:  # an unreadable run directory costs the sweep, not the engine
-            log.warning("engines left by earlier wrappers not looked for in %s: %s", self.run_dir, exc)
+            log.warning("engines or sockets left by earlier wrappers not all looked for in %s: %s", self.run_dir, exc)
         failures = 0
         while not self._stopping:
             proc = await self._spawn()
@@ -709,11 +704,11 @@ class EngineSupervisor:
         self.state = "stopped"
 
     async def _spawn(self) -> asyncio.subprocess.Process | None:
-        """Start the engine on a socket and with a key of its own: a fresh socket path in the private run
-        directory and a fresh key each time, the key in its environment (an argv is readable by every user,
-        /proc/PID/environ only by this one)."""
+        """Start the engine on a socket and with a key of its own: a fresh socket path in the private socket
+        directory (socket_dir: the run directory, where it fits) and a fresh key each time, the key in its
+        environment (an argv is readable by every user, /proc/PID/environ only by this one)."""
         try:
-            self.socket_path = fresh_socket_path(private_dir(self.run_dir))
+            self.socket_path = fresh_socket_path(socket_dir(self.run_dir))
         except OSError as exc:  # another user's directory, a link, a read-only cache: nowhere safe to listen
             self.last_error = f"no private directory for the engine's socket: {exc}"
             return None

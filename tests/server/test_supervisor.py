@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from server.engine_socket import MAX_SOCKET_PATH_BYTES
+from server.engine_socket import LONGEST_SOCKET_NAME, MAX_SOCKET_PATH_BYTES, socket_dir
 from server.supervisor import (
     EngineRecord,
     EngineRefused,
@@ -408,15 +411,20 @@ def bound_socket(path: Path) -> None:
         sock.bind(str(path))
 
 
-async def test_a_socket_no_record_names_is_removed_once_its_wrapper_is_gone(tmp_path):
+@pytest.mark.parametrize("run_dir_depth", ["short", "too deep for a socket path"])
+async def test_a_socket_no_record_names_is_removed_once_its_wrapper_is_gone(tmp_path, short_tempdir, run_dir_depth):
     """A wrapper killed before it wrote its pid file leaves a socket no record names: the pid in its name tells
-    whose it was; gone, it is removed, still running, it is left alone."""
+    whose it was; gone, it is removed, still running, it is left alone. So in the run directory, and so in the
+    directory under the temp directory that a run directory too deep for a socket path has its sockets in."""
+    run_dir = tmp_path if run_dir_depth == "short" else too_deep(tmp_path)
+    sockets = socket_dir(run_dir)
+    assert (sockets == run_dir) == (run_dir_depth == "short")
     other = subprocess.Popen(["sleep", "60"])
     try:
-        stale, kept = tmp_path / f"engine-{a_dead_process()[0]}-00000000.sock", tmp_path / f"engine-{other.pid}-1.sock"
+        stale, kept = sockets / f"engine-{a_dead_process()[0]}-00000000.sock", sockets / f"engine-{other.pid}-1.sock"
         bound_socket(stale)
         bound_socket(kept)
-        supervisor = supervisor_for(run_dir=str(tmp_path))
+        supervisor = supervisor_for(run_dir=str(run_dir))
         await supervisor.start()
         try:
             assert await supervisor.wait_ready(30)
@@ -428,14 +436,123 @@ async def test_a_socket_no_record_names_is_removed_once_its_wrapper_is_gone(tmp_
         other.wait()
 
 
-def test_a_run_directory_too_deep_for_a_socket_path_is_refused_naming_it(tmp_path):
-    deep = tmp_path / ("d" * (MAX_SOCKET_PATH_BYTES - len(str(tmp_path)) - 28))  # 80 bytes: 2 too many
+# -- a run directory too deep for a socket path: its sockets go under the temp directory ----------------------
+
+
+@pytest.fixture
+def short_tempdir(monkeypatch) -> Path:
+    """A temp directory of the test's own, short, for this process (tempfile) and the wrappers it starts (TMPDIR):
+    the fallback socket directories of the tests never mix with the real temp directory's."""
+    path = Path(tempfile.mkdtemp(prefix="es-"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path)
+
+
+def too_deep(parent: Path, letter: str = "d") -> Path:
+    """A run directory of 80 bytes: 2 too many for engine-<pid>-XXXXXXXX.sock in it to fit a socket's path."""
+    return parent / (letter * (MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME + 2 - len(str(parent)) - 1))
+
+
+def test_a_run_directory_keeps_its_sockets_while_their_path_fits_and_moves_them_a_byte_beyond(tmp_path,
+                                                                                            short_tempdir):  # fmt: skip
+    fits = tmp_path / ("d" * (MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME - len(str(tmp_path)) - 1))
+    beyond = fits.with_name(fits.name + "d")
+    assert len(os.fsencode(fits)) == 78 and socket_dir(fits) == fits  # beside the pid files
+    assert socket_dir(beyond).parent == short_tempdir / f"edge-select-{os.getuid()}"
+
+
+async def test_a_run_directory_too_deep_for_a_socket_path_serves_from_a_private_directory_under_the_temp_dir(
+    tmp_path, short_tempdir
+):
+    deep = too_deep(tmp_path)
+    supervisor = supervisor_for(run_dir=str(deep))
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        path = supervisor.socket_path
+        assert path.is_socket() and len(os.fsencode(path)) <= MAX_SOCKET_PATH_BYTES
+        assert path.parent.parent == short_tempdir / f"edge-select-{os.getuid()}"
+        for directory in (path.parent, path.parent.parent):  # both levels: 0700, this user's, not links
+            info = directory.lstat()
+            assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+        record = EngineRecord.model_validate_json(next(deep.glob("engine-*.json")).read_text())
+        assert record.socket == str(path)  # the pid file stays in the run directory and names the socket
+    finally:
+        await supervisor.stop()
+    assert not path.exists() and not list(deep.glob("engine-*"))
+
+
+def test_a_run_directory_maps_to_one_socket_directory_and_another_to_another(tmp_path, short_tempdir):
+    deep, other = too_deep(tmp_path, "d"), too_deep(tmp_path, "e")
+    assert socket_dir(deep) == socket_dir(deep) != socket_dir(other)
+    assert socket_dir(tmp_path / "x" / ".." / deep.name) == socket_dir(deep)  # however its path is written
+    assert socket_dir(deep).parent == socket_dir(other).parent == short_tempdir / f"edge-select-{os.getuid()}"
+
+
+@pytest.mark.parametrize("planted", ["another user's directory", "a link"])
+async def test_a_temp_directory_parent_another_user_made_or_linked_is_refused_naming_it(tmp_path, short_tempdir,
+                                                                                       planted):  # fmt: skip
+    """The temp directory is shared: another user may make <tmp>/edge-select-<uid> first, or a link there, to have
+    the engine listen where they reach it. The engine is not started, and last_error names the directory."""
+    parent = short_tempdir / f"edge-select-{os.getuid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if planted == "a link":
+        parent.symlink_to(elsewhere)
+    elif os.getuid() != 0:
+        pytest.skip("making a directory another user's needs root (chown)")
+    else:
+        parent.mkdir(mode=0o700)
+        os.chown(parent, 65534, 65534)
+    supervisor = supervisor_for(run_dir=str(too_deep(tmp_path)))
+    await supervisor.start()
+    try:
+        await eventually(lambda: len(supervisor.delays) >= 1)
+        assert f"socket directory {parent} " in supervisor.last_error and supervisor.pid is None
+        assert "belongs to uid 65534" in supervisor.last_error or "symlink" in supervisor.last_error
+    finally:
+        await supervisor.stop()
+    assert list(elsewhere.iterdir()) == [] and (parent.is_symlink() or list(parent.iterdir()) == [])
+
+
+async def test_the_socket_a_killed_wrapper_left_under_the_temp_directory_is_removed_by_the_next_one(
+    tmp_path, short_tempdir
+):
+    """The next wrapper of the same run directory finds the fallback directory again (by the run directory's path)
+    and removes the socket a killed one left there, with the pid file that names it."""
+    deep = too_deep(tmp_path)
+    wrapper, pids = start_wrapper(deep)
+    left = wrapper.engine_socket
+    kill_wrapper(wrapper)
+    wait_gone(pids)
+    assert left.is_socket() and left.parent == socket_dir(deep) != deep
+    supervisor = supervisor_for(run_dir=str(deep))
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        assert not left.exists() and list(left.parent.glob("*.sock")) == [supervisor.socket_path]
+    finally:
+        await supervisor.stop()
+    assert not list(left.parent.glob("*.sock"))
+
+
+def test_a_run_directory_too_deep_for_a_socket_path_even_under_the_temp_directory_is_refused_naming_both(
+    tmp_path, short_tempdir, monkeypatch
+):
+    deep = too_deep(tmp_path)
+    longest_tmp = MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME - len(f"/edge-select-{os.getuid()}/") - 16
+    deep_tmp = short_tempdir / ("t" * (longest_tmp - len(str(short_tempdir))))  # 1 byte too many
+    monkeypatch.setattr(tempfile, "tempdir", str(deep_tmp))
     with pytest.raises(EngineRefused) as refused:
         supervisor_for(run_dir=str(deep))
     message = str(refused.value)
-    assert f"run directory {str(deep)!r}" in message and "over the 107 a Unix socket's path may hold" in message
-    assert "at most 78 bytes" in message and "EDGE_RUN_DIR" in message
-    supervisor_for(run_dir=str(tmp_path / ("d" * (78 - len(str(tmp_path)) - 1))))  # 78 bytes: accepted
+    assert f"run directory {str(deep)!r}" in message and f"{deep_tmp}/edge-select-{os.getuid()}/" in message
+    assert "over the 107 a Unix socket's path may hold" in message and "at most 78 bytes" in message
+    assert f"temp directory of at most {longest_tmp} bytes" in message and "TMPDIR" in message
+    monkeypatch.setattr(tempfile, "tempdir", str(deep_tmp)[:-1])
+    supervisor_for(run_dir=str(deep))  # a byte shorter: accepted
 
 
 def test_a_socket_path_of_107_bytes_binds_and_one_of_109_does_not(tmp_path):
