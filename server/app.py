@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from edge.plan import Plan
 from server.calibrations import CalibrationStore
+from server.engine_socket import EngineTransport
 from server.errors import add_exception_handlers
 from server.metrics import ServiceMetrics
 from server.middleware import BearerToken, BodyLimit, ForwardedPaths
@@ -83,16 +84,23 @@ METRICS_CONNECTIONS = 2
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     """The calibration store opened, the proxy's HTTP client (`app.state.http`, its connections bounded) and the
-    metrics' (`app.state.metrics_http`), the engine started; all closed again on the way out."""
+    metrics' (`app.state.metrics_http`), both to the engine's socket of the moment, the engine started; all closed
+    again on the way out."""
     settings, store, supervisor = app.state.settings, app.state.calibrations, app.state.supervisor
     timeout = httpx.Timeout(connect=5.0, read=settings.proxy_timeout_s, write=60.0, pool=settings.proxy_pool_timeout_s)
     limits = httpx.Limits(
         max_connections=settings.proxy_max_connections, max_keepalive_connections=settings.proxy_max_connections
     )
+
+    def engine_socket():
+        return supervisor.socket_path if supervisor is not None else None
+
     await run_in_threadpool(store.open)
     async with (
-        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
-        httpx.AsyncClient(limits=httpx.Limits(max_connections=METRICS_CONNECTIONS)) as metrics_client,
+        httpx.AsyncClient(timeout=timeout, transport=EngineTransport(engine_socket, limits=limits)) as client,
+        httpx.AsyncClient(
+            transport=EngineTransport(engine_socket, limits=httpx.Limits(max_connections=METRICS_CONNECTIONS))
+        ) as metrics_client,
     ):
         app.state.http = client
         app.state.metrics_http = metrics_client

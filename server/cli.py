@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,7 @@ from edge.quality import cached_records
 from server.app import create_app, weight_path
 from server.calibrations import database_url
 from server.settings import Settings, exposure_problem, is_loopback
-from server.supervisor import EngineRefused, EngineSupervisor, free_port, short_model_name
+from server.supervisor import EngineRefused, EngineSupervisor, short_model_name
 
 TOP_REASONS = 3
 REPORT_TIMEOUT_S = 30.0
@@ -344,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         supervisor = EngineSupervisor.for_plan(
             prepared.plan,
-            str(prepared.serve_dir),
-            port=settings.engine_port,  # 0: a fresh free port for each start of the engine
+            str(prepared.serve_dir),  # the engine listens on a fresh Unix socket for each start
             settings=settings,
             force=args.force,
         )
@@ -357,8 +357,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def free_loopback_port() -> int:
-    """A loopback port free now (the engine chooses its own: supervisor.free_port)."""
-    return free_port("127.0.0.1")
+    """A loopback port free now, by binding port 0 and releasing it (the engine needs none: it listens on a Unix
+    socket)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def serve(settings: Settings, supervisor: EngineSupervisor, prepared: Prepared) -> None:

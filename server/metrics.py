@@ -42,7 +42,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ENGINE_METRICS_TIMEOUT_S = 5.0
 ERROR_KINDS = ("input", "request", "store", "internal")
 RESTART_REASONS = ("exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start",
-                   "port-taken")  # fmt: skip
+                   "socket-taken")  # fmt: skip
 # A plan takes ~1-50 ms here (a batch of 256 devices, seconds): buckets from 1 ms to 10 s.
 PLAN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

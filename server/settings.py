@@ -1,6 +1,6 @@
 """Configuration of the API process, read from the environment (prefix EDGE_) by pydantic-settings.
 
-Every field can be set as EDGE_<NAME>, e.g. EDGE_API_TOKEN, EDGE_MAX_BODY_BYTES, EDGE_ENGINE_PORT, EDGE_CALIBRATION_DB.
+Every field can be set as EDGE_<NAME>, e.g. EDGE_API_TOKEN, EDGE_MAX_BODY_BYTES, EDGE_RUN_DIR, EDGE_CALIBRATION_DB.
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ class Settings(BaseSettings):
         "reports holds no token that can plan, read or serve there.",
     )
 
-    # The engine child process.
-    engine_host: str = Field(default="127.0.0.1", description="The engine always listens on loopback.")
-    engine_port: int = Field(default=0, ge=0, le=65535, description="0 picks a free loopback port.")
+    # The engine child process: it listens on a Unix socket in run_dir, fresh for each start, never on a TCP port.
     health_poll_s: float = Field(default=1.0, gt=0, description="How often the engine's /health is polled.")
     ready_timeout_s: float = Field(
         default=900.0,
@@ -55,8 +53,10 @@ class Settings(BaseSettings):
     stop_grace_s: float = Field(default=20.0, gt=0, description="SIGTERM to SIGKILL grace when stopping.")
     run_dir: str | None = Field(
         default=None,
-        description="Where the engine's pid file is kept, for the next edge-serve of this cache directory to find "
-        "an engine a killed wrapper left; default: <cache directory>/run.",
+        description="Where the engine's pid file and its socket are kept (made 0700, this user's alone), for the "
+        "next edge-serve of this cache directory to find an engine a killed wrapper left; default: "
+        "<cache directory>/run. One over 78 bytes (a Unix socket's path holds 107) keeps the pid files, but its "
+        "sockets go to a private directory of its own under the temp directory (<tmp>/edge-select-<uid>/<hash>).",
     )
     served_model_name: str | None = Field(
         default=None,

@@ -1,5 +1,9 @@
 """EngineSupervisor: runs the engine (`vllm serve ...`) as a child process group and keeps it serving.
 
+The engine listens on a Unix socket in the run directory (0700), fresh for each start, never on a TCP port
+(server/engine_socket.py says why and how vLLM binds it, and where the socket goes when the run directory's path is
+too long for one); every request to it carries its per-start key.
+
 The API process never imports vLLM: the engine runs under a small watchdog, the supervisor's direct child, in
 a session of its own (so vLLM's workers share one process group that is signalled at once), watched through its
 `/health` and its exit. The watchdog ends the whole group when the wrapper dies, whatever kills it (parent-death
@@ -23,8 +27,6 @@ import os
 import random
 import secrets
 import signal
-import socket
-import stat
 import sys
 import textwrap
 import time
@@ -38,6 +40,20 @@ from pydantic import BaseModel, Field
 
 from edge.paths import cache_dir, resolve
 from edge.plan import VLLM_SERVER_MODULE, Plan
+from server.engine_socket import (
+    ENGINE_URL,
+    SOCKET_GLOB,
+    NotOurSocket,
+    engine_client,
+    fresh_socket_path,
+    listener_pid,
+    make_private,
+    private_dir,
+    remove_socket,
+    socket_dir,
+    socket_path_problem,
+    wrapper_pid_of,
+)
 from server.settings import Settings
 
 log = logging.getLogger("edge.engine")
@@ -46,7 +62,7 @@ EngineState = Literal["starting", "ready", "unresponsive", "crashed", "restartin
 ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unresponsive", "crashed", "restarting", "stopped")
 # Why the engine stopped serving, as counted in status().restart_reasons and the metrics.
 StopKind = Literal[
-    "exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start", "port-taken"
+    "exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start", "socket-taken"
 ]
 # The API process's secrets: the engine (and whatever it imports or spawns) has no use for them.
 SECRET_ENV = frozenset({"EDGE_API_TOKEN", "EDGE_REPORT_TOKEN", "EDGE_CALIBRATION_DB", "VLLM_API_KEY"})
@@ -63,7 +79,8 @@ def vllm_launcher() -> list[str]:
 
 
 class EngineRefused(ValueError):
-    """The plan cannot be started as asked (does not fit its memory budget, or has no engine)."""
+    """The plan cannot be started as asked (does not fit its memory budget, or has no engine), or not here (its
+    socket's path would be too long both in the run directory and under the temp directory)."""
 
 
 class EngineStatus(BaseModel):
@@ -81,13 +98,22 @@ class EngineStatus(BaseModel):
     restarts: int = Field(description="Times the engine was started again after dying or not becoming ready.")
     restart_reasons: dict[str, int] = Field(
         description="Restarts by why the engine stopped serving: exited, exited-before-ready, not-ready-in-time, "
-        "unresponsive, could-not-start, port-taken (another process answered on the engine's port)."
+        "unresponsive, could-not-start, socket-taken (another process listened on the engine's socket; "
+        "was port-taken while the engine listened on a TCP port)."
     )
     last_error: str | None = Field(description="Why the engine last died: exit code or signal and its last lines.")
     probe_failures: int = Field(description="Liveness probes failed in a row, now (0 while it answers).")
     last_probe_error: str | None = Field(description="The last liveness probe that failed, and how.")
     next_restart_in_s: float | None = Field(description="Backoff delay before the next start, while restarting.")
-    engine_url: str = Field(description="Where the engine listens (loopback only).")
+    engine_url: str = Field(
+        description="The URL requests to the engine name; they go over engine_socket, never TCP (it has no port)."
+    )
+    engine_socket: str | None = Field(
+        default=None,
+        description="The Unix socket the engine of this start listens on, in the run directory (0700, this "
+        "user's alone), or, when the run directory's path is too long for a socket's, in a private directory of "
+        "its own under the temp directory (<tmp>/edge-select-<uid>/<hash>); null before the first start.",
+    )
 
 
 def backoff_delay(failures: int, *, initial: float, cap: float, jitter: float = 0.0, rng=random) -> float:
@@ -142,27 +168,13 @@ def engine_argv(
     plan: Plan,
     model_dir: str,
     *,
-    host: str,
-    port: int,
+    socket_path: os.PathLike | str,
     executable: Sequence[str] | None = None,
     served_model_name: str | None = None,
 ) -> list[str]:
-    """The plan's engine command on `host:port` (loopback)."""
+    """The plan's engine command on the Unix socket `socket_path` (vLLM's --uds: no TCP port at all)."""
     command = engine_command(plan, model_dir, executable=executable, served_model_name=served_model_name)
-    return [*command, "--host", host, "--port", str(port)]
-
-
-def free_port(host: str, avoid: int | None = None) -> int:
-    """A port free on `host` now, other than `avoid` (the port of the engine before: a restart never reuses it).
-
-    Chosen by binding port 0 and releasing it: the engine binds it a moment later, and another local process may
-    bind it first; the supervisor then finds the answer is not its engine's (verify_ours) and starts again."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port != avoid:
-            return port
+    return [*command, "--uds", os.fspath(socket_path)]
 
 
 def engine_environment(base: Mapping[str, str], plan_env: Mapping[str, str]) -> dict[str, str]:
@@ -350,6 +362,7 @@ class EngineRecord(BaseModel):
     members: dict[int, int]  # pid -> start time of the group's processes when the engine became ready
     argv: list[str]
     cmdlines: dict[int, str] = {}  # pid -> /proc/PID/cmdline when recorded; a process is signalled only if it matches
+    socket: str | None = None  # the engine's socket file, removed with the record
 
 
 def process_cmdline(pid: int) -> str | None:
@@ -380,20 +393,6 @@ def default_run_dir() -> Path:
 
 def record_path(run_dir: Path, leader_pid: int) -> Path:
     return run_dir / f"engine-{os.getpid()}-{leader_pid}.json"
-
-
-def private_dir(path: Path) -> Path:
-    """The run directory, made ours alone (0700): another user could otherwise plant or change pid files, or
-    links where they are written. Raises OSError for one that is a symlink or another user's."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.lstat()
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise OSError(f"run directory {path} is not a directory (a symlink?): refusing to keep pid files there")
-    if info.st_uid != os.getuid():
-        raise OSError(f"run directory {path} belongs to uid {info.st_uid}, not this user ({os.getuid()})")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        path.chmod(0o700)
-    return path
 
 
 def write_record(path: Path, record: EngineRecord) -> None:
@@ -449,9 +448,12 @@ async def sweep_left_engines(run_dir: Path, grace_s: float) -> list[str]:
     """Stop the engines that wrappers no longer running left in this run directory; one line per engine stopped.
 
     A record whose wrapper still runs (same pid, same start time) is that wrapper's: left alone. Any other is
-    removed, after what of its engine still runs is stopped.
+    removed, after what of its engine still runs is stopped, and so is its engine's socket (vLLM never removes
+    it). So is a socket no record names whose wrapper (the pid in its name) no longer runs, in the run directory
+    or in its socket directory (socket_dir: under the temp directory when the run directory's path is too long).
+    The engines are stopped before the socket directory is looked at: refusing that one costs only the sockets.
     """
-    stopped = []
+    stopped, live_sockets, left_sockets = [], set(), []
     private_dir(run_dir)
     for path in sorted(run_dir.glob("engine-*.json")):
         try:
@@ -461,13 +463,25 @@ async def sweep_left_engines(run_dir: Path, grace_s: float) -> list[str]:
             path.unlink(missing_ok=True)
             continue
         if process_start_time(record.wrapper_pid) == record.wrapper_start:
+            live_sockets.add(record.socket)
             continue
         pids = left_processes(record)
         if pids:
             log.warning("stopping the engine a previous wrapper (pid %d) left: pids %s", record.wrapper_pid, pids)
             await _end_processes(pids, grace_s, record.leader_pid)
             stopped.append(f"engine of wrapper {record.wrapper_pid} (pids {', '.join(map(str, pids))})")
+        if record.socket is not None:
+            left_sockets.append(Path(record.socket))
         path.unlink(missing_ok=True)
+    directories = list(dict.fromkeys([run_dir, socket_dir(run_dir)]))
+    for left in left_sockets:
+        if left.parent in directories:  # never a file elsewhere, whatever a record names
+            remove_socket(left)
+    for path in [path for directory in directories for path in directory.glob(SOCKET_GLOB)]:
+        wrapper = wrapper_pid_of(path)
+        if str(path) not in live_sockets and (wrapper in (None, os.getpid()) or process_start_time(wrapper) is None):
+            log.warning("engine socket %s left by a wrapper no longer running: removed", path)
+            remove_socket(path)
     return stopped
 
 
@@ -481,7 +495,6 @@ class EngineSupervisor:
         self,
         command: Sequence[str],
         *,
-        port: int = 0,
         env: Mapping[str, str] | None = None,
         settings: Settings | None = None,
         health_path: str = "/health",
@@ -489,15 +502,16 @@ class EngineSupervisor:
         served_model_name: str | None = None,
     ) -> None:
         self.settings = settings or Settings()
-        self.command = list(command)  # argv without --host and --port, which each start chooses
-        self.fixed_port = port  # 0: a fresh free port for each start
-        self.port = port
+        self.command = list(command)  # argv without --uds, which each start chooses
         self.api_key = ""  # a fresh random one for each start, in the engine's environment (VLLM_API_KEY)
         self.env = engine_environment(os.environ, env or {})
         self.health_path = health_path
         self.log_prefix = log_prefix
         self.served_model_name = served_model_name
         self.run_dir = Path(self.settings.run_dir) if self.settings.run_dir else default_run_dir()
+        if problem := socket_path_problem(self.run_dir):
+            raise EngineRefused(problem)
+        self.socket_path: Path | None = None  # a fresh one in socket_dir(run_dir) for each start
         self.state: EngineState = "stopped"
         self.restarts = 0
         self.restart_reasons: Counter[str] = Counter()
@@ -530,7 +544,6 @@ class EngineSupervisor:
         plan: Plan,
         model_dir: str,
         *,
-        port: int = 0,
         settings: Settings | None = None,
         force: bool = False,
         executable: Sequence[str] | None = None,
@@ -540,18 +553,20 @@ class EngineSupervisor:
         served = settings.served_model_name or short_model_name(plan, model_dir)
         command = engine_command(plan, model_dir, executable=executable, served_model_name=served)
         env = {name: resolve(value) if name == "VLLM_CACHE_ROOT" else value for name, value in plan.vllm.env.items()}
-        return cls(command, port=port, env=env, settings=settings, served_model_name=served)
+        return cls(command, env=env, settings=settings, served_model_name=served)
 
     # -- public ------------------------------------------------------------------------------------------
 
     @property
     def argv(self) -> list[str]:
-        """The engine's command line for the port of this start (vLLM's `serve` flags; never the key)."""
-        return [*self.command, "--host", self.settings.engine_host, "--port", str(self.port)]
+        """The engine's command line for the socket of this start (vLLM's `serve` flags; never the key)."""
+        assert self.socket_path is not None, "each start chooses the engine's socket: none was started yet"
+        return [*self.command, "--uds", os.fspath(self.socket_path)]
 
     @property
     def engine_url(self) -> str:
-        return f"http://{self.settings.engine_host}:{self.port}"
+        """What requests to the engine name; they go over `socket_path` (server.engine_socket.EngineTransport)."""
+        return ENGINE_URL
 
     @property
     def engine_headers(self) -> dict[str, str]:
@@ -615,6 +630,7 @@ class EngineSupervisor:
             last_probe_error=self.last_probe_error,
             next_restart_in_s=round(max(0.0, wait), 3) if wait is not None else None,
             engine_url=self.engine_url,
+            engine_socket=os.fspath(self.socket_path) if self.socket_path is not None else None,
         )
 
     async def start(self) -> None:
@@ -651,7 +667,7 @@ class EngineSupervisor:
         try:
             self.swept = await sweep_left_engines(self.run_dir, self.settings.stop_grace_s)
         except OSError as exc:  # an unreadable run directory costs the sweep, not the engine
-            log.warning("engines left by earlier wrappers not looked for in %s: %s", self.run_dir, exc)
+            log.warning("engines or sockets left by earlier wrappers not all looked for in %s: %s", self.run_dir, exc)
         failures = 0
         while not self._stopping:
             proc = await self._spawn()
@@ -688,10 +704,14 @@ class EngineSupervisor:
         self.state = "stopped"
 
     async def _spawn(self) -> asyncio.subprocess.Process | None:
-        """Start the engine on a port and with a key of its own: a fresh free port (unless one was fixed) and a
-        fresh key each time, the key in its environment (an argv is readable by every user, /proc/PID/environ
-        only by this one)."""
-        self.port = self.fixed_port or free_port(self.settings.engine_host, avoid=self.port)
+        """Start the engine on a socket and with a key of its own: a fresh socket path in the private socket
+        directory (socket_dir: the run directory, where it fits) and a fresh key each time, the key in its
+        environment (an argv is readable by every user, /proc/PID/environ only by this one)."""
+        try:
+            self.socket_path = fresh_socket_path(socket_dir(self.run_dir))
+        except OSError as exc:  # another user's directory, a link, a read-only cache: nowhere safe to listen
+            self.last_error = f"no private directory for the engine's socket: {exc}"
+            return None
         self.api_key = secrets.token_urlsafe(32)
         log.info("starting engine: %s", " ".join(self.argv))
         self.log_tail.clear()
@@ -727,6 +747,7 @@ class EngineSupervisor:
             members={pid: start for pid, start in starts.items() if start is not None},
             argv=self.argv,
             cmdlines={pid: cmdline for pid in starts if (cmdline := process_cmdline(pid)) is not None},
+            socket=os.fspath(self.socket_path) if self.socket_path is not None else None,
         )
         self._record = record_path(self.run_dir, leader)
         try:
@@ -747,7 +768,7 @@ class EngineSupervisor:
                 await self._terminate(proc)  # stop() may have run while this process was being spawned
                 kind, why = "exited", "stopped on request"
             elif isinstance(healthy, str):
-                kind, why = "port-taken", healthy
+                kind, why = "socket-taken", healthy
                 await self._terminate(proc)
             elif healthy:
                 self._became_ready(proc)
@@ -767,8 +788,10 @@ class EngineSupervisor:
                 kind, why = "not-ready-in-time", f"not ready within {self.settings.ready_timeout_s:g} s"
                 await self._terminate(proc)
         finally:
-            # The leader is gone, its workers may not be: nothing of a dead engine may keep memory or a port.
+            # The leader is gone, its workers may not be: nothing of a dead engine may keep memory or a socket.
             _signal_group(proc.pid, signal.SIGKILL)
+            if self.socket_path is not None:
+                remove_socket(self.socket_path)  # vLLM leaves it; the next start listens on a fresh one
             if self._record is not None:
                 self._record.unlink(missing_ok=True)
                 self._record = None
@@ -786,41 +809,56 @@ class EngineSupervisor:
         self.probe_failures = 0
         self._ready.set()
         self._write_record(proc.pid)  # now with vLLM's engine core and workers
-        log.info("engine ready at %s (pid %d, engine pid %s)", self.engine_url, proc.pid, self.engine_pid)
+        log.info("engine ready on %s (pid %d, engine pid %s)", self.socket_path, proc.pid, self.engine_pid)
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process, exited: asyncio.Task) -> bool | str:
         """True once the engine answers its health check and proves to be ours; False when it exited or was not
-        ready in time; why, when what answers on its port is not this engine."""
+        ready in time; why, when what answers on its socket is not this engine."""
+        assert self.socket_path is not None
         deadline = time.monotonic() + self.settings.ready_timeout_s
         url = self.engine_url + self.health_path
-        async with httpx.AsyncClient(timeout=min(5.0, self.settings.ready_timeout_s)) as client:
+        async with engine_client(self.socket_path, timeout=min(5.0, self.settings.ready_timeout_s)) as client:
             while not self._stopping and time.monotonic() < deadline:
-                with contextlib.suppress(httpx.HTTPError):
+                with contextlib.suppress(httpx.HTTPError):  # no socket yet, or vLLM bound it and is still loading
                     if (await client.get(url)).status_code == 200:
                         if proc.returncode is not None:
                             return False
-                        return await self._not_ours(client) or True
+                        return await self._not_ours(client, proc) or True
                 await asyncio.wait({exited}, timeout=self.settings.health_poll_s)
                 if exited.done():
                     return False
         return False
 
-    async def _not_ours(self, client: httpx.AsyncClient) -> str | None:
-        """Why what answers on the engine's port is not the engine this supervisor started, or None when it is:
-        ours refuses /v1 without its key and serves it with the key (vLLM guards /v1 alone). Asked without the key
-        first, so that a server that serves anyone never sees the key; one that refuses everyone sees a key that
-        dies with this start."""
+    async def _not_ours(self, client: httpx.AsyncClient, proc: asyncio.subprocess.Process) -> str | None:
+        """Why what answers on the engine's socket is not the engine this supervisor started, or None when it is.
+
+        The socket must be a socket of this user's (then narrowed to 0600), listened on by a process of the
+        engine's group (SO_PEERCRED), before anything but /health is sent to it. Then, as vLLM guards /v1 alone,
+        ours refuses /v1 without its key and serves it with the key: asked without the key first, so that a
+        server that serves anyone never sees the key."""
+        path = self.socket_path
+        assert path is not None
+        taken = "another process made the engine's socket"
+        try:
+            make_private(path)
+        except NotOurSocket as exc:
+            return f"{exc}: {taken}"
+        except OSError as exc:
+            return f"socket {path}: {type(exc).__name__}: {exc}"
+        listener = await asyncio.to_thread(listener_pid, path)
+        if listener is None or listener not in group_members(proc.pid):
+            return f"socket {path} is listened on by pid {listener}, not by the engine (group {proc.pid}): {taken}"
         url = self.engine_url + "/v1/models"
         try:
             without = await client.get(url)
             if without.status_code != 401:
-                return (f"port {self.port} answers /v1/models without the engine's key ({without.status_code}): "
-                        "another process holds the engine's port")  # fmt: skip
+                return (f"socket {path} answers /v1/models without the engine's key ({without.status_code}): "
+                        f"{taken}")  # fmt: skip
             keyed = await client.get(url, headers=self.engine_headers)
         except httpx.HTTPError as exc:
-            return f"port {self.port}: /v1/models failed: {type(exc).__name__}: {exc}"
+            return f"socket {path}: /v1/models failed: {type(exc).__name__}: {exc}"
         if keyed.status_code != 200:
-            return f"port {self.port} refuses the engine's key ({keyed.status_code}): another process holds it"
+            return f"socket {path} refuses the engine's key ({keyed.status_code}): {taken}"
         return None
 
     # -- liveness ----------------------------------------------------------------------------------------
@@ -828,7 +866,8 @@ class EngineSupervisor:
     async def _stay_live(self, exited: asyncio.Task) -> str | None:
         """Probe the ready engine until it exits (None) or fails `liveness_failures` probes in a row (why)."""
         settings = self.settings
-        async with httpx.AsyncClient() as client:
+        assert self.socket_path is not None
+        async with engine_client(self.socket_path) as client:
             while True:
                 woken = asyncio.create_task(self._liveness_wake.wait())  # by a failed forwarded request
                 await asyncio.wait({exited, woken}, timeout=settings.liveness_interval_s,

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 
@@ -37,6 +38,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def engine_request(supervisor, method: str, path: str, **kwargs) -> httpx.Response:
+    """A request straight to the supervisor's engine, over its Unix socket as the wrapper sends them."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(supervisor.socket_path)), timeout=30) as client:
+        return client.request(method, f"{supervisor.engine_url}{path}", **kwargs)
 
 
 def fast_settings(**overrides) -> Settings:

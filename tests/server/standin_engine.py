@@ -3,13 +3,16 @@
 It is NOT vLLM. It answers `GET /health` (503 until --ready-after seconds have passed, then 200),
 `GET /v1/models` and `POST /v1/completions` (OpenAI shape; `"stream": true` answers server-sent events in
 chunked encoding), `GET /metrics` (a few lines in Prometheus text format, like vLLM's), and accepts the engine's
-command line (--model MODEL_DIR, --served-model-name NAME..., --host, --port; other flags ignored), so the
-supervisor starts it through exactly the code that starts vLLM. Like vLLM, it lists the served names (the model
+command line (--model MODEL_DIR, --served-model-name NAME..., --uds PATH, or --host and --port; other flags
+ignored), so the supervisor starts it through exactly the code that starts vLLM. Like vLLM 0.28 with --uds, it
+binds the Unix socket PATH plainly (a file already there fails the bind; the mode follows the umask; the file is
+left when it exits) and then ignores --host and --port. Like vLLM, it lists the served names (the model
 path when none is given) and answers 404 for a completion naming another model. Like vLLM, with VLLM_API_KEY in
 its environment it answers 401 to any /v1 request without `Authorization: Bearer <that key>` (other paths stay
 open); every response says which authorization it saw (X-Standin-Saw-Authorization: none, engine-key, other),
 and so does its log line for the request (`auth=...`).
-Test hooks: --exit-after/--exit-code (crash), --spawn-worker (a child in its process group, like vLLM's workers),
+Test hooks: --bind-after S (binds S seconds after starting, as vLLM binds before loading its model but takes
+seconds to start), --exit-after/--exit-code (crash), --spawn-worker (a child in its process group, like vLLM's workers),
 --ignore-sigterm, --hold-stream (a stream pauses after its first event until POST /standin/release), --fail-
 completions (every completion answers 500), and hangs: --hang-after N (every request after the first N is never
 answered), SIGUSR1 (from now on nothing is answered: a stopped API server), SIGUSR2 (completions are never
@@ -25,6 +28,7 @@ import itertools
 import json
 import os
 import signal
+import socketserver
 import subprocess
 import sys
 import threading
@@ -43,7 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="stand-in for `vllm serve` (tests only)")
     parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds", default=None)
+    parser.add_argument("--bind-after", type=float, default=0.0)
     parser.add_argument("--ready-after", type=float, default=0.0)
     parser.add_argument("--exit-after", type=float, default=None)
     parser.add_argument("--exit-code", type=int, default=3)
@@ -214,10 +220,20 @@ def main(argv: list[str]) -> None:
         timer.daemon = True
         timer.start()
     Handler.args = args
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    time.sleep(args.bind_after)
+    if args.uds:
+        server = UnixHTTPServer(args.uds, Handler)
+        where = f"unix:{args.uds}"
+    else:
+        server = ThreadingHTTPServer((args.host, args.port), Handler)
+        where = f"{args.host}:{args.port}"
     server.daemon_threads = True
-    print(f"stand-in engine for {args.model} listening on {args.host}:{args.port}", flush=True)
+    print(f"stand-in engine for {args.model} listening on {where}", flush=True)
     server.serve_forever()
+
+
+class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """HTTP on a Unix socket, bound as vLLM binds it (socket.bind(path): no unlink, no chmod)."""
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 
 from server.app import create_app
 from server.supervisor import EngineSupervisor
-from tests.server.conftest import eventually, fast_settings, free_port, smollm2_plan, standin, uvicorn_on_loopback
+from tests.server.conftest import eventually, fast_settings, smollm2_plan, standin, uvicorn_on_loopback
 
 MODEL_DIR = "/models/SmolLM2-135M-Instruct"
 # Probes every 0.1 s, 0.3 s to answer, 3 in a row: an unresponsive stand-in is found within about a second.
@@ -24,7 +24,7 @@ NO_GENERATION_PROBE = dict(liveness_generation_interval_s=0)
 
 def supervisor_for(*flags: str, **settings) -> EngineSupervisor:
     return EngineSupervisor.for_plan(
-        smollm2_plan(), MODEL_DIR, port=free_port(), settings=fast_settings(**settings), executable=standin(*flags)
+        smollm2_plan(), MODEL_DIR, settings=fast_settings(**settings), executable=standin(*flags)
     )
 
 
@@ -121,7 +121,7 @@ async def test_probe_failures_must_come_in_a_row():
 def test_readyz_is_503_while_unresponsive_and_200_once_restarted_and_serving():
     plan = smollm2_plan()
     settings = fast_settings(**FAST_LIVENESS, **NO_GENERATION_PROBE)
-    supervisor = EngineSupervisor.for_plan(plan, MODEL_DIR, port=free_port(), settings=settings,
+    supervisor = EngineSupervisor.for_plan(plan, MODEL_DIR, settings=settings,
                                            executable=standin())  # fmt: skip
     app = create_app(settings, supervisor=supervisor, plan=plan, model_dir=MODEL_DIR)
     seen_states = set()

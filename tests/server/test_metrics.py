@@ -18,7 +18,7 @@ from server.app import create_app
 from server.metrics import CONTENT_TYPE
 from server.settings import Settings
 from server.supervisor import EngineSupervisor
-from tests.server.conftest import fast_settings, free_port, smollm2_plan, standin, uvicorn_on_loopback
+from tests.server.conftest import fast_settings, smollm2_plan, standin, uvicorn_on_loopback
 
 DATA = Path(__file__).parents[1] / "edge" / "data"
 GW17 = json.loads((DATA / "device_gw17.json").read_text())
@@ -107,7 +107,7 @@ def test_metrics_are_in_the_openapi_schema_as_text_and_conform_to_it():
 def test_engine_state_restarts_and_readiness_with_the_engines_own_metrics_appended():
     plan = smollm2_plan()
     settings = fast_settings()
-    supervisor = EngineSupervisor.for_plan(plan, MODEL_DIR, port=free_port(), settings=settings,
+    supervisor = EngineSupervisor.for_plan(plan, MODEL_DIR, settings=settings,
                                            executable=standin())  # fmt: skip
     with uvicorn_on_loopback(create_app(settings, supervisor=supervisor, plan=plan, model_dir=MODEL_DIR)) as url:
         _wait(lambda: httpx.get(f"{url}/readyz").status_code == 200)
@@ -133,7 +133,7 @@ def test_engine_state_restarts_and_readiness_with_the_engines_own_metrics_append
 def test_engine_metrics_are_left_out_while_the_engine_is_not_ready():
     plan = smollm2_plan()
     settings = fast_settings()
-    supervisor = EngineSupervisor.for_plan(plan, MODEL_DIR, port=free_port(), settings=settings,
+    supervisor = EngineSupervisor.for_plan(plan, MODEL_DIR, settings=settings,
                                            executable=standin("--ready-after", "600"))  # fmt: skip
     with uvicorn_on_loopback(create_app(settings, supervisor=supervisor, plan=plan, model_dir=MODEL_DIR)) as url:
         _wait(lambda: supervisor.pid is not None)

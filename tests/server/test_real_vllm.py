@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -114,6 +115,13 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     assert 'edge_engine_state{state="ready"} 1.0' in metrics and "vllm:num_requests_running" in metrics
 
     group, engine_pid = status["engine"]["pid"], status["engine"]["engine_pid"]  # the watchdog; vLLM's API server
+    # vLLM listens on the Unix socket /status names (--uds, no --port), 0600 in a 0700 run directory
+    engine_socket = Path(status["engine"]["engine_socket"])
+    assert engine_socket.is_socket() and stat.S_IMODE(engine_socket.stat().st_mode) == 0o600
+    assert stat.S_IMODE(engine_socket.parent.stat().st_mode) == 0o700
+    with open(f"/proc/{engine_pid}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+    assert argv[argv.index("--uds") + 1] == str(engine_socket) and "--port" not in argv
     os.kill(engine_pid, signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: get(f"{url}/status").json()["engine"]["restarts"] == 1, process, log, guard_s=120)
@@ -124,6 +132,7 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     assert engine["state"] == "ready" and engine["engine_pid"] != engine_pid
     assert "SIGKILL" in engine["last_error"] and engine["restart_reasons"] == {"exited": 1}
     assert group_members(group) == []  # nothing of the killed engine is left: its engine core and worker neither
+    assert not engine_socket.exists() and Path(engine["engine_socket"]).is_socket()  # a fresh socket, the old gone
 
     again = complete(url, model)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]

@@ -12,7 +12,7 @@ import httpx
 from server.app import create_app
 from server.proxy import WEIGHT_PATH_HEADER
 from server.supervisor import EngineSupervisor, group_members
-from tests.server.conftest import fast_settings, free_port, smollm2_plan, standin, uvicorn_on_loopback
+from tests.server.conftest import engine_request, fast_settings, smollm2_plan, standin, uvicorn_on_loopback
 
 TOKEN = {"Authorization": "Bearer s3cret"}
 MODEL_DIR = "/models/SmolLM2-135M-Instruct"
@@ -24,7 +24,7 @@ def serving(*flags: str, **settings):
     plan = smollm2_plan()
     settings = fast_settings(api_token="s3cret", **settings)
     supervisor = EngineSupervisor.for_plan(
-        plan, MODEL_DIR, port=free_port(), settings=settings, executable=standin(*flags)
+        plan, MODEL_DIR, settings=settings, executable=standin(*flags)
     )
     return uvicorn_on_loopback(create_app(settings, supervisor=supervisor, plan=plan, model_dir=MODEL_DIR)), supervisor
 
@@ -59,7 +59,7 @@ def test_completion_through_the_wrapper_carries_the_weight_path_header():
         wait_until(lambda: ready(url))
         body = {"model": MODEL_DIR, "prompt": "The capital of France is", "max_tokens": 4}
         response = httpx.post(f"{url}/v1/completions", json=body, headers=TOKEN)
-        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json=body, headers=supervisor.engine_headers)
+        direct = engine_request(supervisor, "POST", "/v1/completions", json=body, headers=supervisor.engine_headers)
     assert response.status_code == 200
     assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
     assert response.json() == direct.json()
@@ -105,7 +105,7 @@ def test_streamed_completion_arrives_event_by_event_not_buffered():
             lines = response.iter_lines()
             first = next(lines)  # arrives while the engine is still holding the rest
             assert first.startswith("data: ") and json.loads(first[6:])["choices"][0]["text"]
-            httpx.post(f"{supervisor.engine_url}/standin/release")
+            engine_request(supervisor, "POST", "/standin/release")
             events = [line for line in lines if line.startswith("data: ")]
     assert len(events) == 3 and events[-1] == "data: [DONE]"
 
@@ -115,12 +115,16 @@ def test_status_names_the_plan_engine_and_openai_url():
     with server as url:
         wait_until(lambda: ready(url))
         status = httpx.get(f"{url}/status", headers=TOKEN).json()
+        assert supervisor.socket_path.is_socket()
     assert status["weight_path"] == "bf16" and status["plan"]["path"] == "bf16"
     assert status["engine"]["state"] == "ready" and status["engine"]["restarts"] == 0
     assert status["engine"]["pid"] > 0 and status["engine"]["uptime_s"] >= 0
     assert status["openai_base_url"].endswith("/v1") and status["model_dir"] == MODEL_DIR
     assert status["engine"]["served_model_name"] == SHORT_NAME == "SmolLM2-135M-Instruct-bf16"
     assert status["engine"]["engine_pid"] > 0 and status["engine"]["engine_pid"] != status["engine"]["pid"]
+    # Where the engine listens: its socket in the run directory, and the URL requests to it name
+    assert status["engine"]["engine_socket"] == str(supervisor.socket_path)
+    assert status["engine"]["engine_url"] == "http://localhost"
 
 
 def test_clients_name_the_model_by_its_short_name_or_by_its_path():
@@ -156,8 +160,8 @@ def test_proxied_responses_have_one_date_one_server_and_no_hop_by_hop_headers():
     server, supervisor = serving()
     with server as url:
         wait_until(lambda: ready(url))
-        direct = httpx.post(f"{supervisor.engine_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                            headers=supervisor.engine_headers)  # fmt: skip
+        direct = engine_request(supervisor, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                                headers=supervisor.engine_headers)  # fmt: skip
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
     assert {"date", "server", "keep-alive", "x-standin-hop"} <= set(header_names(direct))  # what the engine sent
     names = header_names(response)
@@ -248,7 +252,7 @@ def test_a_flood_of_held_streams_takes_no_more_engine_connections_than_the_pool_
                 third = httpx.post(f"{url}/v1/models", headers=TOKEN, timeout=30)
                 metrics = httpx.get(f"{url}/metrics", headers=TOKEN, timeout=30).text
             finally:
-                httpx.post(f"{supervisor.engine_url}/standin/release")
+                engine_request(supervisor, "POST", "/standin/release")
                 for hold in held:
                     hold.__exit__(None, None, None)
         after = httpx.get(f"{url}/v1/models", headers=TOKEN)

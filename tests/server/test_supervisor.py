@@ -5,14 +5,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from server.engine_socket import LONGEST_SOCKET_NAME, MAX_SOCKET_PATH_BYTES, socket_dir
 from server.supervisor import (
     EngineRecord,
     EngineRefused,
@@ -26,7 +31,7 @@ from server.supervisor import (
     vllm_launcher,
     write_record,
 )
-from tests.server.conftest import eventually, fast_settings, free_port, smollm2_plan, standin
+from tests.server.conftest import eventually, fast_settings, smollm2_plan, standin
 
 REPO = Path(__file__).parents[2]
 
@@ -37,7 +42,6 @@ def supervisor_for(*flags: str, **settings) -> EngineSupervisor:
     return EngineSupervisor.for_plan(
         smollm2_plan(),
         "/models/SmolLM2-135M-Instruct",
-        port=free_port(),
         settings=fast_settings(**settings),
         executable=standin(*flags),
     )
@@ -58,29 +62,28 @@ def worker_pid(supervisor: EngineSupervisor) -> int:
     return int(lines[-1].rsplit(" ", 1)[1])
 
 
-def test_engine_command_is_vllm_serve_with_the_plan_args_on_loopback():
+def test_engine_command_is_vllm_serve_with_the_plan_args_on_a_unix_socket():
     plan = smollm2_plan()
-    argv = engine_argv(plan, "/m", host="127.0.0.1", port=8123)
+    argv = engine_argv(plan, "/m", socket_path="/cache/run/engine-1-0a1b2c3d.sock")
     launcher = vllm_launcher()
-    assert argv == [*launcher, "--model", "/m", *plan.vllm.args, "--host", "127.0.0.1", "--port", "8123"]
+    assert argv == [*launcher, "--model", "/m", *plan.vllm.args, "--uds", "/cache/run/engine-1-0a1b2c3d.sock"]
     assert launcher[-2:] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert argv[: -4] == plan.vllm.command("/m", launcher)  # built in one place, the plan's
+    assert argv[:-2] == plan.vllm.command("/m", launcher)  # built in one place, the plan's
+    assert "--host" not in argv and "--port" not in argv  # no TCP port at all
 
 
 def test_engine_serves_the_model_under_its_short_name_and_its_path():
     plan = smollm2_plan()
-    argv = EngineSupervisor.for_plan(plan, "/cache/converted/SmolLM2-135M-Instruct-bf16-bdf0e2de72f9",
-                                     port=8123).argv  # fmt: skip
-    names = argv[argv.index("--served-model-name") + 1 : argv.index("--host")]
+    command = EngineSupervisor.for_plan(plan, "/cache/converted/SmolLM2-135M-Instruct-bf16-bdf0e2de72f9").command
+    names = command[command.index("--served-model-name") + 1 :]
     assert names == ["SmolLM2-135M-Instruct-bf16", "/cache/converted/SmolLM2-135M-Instruct-bf16-bdf0e2de72f9"]
-    assert argv[: argv.index("--served-model-name")] == plan.vllm.command(names[1], vllm_launcher())
+    assert command[: command.index("--served-model-name")] == plan.vllm.command(names[1], vllm_launcher())
 
 
 def test_a_served_model_name_set_by_the_user_replaces_the_short_name():
-    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", port=8123, settings=fast_settings(
-        served_model_name="smollm2"))  # fmt: skip
-    argv = supervisor.argv
-    assert argv[argv.index("--served-model-name") + 1 : argv.index("--host")] == ["smollm2", "/m"]
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", settings=fast_settings(served_model_name="smollm2"))
+    command = supervisor.command
+    assert command[command.index("--served-model-name") + 1 :] == ["smollm2", "/m"]
     assert supervisor.status().served_model_name == "smollm2"
 
 
@@ -93,19 +96,19 @@ def test_plan_env_is_added_to_the_engine_environment():
 
 def test_plan_over_its_memory_budget_is_refused():
     with pytest.raises(EngineRefused, match="over the memory budget"):
-        EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", port=free_port())
+        EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m")
 
 
 def test_plan_over_its_memory_budget_starts_when_forced():
-    supervisor = EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", port=free_port(), force=True)
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(fits=False), "/m", force=True)
     assert supervisor.state == "stopped"
-    assert supervisor.argv[: len(vllm_launcher()) + 2] == [*vllm_launcher(), "--model", "/m"]
+    assert supervisor.command[: len(vllm_launcher()) + 2] == [*vllm_launcher(), "--model", "/m"]
 
 
 def test_export_only_plan_is_refused_even_when_forced():
     plan = smollm2_plan().model_copy(update={"path": "export-only", "vllm": None})
     with pytest.raises(EngineRefused, match="nothing to serve"):
-        EngineSupervisor.for_plan(plan, "/m", port=free_port(), force=True)
+        EngineSupervisor.for_plan(plan, "/m", force=True)
 
 
 def test_backoff_doubles_from_initial_and_stops_at_the_cap():
@@ -135,7 +138,7 @@ async def test_engine_is_starting_until_its_health_answers_then_ready():
         assert await supervisor.wait_ready(30)
         status = supervisor.status()
         assert status.state == "ready" and status.pid == supervisor.pid and status.restarts == 0
-        assert any("listening on 127.0.0.1" in line for line in supervisor.log_tail)
+        assert any(f"listening on unix:{supervisor.socket_path}" in line for line in supervisor.log_tail)
     finally:
         await supervisor.stop()
 
@@ -190,7 +193,7 @@ async def test_engine_not_ready_in_time_is_killed_and_started_again():
 
 
 async def test_command_that_cannot_start_is_retried_not_fatal():
-    supervisor = EngineSupervisor(["/nonexistent/vllm", "serve"], port=free_port(), settings=fast_settings())
+    supervisor = EngineSupervisor(["/nonexistent/vllm", "serve"], settings=fast_settings())
     await supervisor.start()
     try:
         await eventually(lambda: len(supervisor.delays) >= 2)
@@ -247,15 +250,16 @@ async def test_dead_engine_is_crashed_during_its_backoff_and_stop_cuts_the_wait_
 WRAPPER = """
 import asyncio, json, sys
 from server.supervisor import EngineSupervisor
-from tests.server.conftest import fast_settings, free_port, smollm2_plan, standin
+from tests.server.conftest import fast_settings, smollm2_plan, standin
 
 async def main():
-    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", port=free_port(),
-        settings=fast_settings(run_dir=sys.argv[1]), executable=standin("--spawn-worker"))
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(), "/m", settings=fast_settings(run_dir=sys.argv[1]),
+                                           executable=standin("--spawn-worker"))
     await supervisor.start()
     assert await supervisor.wait_ready(30)
     worker = [line for line in supervisor.log_tail if line.startswith("stand-in worker pid ")][-1].split()[-1]
-    print(json.dumps({"leader": supervisor.pid, "engine": supervisor.engine_pid, "worker": int(worker)}), flush=True)
+    print(json.dumps({"leader": supervisor.pid, "engine": supervisor.engine_pid, "worker": int(worker),
+                      "socket": str(supervisor.socket_path)}), flush=True)
     await asyncio.sleep(3600)
 
 asyncio.run(main())
@@ -269,6 +273,7 @@ def start_wrapper(run_dir: Path) -> tuple[subprocess.Popen, dict[str, int]]:
     line = wrapper.stdout.readline()
     assert line, f"the wrapper exited {wrapper.wait()} before its engine was ready"
     pids = json.loads(line)
+    wrapper.engine_socket = Path(pids.pop("socket"))
     return wrapper, {name: (pid, process_start_time(pid)) for name, pid in pids.items()}
 
 
@@ -377,8 +382,186 @@ async def test_an_engine_under_way_is_recorded_and_its_record_removed_when_it_st
     assert (record.wrapper_pid, record.leader_pid) == (os.getpid(), supervisor.pid)
     assert record.leader_start == process_start_time(supervisor.pid)
     assert set(group_members(supervisor.pid)) <= set(record.members)  # engine and worker, once ready
+    assert record.socket == str(supervisor.socket_path) and supervisor.socket_path.is_socket()
     await supervisor.stop()
-    assert not list(tmp_path.glob("engine-*.json"))
+    assert not list(tmp_path.glob("engine-*.json")) and not list(tmp_path.glob("*.sock"))
+
+
+async def test_the_socket_a_killed_wrapper_left_is_removed_by_the_next_one(tmp_path):
+    """The engine dies with its wrapper, but its socket file stays (vLLM never removes it); the next wrapper of the
+    run directory removes it, with the pid file that names it, before its own engine listens on a fresh one."""
+    wrapper, pids = start_wrapper(tmp_path)
+    left = wrapper.engine_socket
+    kill_wrapper(wrapper)
+    wait_gone(pids)
+    assert left.is_socket() and left.parent == tmp_path
+    supervisor = supervisor_for(run_dir=str(tmp_path))
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        assert not left.exists() and list(tmp_path.glob("*.sock")) == [supervisor.socket_path]
+    finally:
+        await supervisor.stop()
+    assert not list(tmp_path.glob("*.sock"))
+
+
+def bound_socket(path: Path) -> None:
+    """A socket file at `path`, as an engine that died leaves it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(str(path))
+
+
+@pytest.mark.parametrize("run_dir_depth", ["short", "too deep for a socket path"])
+async def test_a_socket_no_record_names_is_removed_once_its_wrapper_is_gone(tmp_path, short_tempdir, run_dir_depth):
+    """A wrapper killed before it wrote its pid file leaves a socket no record names: the pid in its name tells
+    whose it was; gone, it is removed, still running, it is left alone. So in the run directory, and so in the
+    directory under the temp directory that a run directory too deep for a socket path has its sockets in."""
+    run_dir = tmp_path if run_dir_depth == "short" else too_deep(tmp_path)
+    sockets = socket_dir(run_dir)
+    assert (sockets == run_dir) == (run_dir_depth == "short")
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        stale, kept = sockets / f"engine-{a_dead_process()[0]}-00000000.sock", sockets / f"engine-{other.pid}-1.sock"
+        bound_socket(stale)
+        bound_socket(kept)
+        supervisor = supervisor_for(run_dir=str(run_dir))
+        await supervisor.start()
+        try:
+            assert await supervisor.wait_ready(30)
+            assert not stale.exists() and kept.is_socket()
+        finally:
+            await supervisor.stop()
+    finally:
+        other.kill()
+        other.wait()
+
+
+# -- a run directory too deep for a socket path: its sockets go under the temp directory ----------------------
+
+
+@pytest.fixture
+def short_tempdir(monkeypatch) -> Path:
+    """A temp directory of the test's own, short, for this process (tempfile) and the wrappers it starts (TMPDIR):
+    the fallback socket directories of the tests never mix with the real temp directory's."""
+    path = Path(tempfile.mkdtemp(prefix="es-"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path)
+
+
+def too_deep(parent: Path, letter: str = "d") -> Path:
+    """A run directory of 80 bytes: 2 too many for engine-<pid>-XXXXXXXX.sock in it to fit a socket's path."""
+    return parent / (letter * (MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME + 2 - len(str(parent)) - 1))
+
+
+def test_a_run_directory_keeps_its_sockets_while_their_path_fits_and_moves_them_a_byte_beyond(tmp_path,
+                                                                                            short_tempdir):  # fmt: skip
+    fits = tmp_path / ("d" * (MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME - len(str(tmp_path)) - 1))
+    beyond = fits.with_name(fits.name + "d")
+    assert len(os.fsencode(fits)) == 78 and socket_dir(fits) == fits  # beside the pid files
+    assert socket_dir(beyond).parent == short_tempdir / f"edge-select-{os.getuid()}"
+
+
+async def test_a_run_directory_too_deep_for_a_socket_path_serves_from_a_private_directory_under_the_temp_dir(
+    tmp_path, short_tempdir
+):
+    deep = too_deep(tmp_path)
+    supervisor = supervisor_for(run_dir=str(deep))
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        path = supervisor.socket_path
+        assert path.is_socket() and len(os.fsencode(path)) <= MAX_SOCKET_PATH_BYTES
+        assert path.parent.parent == short_tempdir / f"edge-select-{os.getuid()}"
+        for directory in (path.parent, path.parent.parent):  # both levels: 0700, this user's, not links
+            info = directory.lstat()
+            assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+        record = EngineRecord.model_validate_json(next(deep.glob("engine-*.json")).read_text())
+        assert record.socket == str(path)  # the pid file stays in the run directory and names the socket
+    finally:
+        await supervisor.stop()
+    assert not path.exists() and not list(deep.glob("engine-*"))
+
+
+def test_a_run_directory_maps_to_one_socket_directory_and_another_to_another(tmp_path, short_tempdir):
+    deep, other = too_deep(tmp_path, "d"), too_deep(tmp_path, "e")
+    assert socket_dir(deep) == socket_dir(deep) != socket_dir(other)
+    assert socket_dir(tmp_path / "x" / ".." / deep.name) == socket_dir(deep)  # however its path is written
+    assert socket_dir(deep).parent == socket_dir(other).parent == short_tempdir / f"edge-select-{os.getuid()}"
+
+
+@pytest.mark.parametrize("planted", ["another user's directory", "a link"])
+async def test_a_temp_directory_parent_another_user_made_or_linked_is_refused_naming_it(tmp_path, short_tempdir,
+                                                                                       planted):  # fmt: skip
+    """The temp directory is shared: another user may make <tmp>/edge-select-<uid> first, or a link there, to have
+    the engine listen where they reach it. The engine is not started, and last_error names the directory."""
+    parent = short_tempdir / f"edge-select-{os.getuid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if planted == "a link":
+        parent.symlink_to(elsewhere)
+    elif os.getuid() != 0:
+        pytest.skip("making a directory another user's needs root (chown)")
+    else:
+        parent.mkdir(mode=0o700)
+        os.chown(parent, 65534, 65534)
+    supervisor = supervisor_for(run_dir=str(too_deep(tmp_path)))
+    await supervisor.start()
+    try:
+        await eventually(lambda: len(supervisor.delays) >= 1)
+        assert f"socket directory {parent} " in supervisor.last_error and supervisor.pid is None
+        assert "belongs to uid 65534" in supervisor.last_error or "symlink" in supervisor.last_error
+    finally:
+        await supervisor.stop()
+    assert list(elsewhere.iterdir()) == [] and (parent.is_symlink() or list(parent.iterdir()) == [])
+
+
+async def test_the_socket_a_killed_wrapper_left_under_the_temp_directory_is_removed_by_the_next_one(
+    tmp_path, short_tempdir
+):
+    """The next wrapper of the same run directory finds the fallback directory again (by the run directory's path)
+    and removes the socket a killed one left there, with the pid file that names it."""
+    deep = too_deep(tmp_path)
+    wrapper, pids = start_wrapper(deep)
+    left = wrapper.engine_socket
+    kill_wrapper(wrapper)
+    wait_gone(pids)
+    assert left.is_socket() and left.parent == socket_dir(deep) != deep
+    supervisor = supervisor_for(run_dir=str(deep))
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        assert not left.exists() and list(left.parent.glob("*.sock")) == [supervisor.socket_path]
+    finally:
+        await supervisor.stop()
+    assert not list(left.parent.glob("*.sock"))
+
+
+def test_a_run_directory_too_deep_for_a_socket_path_even_under_the_temp_directory_is_refused_naming_both(
+    tmp_path, short_tempdir, monkeypatch
+):
+    deep = too_deep(tmp_path)
+    longest_tmp = MAX_SOCKET_PATH_BYTES - 1 - LONGEST_SOCKET_NAME - len(f"/edge-select-{os.getuid()}/") - 16
+    deep_tmp = short_tempdir / ("t" * (longest_tmp - len(str(short_tempdir))))  # 1 byte too many
+    monkeypatch.setattr(tempfile, "tempdir", str(deep_tmp))
+    with pytest.raises(EngineRefused) as refused:
+        supervisor_for(run_dir=str(deep))
+    message = str(refused.value)
+    assert f"run directory {str(deep)!r}" in message and f"{deep_tmp}/edge-select-{os.getuid()}/" in message
+    assert "over the 107 a Unix socket's path may hold" in message and "at most 78 bytes" in message
+    assert f"temp directory of at most {longest_tmp} bytes" in message and "TMPDIR" in message
+    monkeypatch.setattr(tempfile, "tempdir", str(deep_tmp)[:-1])
+    supervisor_for(run_dir=str(deep))  # a byte shorter: accepted
+
+
+def test_a_socket_path_of_107_bytes_binds_and_one_of_109_does_not(tmp_path):
+    """The limit the run directory's length is checked against is the kernel's (sun_path: 108 bytes)."""
+    longest = tmp_path / ("s" * (MAX_SOCKET_PATH_BYTES - len(str(tmp_path)) - 1))
+    assert len(os.fsencode(longest)) == MAX_SOCKET_PATH_BYTES
+    bound_socket(longest)
+    with pytest.raises(OSError, match="too long"):
+        bound_socket(tmp_path / ("s" * (MAX_SOCKET_PATH_BYTES + 2 - len(str(tmp_path)) - 1)))
 
 
 async def test_the_sweep_never_signals_a_process_whose_command_line_is_not_the_one_recorded(tmp_path):
