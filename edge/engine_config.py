@@ -11,8 +11,9 @@ from edge.kernel_params import KernelParams
 from edge.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.plan import Layout, ServingMode, VllmConfig, WeightPath
 from edge.quantized_layers import LayerDecision, eight_bit_group_size, eight_bit_set, kept_bf16
+from edge.rules import copied_grid
 from edge.shapes import ModelShape
-from edge.weight_paths import PATHS, quant_method
+from edge.weight_paths import METHODS, PATHS, quant_method
 
 # vLLM reserves one core for its front end on x86 by default (docs/FACTS.md: on a 2-core box it then runs one
 # compute thread). On boxes this small, the GEMMs get every core instead.
@@ -91,6 +92,9 @@ def _cpu_w4a8(
         "sym": True,  # int4_scaled_mm_cpu with the zero point pinned at 8, as vLLM runs GPTQ (uint4b8)
         "desc_act": False,
         "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/ops/gptq.py)
+        # a Q4_0 source's codes go to the GPTQ tensors unchanged (its grid is uint4b8's); written only then, so
+        # other checkpoints' configs and quality records stay as they were
+        **({"codes_from_source": True} if copied_grid(model, METHODS["cpu_w4a8"].source_codes) == group_size else {}),
         # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/ops/int4_ops.py)
         "dequant_threshold": kernel.dequant_threshold,
         "int8": eight_bit_set(layers),

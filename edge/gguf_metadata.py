@@ -364,6 +364,9 @@ def tensor_types(header: GgufHeader) -> dict[str, int]:
 # The types whose 4-bit codes lie on a group-32 grid that cpu_int4 holds exactly (scale and zero per 32 weights):
 # Q4_0 and Q4_1 blocks of 32, and Q4_K's 8 sub-blocks of 32 (kernels.source.gguf_source reads their codes).
 FOUR_BIT_GRIDS = ("Q4_0", "Q4_1", "Q4_K")
+# Of those, the symmetric one: Q4_0's w = d * (q - 8) is GPTQ's uint4b8 (code q, zero 8, scale d), which the W4A8
+# kernel runs (kernels.source.gguf_source: its codes go to a cpu_w4a8 checkpoint unchanged).
+SYMMETRIC_FOUR_BIT_GRIDS = ("Q4_0",)
 GRID_GROUP = 32
 # The quantized types wider than 4 bits that kernels.source.gguf_source reads (edge.quantized_layers keeps a tensor
 # the file holds in one of these at 8 bits).

@@ -38,7 +38,8 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from edge.errors import InputError
-from edge.gguf_metadata import FOUR_BIT_GRIDS, GRID_GROUP, INT8_GRIDS, WIDE_SOURCE_TYPES
+from edge.gguf_metadata import GRID_GROUP, INT8_GRIDS, WIDE_SOURCE_TYPES
+from edge.rules import copied_grid
 from edge.shapes import LinearShape, ModelShape
 from edge.weight_paths import METHODS, QUANTIZED_PATHS, MethodSpec, own_method, quant_method
 
@@ -174,7 +175,7 @@ def _method(path: str, method: str | None) -> MethodSpec:
     return spec if spec is not None else _NO_METHOD
 
 
-_NO_METHOD = MethodSpec("none", "bf16", False, False, 1, 1, False, False, False, False)
+_NO_METHOD = MethodSpec("none", "bf16", False, False, 1, 1, False, False, False, ())
 
 
 def kind(prefix: str) -> str:
@@ -360,11 +361,12 @@ def rules_for(
     eight_bit = spec is not None and spec.eight_bit
     plain_embedding = model.architecture in BF16_EMBEDDING_ARCHITECTURES
     head_format = ("bf16" if plain_embedding else HEAD_FORMAT[priority]) if eight_bit else None
-    own_grid = model.source_grid is not None and model.source_grid == group_size and bool(spec and spec.source_codes)
+    own_grid = spec is not None and copied_grid(model, spec.source_codes) == group_size
     sensitive: tuple[str, ...] = ()
     if eight_bit and priority == "fidelity":
         # a source grid without types (an edge-source.json: every linear Q4_0/Q4_1) holds them all already
-        off_grid = source_weights(model, lambda type_name: type_name not in FOUR_BIT_GRIDS, SENSITIVE_SET)
+        copies = spec.source_codes  # eight_bit: a method
+        off_grid = source_weights(model, lambda type_name: type_name not in copies, SENSITIVE_SET)
         sensitive = off_grid if own_grid else SENSITIVE_SET
     wide = wide_source_weights(model) if eight_bit else ()
     int8 = tuple(dict.fromkeys((EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive + wide))
@@ -444,10 +446,11 @@ def _from_source(model: ModelShape, quant: QuantRules, name: str, decision: Deci
         return f"{decision.why}: " + "; ".join(parts)
     if not types or name in (EMBEDDING, HEAD):
         return decision.why
-    if decision.format != "int4" or quant.group_size != model.source_grid or not quant.method.source_codes:
+    copies = quant.method.source_codes
+    if decision.format != "int4" or copied_grid(model, copies) != quant.group_size:
         return decision.why
-    kept = sum(count for t, count in types.items() if t in FOUR_BIT_GRIDS)
-    others = ", ".join(f"{t} x{count}" for t, count in types.items() if t not in FOUR_BIT_GRIDS)
+    kept = sum(count for t, count in types.items() if t in copies)
+    others = ", ".join(f"{t} x{count}" for t, count in types.items() if t not in copies)
     return f"{decision.why}: the file's codes copied ({kept})" + (f", re-rounded from {others}" if others else "")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from edge.gguf_metadata import FOUR_BIT_GRIDS, SYMMETRIC_FOUR_BIT_GRIDS, WIDE_SOURCE_TYPES
 from edge.shapes import LinearShape, ModelShape
 
 # The group sizes a plan chooses from, largest first: a bigger group stores fewer scales. SmolLM2's K=576 is
@@ -28,6 +29,21 @@ def pick_group_size(model: ModelShape) -> int | None:
     return next((g for g in candidates if all(lin.k % g == 0 for lin in model.linears)), None)
 
 
+def copied_grid(model: ModelShape, types: tuple[str, ...]) -> int | None:
+    """The source's 4-bit grid (its group) where a method that copies the codes of `types` finds it: most of the
+    decoder linears a plan keeps at 4 bits (all but WIDE_SOURCE_TYPES) hold one of them. A source whose types per
+    kind are unknown (the default model's edge-source.json: a 4-bit grid) counts for a method that copies every
+    4-bit grid only. None: nothing to copy."""
+    if model.source_grid is None or not types:
+        return None
+    if model.source_types is None:
+        return model.source_grid if set(FOUR_BIT_GRIDS) <= set(types) else None
+    narrow = [(t, n) for kind, held in model.source_types.items() if kind not in ("embed_tokens", "lm_head")
+              for t, n in held.items() if t not in WIDE_SOURCE_TYPES]  # fmt: skip
+    copied = sum(n for t, n in narrow if t in types)
+    return model.source_grid if copied and 2 * copied >= sum(n for _, n in narrow) else None
+
+
 def packable(lin: LinearShape, group: int) -> bool:
     """Can tinygemm pack this layer at this group size? Layers that cannot stay bf16."""
     return lin.n % PACK_N_MULTIPLE == 0 and lin.k % group == 0
@@ -43,8 +59,12 @@ def tiles_block(lin: LinearShape, block: int) -> bool:
 
 
 def pick_gptq_group_size(model: ModelShape) -> int | None:
-    """The largest planned group size at which every linear (the head included) is GPTQ-compatible."""
-    return next((g for g in GROUP_SIZES if all(gptq_compatible(lin, g) for lin in model.linears)), None)
+    """The source's own symmetric 4-bit grid when it has one that fits (a Q4_0 file: w = d * (q - 8) is GPTQ's
+    uint4b8 with scale d, so its codes carry over unchanged); else the largest planned group size at which every
+    linear (the head included) is GPTQ-compatible."""
+    grid = copied_grid(model, SYMMETRIC_FOUR_BIT_GRIDS)
+    candidates = ((grid,) if grid in GPTQ_GROUP_SIZES else ()) + GROUP_SIZES
+    return next((g for g in candidates if all(gptq_compatible(lin, g) for lin in model.linears)), None)
 
 
 def gptq_compatible(lin: LinearShape, group: int) -> bool:

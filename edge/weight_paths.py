@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from edge import rules
+from edge.gguf_metadata import FOUR_BIT_GRIDS, SYMMETRIC_FOUR_BIT_GRIDS
 
 WeightPath = Literal["w4a8-gptq", "w4a16-tinygemm", "bf16", "export-only"]
 Layout = Literal["direct", "dual", "kernel-only"]
@@ -123,18 +124,21 @@ class MethodSpec:
     head_by_default: bool  # the head is quantized when the config's `lm_head` says nothing
     int4_head: bool  # the head may take 4 bits (else int8 or bf16)
     int4_embedding: bool  # the embedding may take 4 bits (`quantize_embedding`)
-    source_codes: bool  # takes the 4-bit codes from the source's own grid (`codes_from_source`)
+    # the GGUF types whose 4-bit codes it copies from the source's own grid (`codes_from_source`); () none
+    source_codes: tuple[str, ...]
 
 
 METHODS: dict[str, MethodSpec] = {
     spec.name: spec
     for spec in (
-        MethodSpec("cpu_int4", "w4a16-tinygemm", True, True, rules.PACK_N_MULTIPLE, 1, False, True, True, True),
+        MethodSpec("cpu_int4", "w4a16-tinygemm", True, True, rules.PACK_N_MULTIPLE, 1, False, True, True,
+                   FOUR_BIT_GRIDS),
+        # symmetric codes only: GPTQ's uint4b8 is Q4_0's grid
         MethodSpec("cpu_w4a8", "w4a8-gptq", True, True, rules.GPTQ_PARTITION_MULTIPLE,
-                   rules.GPTQ_PARTITION_MULTIPLE, True, False, False, False),
+                   rules.GPTQ_PARTITION_MULTIPLE, True, False, False, SYMMETRIC_FOUR_BIT_GRIDS),
         # vLLM's GPTQ keeps the embedding bf16 and quantizes the head (a tied one is untied)
         MethodSpec("gptq", "w4a8-gptq", False, False, rules.GPTQ_PARTITION_MULTIPLE,
-                   rules.GPTQ_PARTITION_MULTIPLE, True, True, False, False),
+                   rules.GPTQ_PARTITION_MULTIPLE, True, True, False, ()),
     )
 }  # fmt: skip
 # The plugin's methods (kernels/vllm plugin) run the 8-bit set (int8 head and embedding); vLLM's own gptq does not.

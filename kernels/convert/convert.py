@@ -229,7 +229,7 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
     elif quant.eight_bit and source.tied and embedding and not _written_quantized(decisions, embedding):
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
     if quant.method.source_codes and qconfig.get("codes_from_source"):
-        _read_codes_from_source(source, qconfig, decisions)
+        _read_codes_from_source(source, qconfig, decisions, quant.method.source_codes)
     decisions.int8_group = quant.int8_group
     if quant.int8_group and decisions.int8:
         _read_int8_from_source(source, quant.int8_group, decisions)
@@ -265,17 +265,21 @@ def _source_gguf(source: Source) -> Any:
     return read_gguf(_locate_gguf(json.loads(record_file.read_text())))
 
 
-def _read_codes_from_source(source: Source, qconfig: dict[str, Any], decisions: Decisions) -> None:
-    """The 4-bit tensors the source's GGUF holds on the same grid take its codes (kernels.source.gguf_source): no
-    re-rounding. The GGUF is the one edge-source.json names, checked by its sha256."""
-    from kernels.source.gguf_source import BLOCK, FOUR_BIT_GRIDS, read_gguf
+def _read_codes_from_source(
+    source: Source, qconfig: dict[str, Any], decisions: Decisions, copies: tuple[str, ...]
+) -> None:
+    """The 4-bit tensors the source's GGUF holds on the same grid, in a type whose codes the method copies
+    (`copies`: cpu_int4 every 4-bit grid, cpu_w4a8 the symmetric Q4_0), take its codes (kernels.source
+    .gguf_source): no re-rounding. The GGUF is the source itself or the one edge-source.json names, checked by its
+    sha256."""
+    from kernels.source.gguf_source import BLOCK, read_gguf
 
     if source.gguf is not None:  # the source is the GGUF itself
         if qconfig["group_size"] != BLOCK:
             raise InputError("quantization_config.group_size", qconfig["group_size"],
                              f"the GGUF grid's group {BLOCK} when codes_from_source is true")  # fmt: skip
         decisions.grid = source.gguf
-        decisions.exact = {name for name in decisions.quantize if source.gguf.tensors[name].type in FOUR_BIT_GRIDS}
+        decisions.exact = {name for name in decisions.quantize if source.gguf.tensors[name].type in copies}
         return
     record_file = source.directory / SOURCE_RECORD
     if not record_file.is_file():
@@ -289,7 +293,7 @@ def _read_codes_from_source(source: Source, qconfig: dict[str, Any], decisions: 
     decisions.grid = read_gguf(gguf)
     decisions.exact = {
         name for name in decisions.quantize
-        if name in decisions.grid.tensors and decisions.grid.tensors[name].type in FOUR_BIT_GRIDS
+        if name in decisions.grid.tensors and decisions.grid.tensors[name].type in copies
     }  # fmt: skip
 
 
@@ -492,10 +496,14 @@ def _convert_tensor(
     import torch
 
     if name in decisions.exact:
-        from kernels.source.gguf_source import cpu_int4_tensors
+        from kernels.source.gguf_source import cpu_int4_tensors, gptq_codes
 
-        qweight, scales, zeros = cpu_int4_tensors(decisions.grid, name)  # the source's own codes, group 32
         prefix = decisions.quantize[name]
+        if PATH_SPECS[path].weight_format == "gptq":  # a Q4_0 tensor: its codes and d are uint4b8's
+            from kernels.ops.gptq import gptq_from_codes
+
+            return gptq_from_codes(prefix, *gptq_codes(decisions.grid, name))
+        qweight, scales, zeros = cpu_int4_tensors(decisions.grid, name)  # the source's own codes, group 32
         return {f"{prefix}.qweight": qweight, f"{prefix}.scales": scales, f"{prefix}.zeros": zeros}
     if name in decisions.int8:
         if name in decisions.int8_exact:

@@ -62,6 +62,26 @@ def gptq_tensors(
     into a parameter of the model dtype, and a fp16 -> bf16 copy would round them again.
     """
     codes, scales = _quantize(prefix, w, group, search, scale_dtype)  # [K, N] int32 0..15, [K/g, N]
+    return _tensors(prefix, codes, scales)
+
+
+def gptq_from_codes(
+    prefix: str, codes: torch.Tensor, scales: torch.Tensor, *, scale_dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """The same tensors from codes a source already holds on GPTQ's grid (a GGUF's Q4_0: w = d * (q - 8)):
+    codes [N, K] in 0..15 (zero 8), scales [N, K/g] float (the block's d), nothing re-rounded but the scale's
+    rounding to `scale_dtype` (bf16: at most 2^-8 of it)."""
+    n, k = codes.shape
+    group = k // scales.shape[1]
+    _check_group(group)
+    if n % SIZE_MULTIPLE or k % SIZE_MULTIPLE or tuple(scales.shape) != (n, k // group):
+        raise InputError(f"{prefix}.weight", f"N={n}, K={k}, scales {list(scales.shape)}",
+                         "N and K multiples of 32 and a scale per group of each row")  # fmt: skip
+    return _tensors(prefix, codes.to(torch.int32).t().contiguous(), scales.t().to(scale_dtype))
+
+
+def _tensors(prefix: str, codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """codes [K, N] int32 0..15 and scales [K/g, N] as the checkpoint's qweight, scales and qzeros."""
     k_groups, n = scales.shape
     zeros = torch.full((k_groups, n), STORED_ZERO, dtype=torch.int32)
     return {

@@ -56,7 +56,9 @@ import numpy as np
 import torch
 
 from edge.errors import InputError
-from edge.gguf_metadata import FOUR_BIT_GRIDS, INT8_GRIDS  # codes copied: cpu_int4 at group 32, int8 per group
+
+# codes copied: cpu_int4 at group 32, cpu_w4a8's GPTQ tensors (symmetric), int8 per group
+from edge.gguf_metadata import FOUR_BIT_GRIDS, INT8_GRIDS, SYMMETRIC_FOUR_BIT_GRIDS
 
 BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block and per Q4_K sub-block: the cpu_int4 group size we return
 FLOATS = ("F32", "F16", "BF16")
@@ -187,6 +189,16 @@ def cpu_int4_tensors(model: GgufModel, hf_name: str) -> tuple[torch.Tensor, torc
         torch.from_numpy(scales).to(torch.bfloat16),
         torch.from_numpy(zeros).to(torch.bfloat16),
     )
+
+
+def gptq_codes(model: GgufModel, hf_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor on a symmetric 4-bit grid (SYMMETRIC_FOUR_BIT_GRIDS: Q4_0, w = d * (q - 8)) as GPTQ's uint4b8 at
+    group 32: (codes uint8 [N, K] in 0..15, scales float32 [N, K/32] = d), exact (kernels.ops.gptq.gptq_from_codes
+    packs them; the scale's rounding to bf16 is its only loss)."""
+    t = _tensor(model, hf_name, SYMMETRIC_FOUR_BIT_GRIDS, "gptq_codes")
+    codes, scales, zeros = _grid(t)
+    assert not zeros.any(), f"{hf_name}: a symmetric grid has no zero"
+    return torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scales)
 
 
 def int8_tensors(
