@@ -17,9 +17,10 @@ from edge.quantized_layers import LayerDecision
 from edge.shapes import ModelShape
 from edge.weight_paths import LAYOUTS, WEIGHT_PATHS, Layout, WeightPath
 
-# 6: a kind of weight split by format across its layers (layers[].indices, model.source_layers); 5: vllm.mode;
-# 4: export; 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
-SCHEMA_VERSION = "6"
+# 7: an int8 layer's scales per group (layers[].group, quantization_config.int8_group_size); 6: a kind of weight
+# split by format across its layers (layers[].indices, model.source_layers); 5: vllm.mode; 4: export;
+# 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
+SCHEMA_VERSION = "7"
 
 __all__ = ["LAYOUTS", "WEIGHT_PATHS", "Layout", "WeightPath"]  # the path types, from edge.weight_paths
 Priority = Literal["fidelity", "speed"]
