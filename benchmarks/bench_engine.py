@@ -11,7 +11,8 @@ measuring process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as llama-cpp-python runs; 
 processes (front end, engine core, worker: how `vllm serve` runs on CPU), which hand every decode step on.
 
 direct-tinygemm / direct-avx2 / direct-avx2-w4a8: the speed plan's direct checkpoint with quantization_config's
-decode_kernel set to tinygemm, the AVX2 int16-activation kernel or the int8-activation one (kernels/ops/avx2_int4.cpp).
+decode_kernel set to tinygemm, the AVX2 int16-activation kernel or the int8-activation one (kernels/ops/avx2_int4.cpp);
+direct-int8-channel: the same with its 8-bit set per channel (no int8_group_size), against `direct`'s per group.
 llama.cpp: benchmarks/llama_cpp_decode.py at the same thread count on the default model's Q4_1 GGUF (the source
 the default model is built from), measured as the engine is: decode after a 6-token prompt, a 512-token prefill,
 best of 2; it needs the separate llama-cpp-python venv that module names (skipped with the reason without it).
@@ -57,8 +58,12 @@ AOT_MARKERS = {
 }
 # bf16 with kernels/vllm_plugin/compile_cache.py's fix switched off: the same cache, so pass 2 compares warm starts.
 NOFIX = "bf16-nofix"
-# The direct checkpoint with each decode kernel (edge.kernel_registry.DECODE_KERNELS).
-DECODE_VARIANTS = {"direct-tinygemm": "tinygemm", "direct-avx2": "avx2", "direct-avx2-w4a8": "avx2-w4a8"}
+# The direct checkpoint with each decode kernel (edge.kernel_registry.DECODE_KERNELS), and with the 8-bit set per
+# channel instead of the plan's per group (int8_group_size, a GGUF-built model's): quantization_config edits, a
+# None value dropping the key (a tinygemm checkpoint names no decode_kernel).
+DECODE_VARIANTS = {"direct-tinygemm": {"decode_kernel": None}, "direct-avx2": {"decode_kernel": "avx2"},
+                   "direct-avx2-w4a8": {"decode_kernel": "avx2-w4a8"},
+                   "direct-int8-channel": {"int8_group_size": None}}  # fmt: skip
 LLAMA = "llama.cpp"
 # Any vLLM variant with this suffix: the same checkpoint, with the engine core and its worker in the LLM's own
 # process (VLLM_ENABLE_V1_MULTIPROCESSING=0), as llama-cpp-python runs; without it vLLM runs a front end, an
@@ -150,10 +155,9 @@ def prepare(models: list[str], variants: list[str] | None = None) -> dict[tuple[
             dst = CACHE / "bench" / f"{src.name}-{layout}"
             dirs[(name, layout)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
         direct = make_plan(device, shape, path="w4a16-tinygemm", layout="direct").quantization_config
-        for variant, kernel in ((v, k) for v, k in DECODE_VARIANTS.items() if wanted(v)):
-            qconfig = {key: value for key, value in direct.items() if key != "decode_kernel"}
-            if kernel != "tinygemm":
-                qconfig["decode_kernel"] = kernel
+        for variant, edits in ((v, e) for v, e in DECODE_VARIANTS.items() if wanted(v)):
+            qconfig = {key: value for key, value in direct.items() if key not in edits}
+            qconfig.update({key: value for key, value in edits.items() if value is not None})
             dst = CACHE / "bench" / f"{src.name}-{variant}"
             dirs[(name, variant)] = str(convert(src, dst, qconfig, path="w4a16-tinygemm", force=True))
         if name == "default" and wanted(LLAMA):
