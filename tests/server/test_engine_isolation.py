@@ -6,6 +6,7 @@ and binds --uds as vLLM does."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import signal
@@ -271,6 +272,19 @@ def connects_as(uid: int, path: Path) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 
 
+@contextlib.asynccontextmanager
+async def ready_standin(run_dir):
+    """A supervisor of the stand-in engine in `run_dir`, ready; stopped on the way out."""
+    supervisor = EngineSupervisor.for_plan(smollm2_plan(), MODEL_DIR, settings=fast_settings(run_dir=str(run_dir)),
+                                           executable=standin())  # fmt: skip
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        yield supervisor
+    finally:
+        await supervisor.stop()
+
+
 @pytest.mark.anyio
 async def test_the_engine_socket_is_not_reachable_by_other_users(world_passable_run_dir):
     """The socket lies in the run directory, which is this user's and 0700, and is itself 0600 (connecting needs
@@ -296,19 +310,13 @@ async def test_the_engine_socket_is_not_reachable_by_other_users(world_passable_
 async def test_another_user_cannot_connect_to_the_engine_socket(world_passable_run_dir):
     nobody = 65534
     run_dir = world_passable_run_dir
-    supervisor = EngineSupervisor.for_plan(smollm2_plan(), MODEL_DIR, settings=fast_settings(run_dir=str(run_dir)),
-                                           executable=standin())  # fmt: skip
-    await supervisor.start()
-    try:
-        assert await supervisor.wait_ready(30)
+    async with ready_standin(run_dir) as supervisor:
         path = supervisor.socket_path
         assert connects_as(nobody, path) == 13  # EACCES: the run directory is 0700
         run_dir.chmod(0o755)
         assert connects_as(nobody, path) == 13  # EACCES: the socket is 0600, even in an open directory
         path.chmod(0o666)
         assert connects_as(nobody, path) == 0  # the control: with both opened, that user does connect
-    finally:
-        await supervisor.stop()
 
 
 @pytest.mark.anyio
