@@ -117,7 +117,8 @@ def measure(rounds: int, rows: list[int], group: int, kernel_set: tuple[str, ...
         del runs
     return {
         "capability": torch.backends.cpu.get_cpu_capability(),
-        "avx2_kernel": reason or ("built, AVX-VNNI" if torch.ops.edge_avx2.uses_vnni() else "built, plain AVX2"),
+        "avx2_kernel": reason
+        or ("built, VNNI (AVX-VNNI or AVX512-VNNI)" if torch.ops.edge_avx2.uses_vnni() else "built, plain AVX2"),
         "read_bandwidth_gb_s": round(read_bandwidth_gb_s(llc, 1), 1),
         "llc_bytes": llc,
         "results": results,

@@ -6,8 +6,8 @@ the last row of each sequence (logits are computed for sampled positions only). 
 steps are batched: `batch` sequences share each step, so the request's share of a step is cost(M=batch) / batch.
 
 Each linear runs the kernel its format and the option say (edge.kernel_registry): int4 layers the path's own
-kernels (below the dequant threshold the decode kernel, from it the prefill kernel), int8 layers the int8 kernel,
-bf16 layers the bf16 GEMM. Times come from the record at the exact shape and M when measured; between measured M
+kernels (below the dequant threshold the decode kernel, from it the prefill kernel), int8 layers the int8 kernel
+(per group: the AVX2 one) below the threshold and a dequantize + bf16 GEMM from it, bf16 layers the bf16 GEMM. Times come from the record at the exact shape and M when measured; between measured M
 they are interpolated linearly; a shape the record lacks is scaled from the measured shape of nearest size by
 weight count (said so in the result). Pure: no torch, no I/O.
 """
@@ -24,6 +24,7 @@ from edge.kernel_registry import (
     DEFAULT_DECODE_KERNEL,
     FORMAT_KERNEL,
     PREFILL_KERNELS,
+    WIDE_BATCH_KERNEL,
     decode_rows,
     eight_bit_kernel,
     grouped_int8_kernel,
@@ -243,6 +244,8 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
                 if record.timed(name) is None:  # a record from before the kernel existed: no faster than tinygemm
                     substituted.add(f"{name} counted at {names[0]}'s times (not timed)")
                     name = names[0]
+        elif m >= dequant_threshold and record.timed(WIDE_BATCH_KERNEL.get(lin.format, "")) is not None:
+            name = WIDE_BATCH_KERNEL[lin.format]
         else:
             name = FORMAT_KERNEL[lin.format]
             eight_bit = eight_bit_kernel(decode_kernel, lin.k) if rows and lin.format == "int8" and m <= rows else name

@@ -153,6 +153,10 @@ KERNELS: dict[str, KernelSpec] = {
 # Which kernel runs a layer stored in this format when the path's own 4-bit kernel does not (edge.quantized_layers:
 # the 8-bit set is int8 per channel, layers kept in bf16 run the bf16 GEMM).
 FORMAT_KERNEL: dict[str, str] = {"int8": "int8", "bf16": "bf16"}
+# ... and for its batches from the dequant threshold, where the format's layers dequantize to bf16 and run the bf16
+# GEMM (kernels.ops.int4_ops.int8_linear_impl): timed as the int4 dequantize + bf16 kernel, the same GEMM after a
+# dequantize of the same [N, K] (PyTorch's int8 kernel, timed at every M, is never what runs there).
+WIDE_BATCH_KERNEL: dict[str, str] = {"int8": "dequant-bf16"}
 PREFILL_KERNELS: dict[str, str] = {"bfloat16": "dequant-bf16", "float32": "dequant-fp32"}  # by prefill_dtype
 
 

@@ -103,6 +103,25 @@ def test_direct_layout_switches_kernels_at_the_threshold_and_batches_share_a_ste
     assert sum(batched.kernels.values()) == pytest.approx(batched.ms)
 
 
+def test_an_int8_layer_dequantizes_a_prompt_and_a_per_group_one_decodes_on_the_avx2_kernel():
+    """kernels.ops.int4_ops.int8_linear_impl: from the dequant threshold an int8 layer dequantizes and runs bf16
+    (counted at the dequantize + bf16 kernel's times, not PyTorch's int8 kernel's scaled to 512 rows); below it a
+    per-group one runs the AVX2 int8 kernel, a per-channel one PyTorch's (with tinygemm decode)."""
+    record = _record({
+        "tinygemm": {(100, 256, 1): 0.2},
+        "dequant-bf16": {(100, 256, 512): 30.0},
+        "int8": {(100, 256, 1): 1.0},
+        "avx2-int8": {(100, 256, 1): 0.4},
+    })  # fmt: skip
+    for group, decode_kernel in ((None, "int8"), (32, "avx2-int8")):
+        linears = [EngineLinear("v_proj", 100, 256, 2, "int8", group)]
+        cost = request_cost(record, linears, "w4a16-tinygemm", "direct", dequant_threshold=128,
+                            prefill_dtype="bfloat16")  # fmt: skip
+        assert cost.prefill_ms == pytest.approx(2 * 30.0)
+        assert cost.decode_step_ms == pytest.approx(2 * (1.0 if group is None else 0.4)), decode_kernel
+        assert set(cost.kernels) == {"dequant-bf16", decode_kernel}
+
+
 def test_times_between_measured_rows_are_interpolated_and_other_shapes_scaled_by_weight_count():
     record = _record({"bf16": {(100, 200, 1): 1.0, (100, 200, 17): 9.0}})
     at_9 = request_cost(record, [EngineLinear("lm_head", 100, 200, 1, "bf16")], "bf16", None, batch=9,
