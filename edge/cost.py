@@ -7,9 +7,10 @@ steps are batched: `batch` sequences share each step, so the request's share of 
 
 Each linear runs the kernel its format and the option say (edge.kernel_registry): int4 layers the path's own
 kernels (below the dequant threshold the decode kernel, from it the prefill kernel), int8 layers the int8 kernel
-(per group: the AVX2 one) below the threshold and a dequantize + bf16 GEMM from it, bf16 layers the bf16 GEMM. Times come from the record at the exact shape and M when measured; between measured M
-they are interpolated linearly; a shape the record lacks is scaled from the measured shape of nearest size by
-weight count (said so in the result). Pure: no torch, no I/O.
+(per group: the AVX2 one) below the threshold and a dequantize + bf16 GEMM from it, bf16 layers the bf16 GEMM.
+Times come from the record at the exact shape and M when measured; between measured M they are interpolated
+linearly; a shape the record lacks is scaled from the measured shape of nearest size by weight count (said so in
+the result). Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
