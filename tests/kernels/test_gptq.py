@@ -379,6 +379,7 @@ def test_the_plan_for_an_amx_host_asks_for_the_plugins_cpu_w4a8_config():
     assert plan.path == "w4a8-gptq"
     from kernels.vllm_plugin.cpu_w4a8 import quantization_config
 
+    # the default model comes from a GGUF: its 8-bit set per group of 32, as the file's Q8_0 embedding
     expected = quantization_config(group_size=plan.group_size, dequant_threshold=plan.quantization_config[
-        "dequant_threshold"])  # fmt: skip
+        "dequant_threshold"], int8_group_size=32)  # fmt: skip
     assert plan.quantization_config == expected
