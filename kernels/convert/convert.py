@@ -449,7 +449,8 @@ def _write(
         "bytes_out": writer.bytes_written,
         "quantized": sorted(decisions.quantize),
         "int8": sorted(decisions.int8),
-        "codes_from_source": sorted(decisions.exact | decisions.int8_exact),
+        "codes_from_source": sorted(decisions.exact),  # 4-bit tensors whose codes the file gave
+        "int8_codes_from_source": sorted(decisions.int8_exact),  # 8-bit-set tensors whose codes the file gave
         "kept": dict(sorted(decisions.kept.items())),
         "dropped": dict(sorted(decisions.dropped.items())),
         "added": ["lm_head (quantized from the embedding; tie_word_embeddings set false)"]

@@ -131,6 +131,7 @@ def test_a_gguf_of_each_family_converts_to_what_transformers_reads_from_the_file
     linears = [t for t in architecture_shapes(arch, FAMILY_DIMS.get(arch, DIMS)) if t.startswith("blk.")
                and t.endswith(".weight") and "norm" not in t]  # fmt: skip
     assert len(summary["codes_from_source"]) == len(linears)  # every Q4_K linear keeps the file's codes
+    assert set(summary["int8"]) == set(summary["int8_codes_from_source"])  # the Q6_K embedding: its codes, per 16
     reference, ours = _reference(path), _ours(dst)
     errors = _relative_errors(reference, ours)
     # the copied codes: only the bf16 rounding of scale and zero; the int8 embedding and head from Q6_K: ~6e-3;
