@@ -245,7 +245,8 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
                 if record.timed(name) is None:  # a record from before the kernel existed: no faster than tinygemm
                     substituted.add(f"{name} counted at {names[0]}'s times (not timed)")
                     name = names[0]
-        elif m >= dequant_threshold and record.timed(WIDE_BATCH_KERNEL.get(lin.format, "")) is not None:
+        elif (m >= dequant_threshold and lin.format in WIDE_BATCH_KERNEL
+              and record.timed(WIDE_BATCH_KERNEL[lin.format]) is not None):  # fmt: skip
             name = WIDE_BATCH_KERNEL[lin.format]
         else:
             name = FORMAT_KERNEL[lin.format]
