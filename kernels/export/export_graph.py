@@ -38,18 +38,51 @@ from torch import nn
 from edge.export_plan import WEIGHT_BLOCK
 
 BLOCK_SIZE = WEIGHT_BLOCK  # 64: divides SmolLM2's K = 576 and 1536
-ACTIVATIONS = "float32 (float16 on a phone provider: not built or measured here)"
 OPSET = 17  # the TorchScript exporter's graph; converted to QDQ_OPSET when quantized
 QDQ_OPSET = 21  # DequantizeLinear with block_size
 ROPE_ROWS = 4096  # cos/sin rows in the graph: the bundle's longest sequence (prompt + generated)
 
 
-def rope_tables(head_dim: int, theta: float, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin float32 [rows, head_dim] as transformers' default RoPE builds them (halves, not interleaved)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # [hd/2]
-    angles = torch.outer(torch.arange(rows, dtype=torch.float64), inv_freq)  # [rows, hd/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [rows, hd]
-    return angles.cos().float(), angles.sin().float()
+# model_type -> the arithmetic that differs from Llama's (transformers' modeling_<family>.py):
+#   gemma   norms scale by (1 + w), embeddings are scaled by sqrt(hidden)
+#   others  Llama's; Qwen2 adds q/k/v biases, Qwen3 and Gemma 3 norm q and k per head, Gemma 2/3 add norms after
+#           attention and around the MLP, Gemma 2 soft-caps attention scores and logits, Mistral and the Gemmas
+#           window some or all layers; each is read off the source's own modules and config, not assumed per family
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+ACTIVATIONS = {"float32": torch.float32, "float16": torch.float16}
+
+
+def family_of(config: Any) -> str:
+    """The source's model_type, checked against what the exporter builds (FAMILIES)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r}: the exporter builds {', '.join(FAMILIES)}")
+    return model_type
+
+
+def rope_tables(hf_model: nn.Module, head_dim: int, rows: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+    """cos, sin float32 [rows, head_dim] from the source's own rotary embedding (so every RoPE type transformers
+    implements, llama3, linear, yarn, comes out as the source computes it), one pair per layer type where the
+    family keys its RoPE by layer type (Gemma 3: local and global bases); the key None where it does not."""
+    import inspect
+
+    rotary = hf_model.model.rotary_emb
+    rope = getattr(hf_model.config, "rope_parameters", None) or {}
+    kinds = {p.get("rope_type", "default") for p in (rope.values() if "rope_type" not in rope else [rope])
+             if isinstance(p, dict)}  # fmt: skip
+    if kinds & {"dynamic", "longrope"}:  # their tables change with the sequence's length
+        raise ValueError(f"rope_type {sorted(kinds & {'dynamic', 'longrope'})[0]!r}: the graph holds one fixed table")
+    x = torch.zeros(1, dtype=torch.float32)
+    positions = torch.arange(rows).view(1, rows)
+    with torch.no_grad():
+        if "layer_type" in inspect.signature(rotary.forward).parameters:
+            types = sorted(set(hf_model.config.layer_types))
+            tables = {t: rotary(x, positions, t) for t in types}
+        else:
+            tables = {None: rotary(x, positions)}
+    for cos, _ in tables.values():
+        assert cos.shape[-1] == head_dim, f"expected RoPE over the whole head ({head_dim}), got {cos.shape[-1]}"
+    return {t: (cos[0].float(), sin[0].float()) for t, (cos, sin) in tables.items()}
 
 
 def int8_blocks(weight: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,80 +95,147 @@ def int8_blocks(weight: torch.Tensor, block_size: int = BLOCK_SIZE) -> tuple[tor
 
 
 class Decoder(nn.Module):
-    """The exported forward: transformers' LlamaForCausalLM arithmetic, in float32, with the cache as tensors."""
+    """The exported forward: the source family's arithmetic (transformers' modeling code), with the cache as tensors.
 
-    def __init__(self, hf_model: nn.Module, rope_rows: int = ROPE_ROWS) -> None:
+    `dtype` is the activations' type: float32, or float16 as a phone's provider runs them. In float16 the linears,
+    attention and KV cache are float16; the residual stream, the norms' statistics, the softmax and the logits stay
+    float32 (as transformers upcasts norms and softmax, and llama.cpp keeps its residual in float32): Gemma's
+    residual outgrows float16's range, and these are a few percent of the work."""
+
+    def __init__(self, hf_model: nn.Module, rope_rows: int = ROPE_ROWS, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         c = hf_model.config
+        self.family = family_of(c)
+        self.dtype = dtype
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
-        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or getattr(c, "rope_theta", 10000.0)
-        scaling = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
-        assert scaling == "default", f"expected default RoPE, got {scaling}"
-        cos, sin = rope_tables(self.head_dim, theta, min(rope_rows, c.max_position_embeddings))
-        self.register_buffer("cos", cos)
-        self.register_buffer("sin", sin)
+        self.rope_rows = min(rope_rows, c.max_position_embeddings)
+        self.attn_softcap = getattr(c, "attn_logit_softcapping", None)
+        self.final_softcap = getattr(c, "final_logit_softcapping", None)
+        self.norm_offset = 1.0 if self.family.startswith("gemma") else 0.0
+        self.tables: list[str] = []
+        for kind, (cos, sin) in rope_tables(hf_model, self.head_dim, self.rope_rows).items():
+            suffix = "" if kind is None else f"_{kind}"
+            self.register_buffer(f"cos{suffix}", cos.to(dtype))
+            self.register_buffer(f"sin{suffix}", sin.to(dtype))
+            self.tables.append(suffix)
         base = hf_model.model
+        self.embed_scale = float(getattr(base.embed_tokens, "scalar_embed_scale", 1.0))
         codes, scales = int8_blocks(base.embed_tokens.weight.detach())
         self.register_buffer("embed_codes", codes)  # [V, K/b, b] int8
         self.register_buffer("embed_scales", scales)  # [V, K/b, 1] fp32
-        self.layers = nn.ModuleList(_Layer(layer) for layer in base.layers)
-        self.norm = _weight(base.norm.weight)
-        self.head = _weight(hf_model.lm_head.weight.t())  # [K, V]; its own initializer even when tied
+        self.layers = nn.ModuleList(_Layer(layer, self) for layer in base.layers)
+        self.norm = self.norm_weight(base.norm)
+        self.head = _weight(hf_model.lm_head.weight.t(), dtype)  # [K, V]; its own initializer even when tied
+
+    def norm_weight(self, norm: nn.Module) -> nn.Parameter:
+        return _weight(norm.weight + self.norm_offset, torch.float32)  # Gemma's (1 + w), added in float32
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor):
         rows = self.embed_codes[input_ids].float() * self.embed_scales[input_ids]  # [1, S, K/b, b]
-        x = rows.flatten(2)  # [1, S, K]
-        cos, sin = self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)  # [1, 1, S, hd]
+        x = rows.flatten(2)  # [1, S, K] float32: the residual stream
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        rope = {s: (getattr(self, f"cos{s}")[position_ids].unsqueeze(1), getattr(self, f"sin{s}")[position_ids]
+                    .unsqueeze(1)) for s in self.tables}  # [1, 1, S, hd] each  # fmt: skip
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            x, key, value = layer(x, cos, sin, past[2 * i], past[2 * i + 1], self)
+            x, key, value = layer(x, rope[layer.table], past[2 * i], past[2 * i + 1], self)
             presents += [key, value]
-        logits = torch.matmul(_rms(x, self.norm, self.eps), self.head)  # [1, S, V]
+        logits = torch.matmul(self.rms(x, self.norm), self.head).float()  # [1, S, V]
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return (logits, *presents)
+
+    def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm in float32 (x of any type), returned in the activations' type."""
+        x = x.float()
+        return (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(self.dtype)
+
+
+def _projections(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """name -> (weight [N, K], bias [N] or None) of each linear of a decoder layer, fused ones split."""
+    attn, mlp = layer.self_attn, layer.mlp
+    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for name, module in [("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+                         ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)]:  # fmt: skip
+        out[name] = (module.weight, module.bias)
+    return out
 
 
 class _Layer(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, d: Decoder) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = _weight(layer.input_layernorm.weight)
-        self.post_norm = _weight(layer.post_attention_layernorm.weight)
-        for name, linear in [("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
-                             ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)]:  # fmt: skip
-            assert linear.bias is None, f"expected linears without bias, got one in {name}"
-            setattr(self, name, _weight(linear.weight.t()))  # [K, N]
+        self.input_norm = d.norm_weight(layer.input_layernorm)
+        self.post_norm = d.norm_weight(layer.post_attention_layernorm)
+        # Gemma 2/3: post_attention_layernorm norms the attention's output; pre/post_feedforward_layernorm the MLP's
+        self.sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        if self.sandwich:
+            self.pre_ff_norm = d.norm_weight(layer.pre_feedforward_layernorm)
+            self.post_ff_norm = d.norm_weight(layer.post_feedforward_layernorm)
+        self.qk_norm = hasattr(attn, "q_norm")  # Qwen3, Gemma 3: per head, before RoPE
+        if self.qk_norm:
+            self.q_norm, self.k_norm = d.norm_weight(attn.q_norm), d.norm_weight(attn.k_norm)
+        self.scaling = float(attn.scaling)
+        window = getattr(attn, "sliding_window", None)
+        if d.family == "mistral":  # Mistral windows every layer by its config, not per attention module
+            window = getattr(layer.self_attn.config, "sliding_window", None)
+        self.window = window if window and window < d.rope_rows else None  # a window past the table never binds
+        kind = getattr(attn, "layer_type", None)
+        self.table = f"_{kind}" if f"_{kind}" in d.tables else ""
+        self.act = mlp.act_fn  # the source's activation module: SiLU, or GELU(tanh) for the Gemmas
+        self.biases: list[str] = []
+        for name, (weight, bias) in _projections(layer).items():
+            setattr(self, name, _weight(weight.t(), d.dtype))  # [K, N]
+            if bias is not None:
+                setattr(self, f"{name}_bias", _weight(bias, d.dtype))
+                self.biases.append(name)
 
-    def forward(self, x, cos, sin, past_key, past_value, d: Decoder):
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        y = torch.matmul(x, getattr(self, name))
+        return y + getattr(self, f"{name}_bias") if name in self.biases else y
+
+    def forward(self, x, rope, past_key, past_value, d: Decoder):
         s = x.shape[1]
-        h = _rms(x, self.input_norm, d.eps)
-        q = torch.matmul(h, self.q).view(1, s, d.heads, d.head_dim).transpose(1, 2)  # [1, H, S, hd]
-        k = torch.matmul(h, self.k).view(1, s, d.kv_heads, d.head_dim).transpose(1, 2)  # [1, KV, S, hd]
-        v = torch.matmul(h, self.v).view(1, s, d.kv_heads, d.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        cos, sin = rope
+        h = d.rms(x, self.input_norm)
+        q = self.linear(h, "q").view(1, s, d.heads, d.head_dim)
+        k = self.linear(h, "k").view(1, s, d.kv_heads, d.head_dim)
+        v = self.linear(h, "v").view(1, s, d.kv_heads, d.head_dim).transpose(1, 2)  # [1, KV, S, hd]
+        if self.qk_norm:
+            q, k = d.rms(q, self.q_norm), d.rms(k, self.k_norm)
+        q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)  # [1, H|KV, S, hd]
         key, value = torch.cat([past_key, k], dim=2), torch.cat([past_value, v], dim=2)  # [1, KV, T, hd]
-        x = x + torch.matmul(_attend(q, key, value, d), self.o)
-        h = _rms(x, self.post_norm, d.eps)
-        up = torch.nn.functional.silu(torch.matmul(h, self.gate)) * torch.matmul(h, self.up)
-        return x + torch.matmul(up, self.down), key, value
+        attended = self.linear(_attend(q, key, value, d, self), "o")
+        if self.sandwich:
+            attended = d.rms(attended, self.post_norm)
+        x = x + attended.float()
+        h = d.rms(x, self.pre_ff_norm if self.sandwich else self.post_norm)
+        mlp = self.linear(self.act(self.linear(h, "gate")) * self.linear(h, "up"), "down")
+        if self.sandwich:
+            mlp = d.rms(mlp, self.post_ff_norm)
+        return x + mlp.float(), key, value
 
 
-def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, d: Decoder) -> torch.Tensor:
-    """q [1, H, S, hd], key/value [1, KV, T, hd] -> [1, S, H * hd]; causal, the S queries are the last S of T."""
+def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, d: Decoder, layer: _Layer) -> torch.Tensor:
+    """q [1, H, S, hd], key/value [1, KV, T, hd] -> [1, S, H * hd]; causal (and windowed where the layer is), the S
+    queries are the last S of T; scores and softmax in float32."""
     s, t = q.shape[2], key.shape[2]
     group = d.heads // d.kv_heads
     q = q.reshape(1, d.kv_heads, group * s, d.head_dim)  # heads of one kv head side by side: no repeat of K/V
-    scores = torch.matmul(q, key.transpose(2, 3)) * d.head_dim**-0.5  # [1, KV, G*S, T]
+    scores = torch.matmul(q, key.transpose(2, 3)).float() * layer.scaling  # [1, KV, G*S, T]
+    if d.attn_softcap is not None:
+        scores = torch.tanh(scores / d.attn_softcap) * d.attn_softcap
     row = torch.arange(s).repeat(group).view(-1, 1) + (t - s)  # [G*S, 1] absolute position of each query
-    masked = torch.arange(t).view(1, -1) > row  # [G*S, T]
+    column = torch.arange(t).view(1, -1)
+    masked = column > row  # [G*S, T]
+    if layer.window is not None:  # transformers' sliding window: a query sees keys kv > q - window
+        masked = masked | (column <= row - layer.window)
     scores = scores.masked_fill(masked, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [1, KV, G*S, hd]
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(d.dtype), value)  # [1, KV, G*S, hd]
     return out.reshape(1, d.heads, s, d.head_dim).transpose(1, 2).reshape(1, s, d.heads * d.head_dim)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,8 +244,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def _weight(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor.detach().float().contiguous(), requires_grad=False)
+def _weight(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(tensor.detach().to(dtype).contiguous(), requires_grad=False)
 
 
 def io_names(layers: int) -> tuple[list[str], list[str]]:
@@ -154,21 +254,26 @@ def io_names(layers: int) -> tuple[list[str], list[str]]:
     return ["input_ids", "position_ids", *past], ["logits", *present]
 
 
-def export_float(hf_model: nn.Module, out: Path) -> dict[str, Any]:
-    """Export the float32 graph to `out` (one .onnx file); returns what the manifest records of it."""
-    decoder = Decoder(hf_model).eval()
+def export_float(hf_model: nn.Module, out: Path, activations: str = "float32") -> dict[str, Any]:
+    """Export the graph with float weights (float32 source weights; activations and linears in `activations`) to
+    `out` (one .onnx file); returns what the manifest and genai_config.json record of it."""
+    dtype = ACTIVATIONS[activations]
+    decoder = Decoder(hf_model, dtype=dtype).eval()
     layers = len(decoder.layers)
     inputs, outputs = io_names(layers)
     ids = torch.zeros(1, 3, dtype=torch.int64)
     positions = torch.arange(3).view(1, 3)
-    past = [torch.zeros(1, decoder.kv_heads, 2, decoder.head_dim) for _ in range(2 * layers)]
+    past = [torch.zeros(1, decoder.kv_heads, 2, decoder.head_dim, dtype=dtype) for _ in range(2 * layers)]
     axes = {"input_ids": {1: "sequence"}, "position_ids": {1: "sequence"}, "logits": {1: "sequence"}}
     axes |= {name: {2: "past"} for name in inputs[2:]} | {name: {2: "total"} for name in outputs[1:]}
     with torch.inference_mode():
         torch.onnx.export(decoder, (ids, positions, *past), str(out), input_names=inputs, output_names=outputs,
                           dynamic_axes=axes, opset_version=OPSET, dynamo=False, do_constant_folding=True)  # fmt: skip
-    return {"layers": layers, "kv_heads": decoder.kv_heads, "head_dim": decoder.head_dim,
-            "rope_rows": decoder.cos.shape[0]}  # fmt: skip
+    c = hf_model.config
+    return {"family": decoder.family, "model_type": decoder.family, "layers": layers, "heads": decoder.heads,
+            "kv_heads": decoder.kv_heads, "head_dim": decoder.head_dim, "hidden": c.hidden_size,
+            "vocab": c.vocab_size, "rope_rows": decoder.rope_rows, "activations": activations,
+            "windowed_layers": sum(layer.window is not None for layer in decoder.layers)}  # fmt: skip
 
 
 def quantize_qdq(src: Path, dst: Path, block_size: int = BLOCK_SIZE) -> int:
@@ -187,15 +292,18 @@ def quantize_qdq(src: Path, dst: Path, block_size: int = BLOCK_SIZE) -> int:
         if node.op_type != "MatMul" or node.input[1] not in weights:
             continue
         name = node.input[1]
-        w = numpy_helper.to_array(weights[name]).astype(np.float32)  # [K, N]
+        w = numpy_helper.to_array(weights[name])  # [K, N] in the activations' type
+        dtype, w = w.dtype, w.astype(np.float32)
         k, n = w.shape
         assert k % block_size == 0, f"expected K divisible by {block_size}, got {k} in {name}"
         blocks = w.reshape(k // block_size, block_size, n)  # [K/b, b, N]
-        scale = np.maximum(np.abs(blocks).max(axis=1), 1e-12) / 127  # [K/b, N]
-        codes = np.clip(np.round(blocks / scale[:, None, :]), -127, 127).astype(np.int8).reshape(k, n)  # [K, N]
+        scale = (np.maximum(np.abs(blocks).max(axis=1), 1e-12) / 127).astype(dtype)  # [K/b, N], the output's type
+        # codes against the stored (float16-rounded, where the graph is float16) scale
+        codes = np.clip(np.round(blocks / scale[:, None, :].astype(np.float32)), -127, 127)
+        codes = codes.astype(np.int8).reshape(k, n)  # [K, N]
         graph.initializer.remove(weights.pop(name))
         graph.initializer.extend([numpy_helper.from_array(codes, f"{name}_int8"),
-                                  numpy_helper.from_array(scale.astype(np.float32), f"{name}_scale"),
+                                  numpy_helper.from_array(scale, f"{name}_scale"),
                                   numpy_helper.from_array(np.zeros_like(scale, np.int8), f"{name}_zero")])  # fmt: skip
         inputs = [f"{name}_int8", f"{name}_scale", f"{name}_zero"]
         dq = helper.make_node("DequantizeLinear", inputs, [f"{name}_dq"], axis=0, block_size=block_size)

@@ -5,6 +5,7 @@ source.
                 summarized by kernels.scoring.quality_metrics) with the graph's logits as the candidate and the source
                 as reference
     greedy      greedy continuations of the slow tests' prompts, graph (with its KV cache) vs source
+    genai       the same continuations through onnxruntime_genai's tokenizer and generator, vs the graph's
     speed       prefill and decode tokens/s of the graph here: a sanity figure for this x86 host, not a phone's
 """
 
@@ -38,23 +39,27 @@ NEW_TOKENS = 16
 class GraphModel:
     """The graph behind the call edge-eval makes of a model: model(input_ids=, use_cache=, logits_to_keep=)."""
 
-    def __init__(self, graph: Path, threads: int | None = None) -> None:
+    def __init__(self, graph: Path, threads: int | None = None, session_config: dict[str, str] | None = None) -> None:
         import onnxruntime as ort
+
+        from kernels.export.genai import SESSION_CONFIG
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or os.cpu_count() or 1
-        # Fold each weight's DequantizeLinear into a float32 initializer at load: the CPU provider has no w8a16
-        # GEMM, and an unfolded DequantizeLinear re-expands every weight on every step.
-        options.add_session_config_entry("session.disable_quant_qdq", "1")
+        # The bundle's own session options (genai_config.json carries them to an app): the weights' DequantizeLinear
+        # folded into float initializers at load, so the linears run with float activations
+        for key, value in (SESSION_CONFIG if session_config is None else session_config).items():
+            options.add_session_config_entry(key, value)
         self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         pasts = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
         self.past_names = [i.name for i in pasts]
         self.kv_heads, self.head_dim = pasts[0].shape[1], pasts[0].shape[3]
+        self.kv_dtype = np.float16 if pasts[0].type == "tensor(float16)" else np.float32
 
     def run(self, ids: np.ndarray, start: int, past: list[np.ndarray] | None) -> tuple[np.ndarray, list[np.ndarray]]:
         """ids int64 [1, S] at positions start.. -> (logits float32 [1, S, V], presents)."""
         if past is None:
-            past = [np.zeros((1, self.kv_heads, 0, self.head_dim), np.float32)] * len(self.past_names)
+            past = [np.zeros((1, self.kv_heads, 0, self.head_dim), self.kv_dtype)] * len(self.past_names)
         positions = np.arange(start, start + ids.shape[1], dtype=np.int64)[None]
         feeds = {"input_ids": ids, "position_ids": positions, **dict(zip(self.past_names, past, strict=True))}
         logits, *presents = self.session.run(None, feeds)
@@ -75,7 +80,7 @@ class GraphModel:
 
 
 def quality(source_dir: Path, graph: Path, tokens: int, chunk_len: int, threads: int | None = None,
-            reference: str = "float32") -> dict[str, Any]:
+            reference: str = "float32", session_config: dict[str, str] | None = None) -> dict[str, Any]:
     """edge-eval's metrics of the graph against the source on the default text. The reference runs the source's
     bf16 weights in `reference` arithmetic: float32 by default, the graph's own, so the numbers are the 8-bit
     weights' loss alone; "bfloat16" is edge-eval's reference (bf16 rounding of every activation adds its own)."""
@@ -92,7 +97,7 @@ def quality(source_dir: Path, graph: Path, tokens: int, chunk_len: int, threads:
     windows = eval_text.make_windows(ids, tokens, chunk_len, bos, text=body.path.name)  # [C, L+1]
     start = time.monotonic()
     source = load_source(source_dir).to(getattr(torch, reference))
-    stats = score(source, GraphModel(graph, threads), windows, progress=False)
+    stats = score(source, GraphModel(graph, threads, session_config), windows, progress=False)
     return {"reference": f"source weights in {reference} arithmetic (transformers, torch CPU)",
             "text": body.describe(), "chunk_len": chunk_len, "chunks": windows.shape[0], "metrics": summarize(stats),
             "wall_s": round(time.monotonic() - start, 1)}  # fmt: skip
@@ -115,7 +120,7 @@ def greedy(source_dir: Path, graph: Path, threads: int | None = None, reference:
         got = model.generate(ids, NEW_TOKENS)
         prefix = next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), NEW_TOKENS)
         rows.append({"prompt": prompt, "source": tokenizer.decode(ref), "graph": tokenizer.decode(got),
-                     "matching_prefix": prefix})  # fmt: skip
+                     "matching_prefix": prefix, "prompt_ids": ids, "graph_ids": got})  # fmt: skip
     return {
         "reference": f"source weights in {reference} arithmetic",
         "new_tokens": NEW_TOKENS,
@@ -125,9 +130,27 @@ def greedy(source_dir: Path, graph: Path, threads: int | None = None, reference:
     }
 
 
-def speed(graph: Path, threads: int | None = None, prompt_len: int = 256, new_tokens: int = 64) -> dict[str, Any]:
+def genai_greedy(bundle: Path, greedy_result: dict[str, Any]) -> dict[str, Any]:
+    """The prompts of `greedy_result` (greedy()'s) through onnxruntime_genai (kernels/export/genai.py): its tokenizer
+    must give the prompt ids transformers' gave, and its generator, on its own KV cache, the graph's continuation."""
+    from kernels.export import genai
+
+    rows = greedy_result["prompts"]
+    got = genai.generate(bundle, [r["prompt"] for r in rows], greedy_result["new_tokens"])
+    out = [{"prompt": r["prompt"], "text": g["text"], "same_prompt_ids": g["prompt_ids"] == r["prompt_ids"],
+            "equal_to_graph": g["ids"] == r["graph_ids"]} for r, g in zip(rows, got, strict=True)]  # fmt: skip
+    return {
+        "runtime": "onnxruntime_genai Model/Tokenizer/Generator, greedy",
+        "tokenizer_agrees": sum(r["same_prompt_ids"] for r in out) / len(out),
+        "equal_to_graph": sum(r["equal_to_graph"] for r in out) / len(out),
+        "prompts": out,
+    }
+
+
+def speed(graph: Path, threads: int | None = None, prompt_len: int = 256, new_tokens: int = 64,
+          session_config: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Tokens/s of one prefill of `prompt_len` tokens and of `new_tokens` single-token steps on its cache."""
-    model = GraphModel(graph, threads)
+    model = GraphModel(graph, threads, session_config)
     ids = np.arange(100, 100 + prompt_len, dtype=np.int64)[None]
     model.run(ids[:, :8], 0, None)  # warm-up
     start = time.perf_counter()
