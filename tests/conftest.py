@@ -39,6 +39,8 @@ CORE_SLOW = {
         "edge-export: the ONNX bundle built and scored in ONNX Runtime",
     "tests/kernels/test_export_slow.py::test_the_bundle_loads_and_generates_like_the_source":
         "edge-export: the bundle generates like its source",
+    "tests/kernels/test_export_slow.py::test_onnxruntime_genai_loads_the_bundle_and_answers_paris":
+        "edge-export: ONNX Runtime GenAI (the phone apps' loader) opens the bundle and answers Paris",
     "tests/server/test_calibrations_postgres.py": "the calibration store on a real PostgreSQL server",
     "tests/kernels/test_default_model.py::test_the_built_model_answers_paris":
         "edge-model: the embedded default model built from its GGUF",

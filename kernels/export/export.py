@@ -7,8 +7,9 @@ to bf16 by edge-convert first, into the cache's converted/), a repo id in the lo
 (`edge-model default`). OUT becomes a bundle for ONNX Runtime (edge/export_plan.py says why that runtime):
 
     model.onnx              the decoder with its KV cache as inputs/outputs (kernels/export/export_graph.py): weights
-                            int8, one scale per 64 inputs of each output channel (QDQ); activations float32, or
-                            float16 with --activations float16 (what a phone's provider runs)
+                            int8, one scale per 64 inputs of each output channel (QDQ); activations float16 (what
+                            a phone's provider runs: the plan's) or float32 (--activations; the default without a
+                            plan)
     genai_config.json       what ONNX Runtime GenAI (the phone apps' loader) needs to open the bundle with its
                             Model/Tokenizer/Generator API (kernels/export/genai.py)
     tokenizer.json, tokenizer_config.json, chat_template.jinja, special_tokens_map.json (those MODEL has)
@@ -136,14 +137,18 @@ def up_to_date(out: Path, sha: dict[str, str], wanted: dict[str, Any]) -> tuple[
 
 
 def export(model: str | Path, out: Path, plan: Any = None, *, verify: bool = True, tokens: int = DEFAULT_TOKENS,
-           force: bool = False, threads: int | None = None, activations: str = "float32",
+           force: bool = False, threads: int | None = None, activations: str | None = None,
            log=None) -> Path:  # fmt: skip
-    """Build the bundle for MODEL at OUT (module docstring); returns OUT. Bad input raises InputError first."""
+    """Build the bundle for MODEL at OUT (module docstring); returns OUT. Bad input raises InputError first.
+    `activations` defaults to what the plan's export section names (float16: a phone provider's), else float32."""
     log = log or (lambda message: print(message, file=sys.stderr))
     if plan is not None and plan.path != "export-only":
         raise InputError("--plan path", plan.path, "an export-only plan (edge-select --device <a phone>)")
+    field = "--activations"
+    if activations is None:
+        field, activations = "--plan export.activations", plan.export.activations if plan and plan.export else "float32"
     if activations not in ACTIVATIONS:
-        raise InputError("--activations", activations, f"one of {', '.join(ACTIVATIONS)}")
+        raise InputError(field, activations, f"one of {', '.join(ACTIVATIONS)}")
     from kernels.scoring.eval_text import check_request
 
     if verify:
@@ -217,6 +222,8 @@ def _build(src: Path, tmp: Path, plan: Any, threads: int | None, log, verify: bo
 
 
 def _verify(src: Path, bundle: Path, tokens: int, threads: int | None, log) -> dict[str, Any]:
+    import numpy as np
+
     from kernels.export import export_verify
 
     graph = bundle / GRAPH
@@ -233,7 +240,10 @@ def _verify(src: Path, bundle: Path, tokens: int, threads: int | None, log) -> d
         f"greedy {greedy['exact']:.0%} of prompts exact over {greedy['new_tokens']} tokens; onnxruntime-genai "
         f"{through_genai['equal_to_graph']:.0%} equal to the graph's; "
         f"{speed['prefill_tok_s']} prefill / {speed['decode_tok_s']} decode tok/s here ({speed['threads']} threads)")
-    return {"quality": quality, "greedy": greedy, "onnxruntime_genai": through_genai, "speed": speed, "cpu": _cpu()}
+    body = {"quality": quality, "greedy": greedy, "onnxruntime_genai": through_genai, "speed": speed, "cpu": _cpu()}
+    if export_verify.GraphModel(graph, 1).kv_dtype == np.float16:
+        body["cpu_provider_float32_ops"] = export_verify.float16_fallbacks(graph)
+    return body
 
 
 def _cpu() -> str | None:
@@ -258,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-verify", action="store_true", help="skip the quality, greedy and speed checks")
     parser.add_argument("--threads", type=int, help="torch and ONNX Runtime threads (default: all cores)")
     parser.add_argument("--force", action="store_true", help="replace an OUT holding another export")
-    parser.add_argument("--activations", default="float32",
-                        help="the graph's activations: float32 (default) or float16 (a phone provider's)")
+    parser.add_argument("--activations", help="the graph's activations: float32 or float16 (a phone provider's); "
+                        "default: what --plan names (float16), else float32")
     args = parser.parse_args(argv)
     try:
         plan = load_plan(args.plan) if args.plan else None

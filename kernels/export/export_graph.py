@@ -297,7 +297,9 @@ def quantize_qdq(src: Path, dst: Path, block_size: int = BLOCK_SIZE) -> int:
         k, n = w.shape
         assert k % block_size == 0, f"expected K divisible by {block_size}, got {k} in {name}"
         blocks = w.reshape(k // block_size, block_size, n)  # [K/b, b, N]
-        scale = (np.maximum(np.abs(blocks).max(axis=1), 1e-12) / 127).astype(dtype)  # [K/b, N], the output's type
+        # [K/b, N] in the output's type; an all-zero block (a padding row of a tied head) gets the type's smallest
+        # normal, not a scale that underflows to 0 in float16
+        scale = np.maximum(np.abs(blocks).max(axis=1) / 127, np.finfo(dtype).tiny).astype(dtype)
         # codes against the stored (float16-rounded, where the graph is float16) scale
         codes = np.clip(np.round(blocks / scale[:, None, :].astype(np.float32)), -127, 127)
         codes = codes.astype(np.int8).reshape(k, n)  # [K, N]

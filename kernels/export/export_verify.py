@@ -147,6 +147,31 @@ def genai_greedy(bundle: Path, greedy_result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def float16_fallbacks(graph: Path) -> list[str]:
+    """The op types ONNX Runtime's CPU provider runs in float32 in a float16 graph: those it has no float16 kernel
+    for, around which its InsertCastTransformer inserts Casts (read off the optimized graph). Such ops compute in
+    float32 on float16-rounded inputs and round their outputs back: float16 storage, float32 arithmetic."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    from kernels.export.genai import SESSION_CONFIG
+
+    with tempfile.TemporaryDirectory(prefix="edge-export-fp16-") as tmp:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.log_severity_level = 3
+        for key, value in SESSION_CONFIG.items():
+            options.add_session_config_entry(key, value)
+        ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        nodes = onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node
+    to_float = {n.output[0] for n in nodes if n.op_type == "Cast" and n.name.startswith("InsertedPrecisionFreeCast")
+                and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in n.attribute)}  # fmt: skip
+    return sorted({n.op_type for n in nodes if n.op_type != "Cast" and to_float.intersection(n.input)})
+
+
 def speed(graph: Path, threads: int | None = None, prompt_len: int = 256, new_tokens: int = 64,
           session_config: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """Tokens/s of one prefill of `prompt_len` tokens and of `new_tokens` single-token steps on its cache."""

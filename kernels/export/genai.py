@@ -76,6 +76,7 @@ def genai_config(src: Path, graph: str, shape: dict[str, Any], context_length: i
     }  # fmt: skip
     model = {"type": TYPES[shape["model_type"]], "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
              "context_length": context_length, "vocab_size": shape["vocab"], "decoder": decoder}  # fmt: skip
+    model = {key: value for key, value in model.items() if value is not None}  # the runtime reads no nulls
     return {"model": model, "search": dict(sorted(search.items()))}
 
 

@@ -135,3 +135,161 @@ def test_export_names_a_model_it_cannot_read():
 
     with pytest.raises(InputError, match="MODEL"):
         resolve_model("/nonexistent/model")
+
+
+# --- every family the planner serves, on tiny random checkpoints written by transformers itself ---------------------
+
+COMMON = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+# Windows of 5 on 14-token prompts bind, so the graph's window masks are checked, not just present.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 48, "tie_word_embeddings": False}),  # q/k norms
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 32}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 32, "sliding_window": 5, "query_pre_attn_scalar": 24,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),  # fmt: skip
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 32, "sliding_window": 5,
+                    "query_pre_attn_scalar": 24, "rope_local_base_freq": 10000.0,
+                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),  # fmt: skip
+}
+
+
+def family_checkpoint(directory: Path, family: str) -> Path:
+    """A tiny random checkpoint of `family` (bf16 safetensors + config.json) saved by transformers; norms and biases
+    random too, so Gemma's (1 + w) and Qwen2's biases change the logits."""
+    import transformers
+
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**COMMON, **extra))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                parameter.normal_(0, 0.3)
+    model.to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, family_checkpoint(tmp_path_factory.mktemp(request.param) / request.param, request.param)
+
+
+@pytest.mark.parametrize("activations", ["float32", "float16"])
+def test_each_familys_graph_computes_what_transformers_computes(family, activations, tmp_path):
+    """The float graph (before its linears go to 8 bits) against transformers' own forward on the same weights,
+    the embedding rounded as the graph holds it: float32 agrees to rounding, float16 to float16's."""
+    from kernels.export import export_graph
+    from kernels.scoring.eval_model import load_source
+
+    name, directory = family
+    source = load_source(directory).float()
+    with torch.no_grad():
+        codes, scales = export_graph.int8_blocks(source.model.embed_tokens.weight)
+        source.model.embed_tokens.weight.copy_((codes.float() * scales).flatten(1))
+    ids = torch.randint(0, 512, (1, 14), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = source(input_ids=ids, use_cache=False).logits[0]
+    shape = export_graph.export_float(source, tmp_path / "float.onnx", activations)
+    assert shape["family"] == name and shape["activations"] == activations
+    windowed = sum(t == "sliding_attention" for t in FAMILIES[name][2].get("layer_types", []))
+    assert shape["windowed_layers"] == (3 if name == "mistral" else windowed)
+    got = torch.from_numpy(GraphModel(tmp_path / "float.onnx", 1, session_config={}).run(ids.numpy(), 0, None)[0][0])
+    error = float((got - expected).norm() / expected.norm())
+    assert error < (1e-4 if activations == "float32" else 3e-3), error  # measured <= 3.5e-5 and <= 8.3e-4
+
+
+def test_each_familys_bundle_decodes_on_its_cache_as_it_prefills(family, tmp_path):
+    name, directory = family
+    out = export(directory, tmp_path / "bundle", verify=False, activations="float16", log=lambda message: None)
+    manifest, problem = read_manifest(out, MANIFEST, deep=True)
+    assert problem is None and manifest["graph"]["family"] == name and manifest["graph"]["activations"] == "float16"
+    model = GraphModel(out / GRAPH, threads=1)
+    ids = np.random.default_rng(2).integers(0, 512, (1, 12))
+    full, _ = model.run(ids, 0, None)
+    _, past = model.run(ids[:, :8], 0, None)
+    for i in range(8, 12):  # past the window of 5: the cache's old positions must be masked, not dropped
+        step, past = model.run(ids[:, i : i + 1], i, past)
+        np.testing.assert_allclose(step[0, 0], full[0, i], atol=2e-2, rtol=0)
+    genai_config = json.loads((out / "genai_config.json").read_text())
+    assert genai_config["model"]["type"] == name and genai_config["model"]["decoder"]["num_hidden_layers"] == 3
+    assert genai_greedy(out, [5, 17, 99, 3], 6) == model.generate([5, 17, 99, 3], 6)  # ONNX Runtime GenAI takes it
+
+
+def genai_greedy(bundle: Path, prompt: list[int], new_tokens: int) -> list[int]:
+    """onnxruntime_genai's own Model and Generator fed ids (a tiny bundle has no tokenizer files)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(bundle))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + new_tokens,
+                              min_length=len(prompt) + new_tokens)  # fmt: skip
+    generator = og.Generator(model, params)
+    generator.append_tokens([prompt])
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
+
+
+def test_a_family_the_exporter_does_not_build_is_named(tmp_path):
+    directory = tmp_path / "phi"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}))
+    with pytest.raises(InputError, match="model_type.*phi3"):
+        export(directory, tmp_path / "out", verify=False)
+
+
+def test_bad_activations_are_named(tiny, tmp_path):
+    with pytest.raises(InputError, match="--activations.*bfloat16"):
+        export(tiny, tmp_path / "out", verify=False, activations="bfloat16")
+
+
+def test_genai_config_names_the_graphs_inputs_outputs_and_cache(bundle):
+    """genai_config.json against the graph itself: every name it gives is an input or output of model.onnx, the
+    cache's shape is the graph's, and the session options are the ones the verification ran with."""
+    from kernels.export.genai import SESSION_CONFIG
+
+    config = json.loads((bundle / "genai_config.json").read_text())
+    decoder = config["model"]["decoder"]
+    session = GraphModel(bundle / decoder["filename"], threads=1).session
+    inputs, outputs = {i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()}
+    layers = decoder["num_hidden_layers"]
+    names = decoder["inputs"]
+    assert {names["input_ids"], names["position_ids"]} <= inputs and decoder["outputs"]["logits"] in outputs
+    for i in range(layers):
+        assert {names["past_key_names"] % i, names["past_value_names"] % i} <= inputs
+        assert {decoder["outputs"]["present_key_names"] % i, decoder["outputs"]["present_value_names"] % i} <= outputs
+    past = next(i for i in session.get_inputs() if i.name == names["past_key_names"] % 0)
+    assert (decoder["num_key_value_heads"], decoder["head_size"]) == (past.shape[1], past.shape[3])
+    assert layers == TINY.layers and config["model"]["vocab_size"] == TINY.vocab
+    assert SESSION_CONFIG.items() <= decoder["session_options"].items()
+    assert config["search"]["past_present_share_buffer"] is False  # the graph concatenates its cache
+    assert config["search"]["max_length"] == config["model"]["context_length"] <= TINY.max_position_embeddings
+
+
+def test_onnxruntime_genai_loads_the_bundle_and_generates_what_the_graph_does(bundle):
+    """onnxruntime_genai's own Model and Generator on the tiny bundle (its Tokenizer needs tokenizer files, which
+    the tiny model lacks: the GGUF test and the slow test cover it), fed ids: its greedy tokens are the graph's."""
+    assert genai_greedy(bundle, [5, 17, 99, 3], 6) == GraphModel(bundle / GRAPH, threads=1).generate([5, 17, 99, 3], 6)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_gguf_of_another_family_exports_and_onnxruntime_genai_runs_it(arch, tmp_path, monkeypatch):
+    """A user's GGUF of Qwen3 or Gemma 3 (a tiny one, with the default model's tokenizer inside): edge-export
+    dequantizes it, builds the family's graph and genai_config.json, and onnxruntime_genai's own tokenizer and
+    generator produce the graph's greedy tokens from a text prompt."""
+    from kernels.export import genai
+    from kernels.source.default_model import source_gguf
+    from tests.kernels.test_convert_gguf import tiny_gguf
+
+    monkeypatch.setenv("EDGE_SELECT_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tiny_gguf(tmp_path / "src", arch, source_gguf())
+    out = export(gguf, tmp_path / "bundle", verify=False, log=lambda message: None)
+    manifest, problem = read_manifest(out, MANIFEST, deep=True)
+    family = {"qwen3": "qwen3", "gemma3": "gemma3_text"}[arch]
+    assert problem is None and manifest["graph"]["family"] == family
+    assert {"genai_config.json", "tokenizer.json"} <= set(manifest["files"])
+    [row] = genai.generate(out, ["The capital of France is"], 5)
+    assert row["ids"] == GraphModel(out / GRAPH, threads=1).generate(row["prompt_ids"], 5)

@@ -62,3 +62,16 @@ def test_the_bundle_loads_and_generates_like_the_source(phone_bundle):
     text = tokenizer.decode(GraphModel(out / "model.onnx").generate(ids, 4))
     assert text.startswith(" Paris")
     assert manifest["verification"]["greedy"]["first_token"] >= 0.9  # measured 1.0 (10 prompts)
+
+
+def test_onnxruntime_genai_loads_the_bundle_and_answers_paris(phone_bundle):
+    """The bundle as a phone app opens it: onnxruntime_genai's Model reads genai_config.json, its Tokenizer the
+    bundle's tokenizer files, its Generator decodes greedily on its own KV cache."""
+    from kernels.export import genai
+
+    out, manifest = phone_bundle
+    [row] = genai.generate(out, ["The capital of France is"], 4)
+    assert row["text"].startswith(" Paris"), row
+    through = manifest["verification"]["onnxruntime_genai"]
+    assert through["tokenizer_agrees"] == 1.0  # its tokenizer gives transformers' prompt ids on every prompt
+    assert through["equal_to_graph"] >= 0.9  # its generator gives the graph's own tokens (measured 1.0)
