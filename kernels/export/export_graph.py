@@ -1,11 +1,12 @@
-"""A Llama decoder as an ONNX graph with an explicit KV cache, its weights at 8 bits (kernels/export/export.py uses it).
+"""A decoder (Llama, Mistral, Qwen2/3, Gemma 1/2/3: FAMILIES) as an ONNX graph with an explicit KV cache, its weights
+at 8 bits (kernels/export/export.py uses it).
 
-The graph, for batch 1 (no padding mask: one sequence per session run):
+The graph, for batch 1 (no padding mask: one sequence per session run), A the activations' type (float32 or float16):
 
     inputs   input_ids int64 [1, S], position_ids int64 [1, S],
-             past_key_values.{i}.key / .value float32 [1, kv_heads, P, head_dim] for each layer i (P may be 0)
+             past_key_values.{i}.key / .value A [1, kv_heads, P, head_dim] for each layer i (P may be 0)
     outputs  logits float32 [1, S, vocab],
-             present.{i}.key / .value float32 [1, kv_heads, P + S, head_dim]
+             present.{i}.key / .value A [1, kv_heads, P + S, head_dim]
 
 The names are those ONNX Runtime GenAI's decoder uses. A prompt is one run with P = 0; each generated token is a
 run with S = 1 and the previous run's presents as pasts. Attention is plain MatMul/Softmax and the weights are
@@ -16,15 +17,17 @@ scales (opset 21 block_size) rather than per-channel ones; no phone or NPU was a
 Weights: every linear (q/k/v/o, gate/up/down, the head) is exported in float32 with its weight stored [K, N] (so
 the MatMul's B is an initializer), then rewritten as DequantizeLinear(int8, opset 21 blocked) -> MatMul: 8 bits,
 symmetric, one scale per BLOCK_SIZE inputs of each output channel. The embedding table is int8 the same way (one
-scale per block of each row), gathered and scaled in the graph. Norms and the RoPE tables stay float32.
-Activations are float32 in the graph (ONNX Runtime's CPU provider runs them so); the reference study's w8a16 means
-a phone provider running them in float16, which is not built or measured here.
+scale per block of each row), gathered and scaled in the graph. Norms stay float32, the RoPE tables are in A.
+In float16 (the plan's w8a16: what a phone provider runs) the linears, attention and cache are float16 and the
+residual, norms' statistics, softmax and logits float32 (Decoder's docstring).
 
 Why per block and not per output channel: on the default model (2048 tokens of the eval text, float32 reference)
 per-channel int8 gave mean KLD 0.0039 and top-1 95.6 %; blocks of 64 gave 0.0018 and 97.2 % (2026-11-30, AMD EPYC
-AVX-512 host). Why QDQ and not ONNX Runtime's MatMulNBits bits=8: same quality (0.0016, 97.5 %), but the CPU
-provider here ran it at 1.7 decode tok/s with accuracy_level unset (float activations; its fast path wants int8
-activations, which the reference study found breaks phones), and QNN takes QDQ.
+AVX-512 host). Why QDQ and not ONNX Runtime's MatMulNBits bits=8: with float activations (accuracy level 0) the
+same quality, but the CPU provider here ran it at 4-5 decode tok/s; at its default level 4 it makes the activations
+int8 (KLD 0.0068, top-1 95.1 %: docs/reports/2026-12-02-phone-bundle.md), and QNN takes QDQ. ONNX Runtime fuses
+this graph's QDQ into that MatMulNBits by default too, so the bundle's session options turn that off
+(kernels/export/genai.py SESSION_CONFIG).
 """
 
 from __future__ import annotations
