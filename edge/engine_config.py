@@ -142,8 +142,10 @@ DEFAULT_SERVING_MODE: ServingMode = "two-process"
 # OMP_PROC_BIND/OMP_PLACES in that process's environment, all cores less the reserved ones). An engine core running
 # the worker itself inherits the API server's environment, so the plan sets its thread count (OMP_NUM_THREADS)
 # and no binding: OMP_PROC_BIND there would pin the API server's thread to the engine's first core as well.
+# Two-process mode also starts the engine core by fork, not the spawn vLLM's CPU platform forces
+# (kernels/vllm_plugin/engine_start.py): the core inherits the API server's imports, 8-12 s off a warm start here.
 SERVING_MODE_ENV: dict[ServingMode, dict[str, str]] = {
-    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "EDGE_ENGINE_CORE_START": "fork"},
     "three-process": {},
 }
 

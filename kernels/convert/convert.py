@@ -393,14 +393,14 @@ def convert(
     if dst == src or src in dst.parents:
         raise InputError("DST", str(dst), "a directory outside SRC")
     source = read_source(src)
-    decisions = decide(source, quantization_config, path)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with _locked(dst):
+        fresh, why = _up_to_date(dst, source, quantization_config, path) if dst.exists() else (False, "")
+        if fresh:  # before decide(): on a GGUF source that reads the whole file's header (5 s for the default model's)
+            log(f"{dst} is up to date; nothing to do")
+            return dst
+        decisions = decide(source, quantization_config, path)  # bad input raises here, before any writing
         if dst.exists():
-            fresh, why = _up_to_date(dst, source, quantization_config, path)
-            if fresh:
-                log(f"{dst} is up to date; nothing to do")
-                return dst
             if not force:
                 raise InputError("DST", str(dst), f"a new directory, or --force to replace it ({why})")
             log(f"{dst} is replaced: {why}")

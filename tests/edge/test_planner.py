@@ -401,13 +401,16 @@ def test_the_plan_serves_in_two_processes_with_the_engines_own_thread_binding(ze
     env = plan.vllm.env
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "OMP_PROC_BIND" not in env
     assert env["OMP_NUM_THREADS"] == str(max(1, zen5.compute_cores - 1))
+    assert env["EDGE_ENGINE_CORE_START"] == "fork"  # the core inherits the API server's imports
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env  # only vLLM's mp executor reads it
 
 
 def test_three_process_mode_is_vllms_own_cpu_default(zen5, smollm2):
     plan = make_plan(zen5, smollm2, serving_mode="three-process")
     assert plan.vllm.mode == "three-process"
-    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_PROC_BIND", "OMP_NUM_THREADS"} & set(plan.vllm.env)
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_PROC_BIND", "OMP_NUM_THREADS", "EDGE_ENGINE_CORE_START"} & set(
+        plan.vllm.env
+    )
     assert plan.vllm.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # a small box gives the worker every core
 
 

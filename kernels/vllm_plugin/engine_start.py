@@ -1,0 +1,43 @@
+"""Start a two-process engine's core by fork, not spawn: it then inherits the API server's imports (torch, vLLM,
+this plugin) instead of importing them again, about 9 s of each start on a 2-core box (benchmarks/edge_up_times.py).
+
+vLLM 0.28's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn unconditionally in
+`CpuPlatform.check_and_update_config` (platforms/cpu.py), for its `mp` executor's workers, which bind OpenMP threads
+to cores and must not inherit a parent's OpenMP state. In two-process mode there is no such worker: the engine core
+runs the model itself (uni executor), its parent, the API server, runs no OpenMP region before the core starts, and
+the core sets its own thread count (`torch.set_num_threads` from OMP_NUM_THREADS, edge/engine_config.py). vLLM's
+default start method elsewhere is fork, and its engine core is built to be forked from the API server.
+
+Asked for by EDGE_ENGINE_CORE_START=fork (edge/engine_config.py sets it for two-process mode only); without it this
+changes nothing. After the platform's check, the wrapper puts `fork` back; vLLM's own reasons to force spawn
+(`_maybe_force_spawn`: CUDA or XPU initialized, Ray, WSL, --numa-bind) still override it when the core starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+ENV = "EDGE_ENGINE_CORE_START"
+_MARK = "_edge_select_engine_start"
+
+
+def install() -> bool:
+    """Wrap CpuPlatform.check_and_update_config when fork is asked for; True if wrapped (once per process)."""
+    if os.environ.get(ENV) != "fork" or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return False  # fork is only safe where the core runs the model itself (two-process mode)
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+    if getattr(check, _MARK, False):
+        return False
+
+    @functools.wraps(check)
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        check(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    setattr(check_and_update_config, _MARK, True)
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    return True
