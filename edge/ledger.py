@@ -39,6 +39,7 @@ def estimate(
     budget_bytes: int | None,
     engine_baseline_bytes: int,
     quant: QuantRules | None = None,
+    bf16_repack_retention: float = 0.0,
 ) -> MemoryLedger:
     """Itemized resident footprint and load-time peak of running `model` on `path`.
 
@@ -46,6 +47,9 @@ def estimate(
     into the checkpoint's quantization_config: block, dequant threshold, prefill dtype, repack chunk.
     Which weights are quantized is asked of edge.quantized_layers, as the converter and the vLLM method do:
     `quant`, by default the rules a plan writes (rules_for).
+    bf16_repack_retention: the share of the bf16 linears' bytes the engine's allocator keeps after vLLM repacks
+    them for oneDNN and frees the originals, where the engine baseline was measured on a quantized plan (which
+    repacks nothing); 0 where it was measured on bf16 and so holds it (edge.planner.engine_baseline).
     """
     quant = quant or rules_for(model, path, group_size)
     layers: Layers = by_kind(model_layers(model, quant))  # a kind split by format (a GGUF's mixed grid): parts
@@ -75,6 +79,8 @@ def estimate(
             ),
             *_transients(model, layers, path, kernel),
         ]
+        if bf16_repack_retention > 0:
+            items += _repack_retention(model, items, bf16_repack_retention)
         if weight_format == "tinygemm":
             assert layout is not None and group_size is not None
             items += _dequant_working_set(model, layers, layout, kernel, max_model_len, max_num_seqs)
@@ -187,6 +193,27 @@ def _bf16_weights(model: ModelShape) -> list[MemoryItem]:
         for lin in linears
     ]
     return items
+
+
+# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, malloc(3) M_MMAP_THRESHOLD): a block
+# above it is always mmapped, so freeing it returns it to the system
+MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def _repack_retention(model: ModelShape, items: list[MemoryItem], share: float) -> list[MemoryItem]:
+    """vLLM's CPU linear repacks each bf16 weight for oneDNN and frees the original; glibc keeps most of those freed
+    blocks in its heap (RssAnon), but not a tensor above MMAP_THRESHOLD_MAX (mmapped, unmapped when freed: a 7B
+    model's linears). Not the embedding: a lookup table is not repacked."""
+    shapes = {lin.name: lin for lin in [*_layer_linears(model), _head(model)]}
+    kept = [i for i in items if i.kind == "bf16-weights" and i.layer in shapes
+            and BF16 * shapes[i.layer].n * shapes[i.layer].k <= MMAP_THRESHOLD_MAX]  # fmt: skip
+    linears = sum(i.bytes for i in kept)
+    if not linears:
+        return []
+    detail = (f"{share:.2f} x {_mib(linears)} of bf16 linears of at most {_mib(MMAP_THRESHOLD_MAX)} a tensor "
+              "(measured: benchmarks/ledger_vs_rss.py, bf16 against the speed plan)")  # fmt: skip
+    return [_resident("repack-retention", "bf16 originals kept by the allocator after repacking",
+                      round(share * linears), detail)]  # fmt: skip
 
 
 def int8_bytes(lin: LinearShape, group: int | None = None) -> int:

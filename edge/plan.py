@@ -17,10 +17,11 @@ from edge.quantized_layers import LayerDecision
 from edge.shapes import ModelShape
 from edge.weight_paths import LAYOUTS, WEIGHT_PATHS, Layout, WeightPath
 
-# 7: an int8 layer's scales per group (layers[].group, quantization_config.int8_group_size); 6: a kind of weight
+# 8: the ledger's repack-retention item; 7: an int8 layer's scales per group (layers[].group,
+# quantization_config.int8_group_size); 6: a kind of weight
 # split by format across its layers (layers[].indices, model.source_layers); 5: vllm.mode; 4: export;
 # 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
-SCHEMA_VERSION = "7"
+SCHEMA_VERSION = "8"
 
 __all__ = ["LAYOUTS", "WEIGHT_PATHS", "Layout", "WeightPath"]  # the path types, from edge.weight_paths
 Priority = Literal["fidelity", "speed"]
@@ -35,7 +36,7 @@ def format_bytes(n: int) -> str:
 ItemKind = Literal[
     "bf16-weights", "int4-weights", "int8-weights", "row-major-copy", "lookup-copy", "untie-cost", "export-weights",
     "norms", "biases", "rope", "kv-cache", "engine-baseline", "load-copy", "repack-transient",
-    "dequant-working-set",
+    "dequant-working-set", "repack-retention",
 ]  # fmt: skip
 
 

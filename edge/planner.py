@@ -125,13 +125,21 @@ def engine_baseline(mode: ServingMode, isa_class: str) -> MeasuredFact:
     return FACTS.get(key) or fact("any.vllm_engine_baseline_bytes")
 
 
+def bf16_repack_retention(isa_class: str) -> float:
+    """The share of bf16 linear bytes the engine's allocator keeps after repacking (ledger item repack-retention),
+    where this class's engine baseline was measured on a quantized plan (fact `<class>.bf16_repack_retention`, which
+    only such a class has); 0 where the baseline was measured on bf16 and already holds it."""
+    found = FACTS.get(f"{isa_class}.bf16_repack_retention")
+    return float(found.value) if found is not None else 0.0
+
+
 def _estimate(option: Option, gate: Gate, req: Request, max_model_len: int | None = None) -> MemoryLedger:
     return ledger.estimate(
         req.model, option.path, option.layout, gate.group_size,
         max_model_len=max_model_len or req.max_model_len, max_num_seqs=req.max_num_seqs,
         kernel=req.kernel, budget_bytes=req.budget,
         engine_baseline_bytes=int(engine_baseline(req.serving_mode, req.device.isa_class).value),
-        quant=_quant(option, gate, req),
+        quant=_quant(option, gate, req), bf16_repack_retention=bf16_repack_retention(req.device.isa_class),
     )  # fmt: skip
 
 

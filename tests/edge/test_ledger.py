@@ -283,3 +283,30 @@ def test_a_tied_head_dequantizes_even_in_kernel_only_once_enough_sequences_decod
     model = default_model()
     led = ledger(model, "w4a16-tinygemm", "kernel-only", 64, seqs=4, block=64, dtype="bfloat16", quant=int4_head(model))
     assert working_set(led) == 49152 * 576 * (1 + 4 + 2)
+
+
+def test_repack_retention_counts_the_bf16_linears_glibc_keeps_and_nothing_else():
+    """With a class's share (edge.planner.bf16_repack_retention), a bf16 plan books that share of its bf16 linears
+    of at most 32 MiB a tensor (glibc's largest mmap threshold: a bigger block is unmapped when freed); the
+    embedding (a lookup, not repacked) and a quantized plan's int4/int8 weights are not counted; share 0 books none."""
+    from edge.ledger import MMAP_THRESHOLD_MAX
+
+    small, big = default_model(), read_model(CONFIGS / "mistral-7b-v0.3.json")
+
+    def retention(model, path, share, layout=None, group=None):
+        led = estimate(model, path, layout, group, max_model_len=2048, max_num_seqs=1, kernel=kernel(),
+                       budget_bytes=None, engine_baseline_bytes=BASELINE, bf16_repack_retention=share)  # fmt: skip
+        items = [i for i in led.items if i.kind == "repack-retention"]
+        linears = [i for i in led.items if i.kind == "bf16-weights" and i.layer not in (None, "embed_tokens")]
+        return sum(i.bytes for i in items), sum(i.bytes for i in linears), led
+
+    got, linears, _ = retention(small, "bf16", 0.72)
+    assert linears > 0 and got == round(0.72 * linears)  # SmolLM2's linears are all under 32 MiB a tensor
+    assert retention(small, "bf16", 0.0)[0] == 0
+    quantized, _, led = retention(small, "w4a16-tinygemm", 0.72, "direct", 32)
+    kept = sum(i.bytes for i in led.items if i.kind == "bf16-weights" and i.layer != "embed_tokens")
+    assert quantized == round(0.72 * kept)  # only what it keeps in bf16, none of its int4/int8 weights
+    big_got, big_linears, _ = retention(big, "bf16", 0.72)
+    assert big_linears > 10 * 2**30
+    small_tensors = sum(2 * lin.n * lin.k * lin.count for lin in big.linears if 2 * lin.n * lin.k <= MMAP_THRESHOLD_MAX)
+    assert big_got == round(0.72 * small_tensors) < 0.72 * big_linears
