@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -85,10 +86,11 @@ def warm(modes: list[str], passes: int, port: int) -> None:
         for mode in modes:
             runs[mode].append(one_run(None, port, log, mode=mode)["ready_s"])
             print(json.dumps({"pass": p + 1, "mode": mode, "ready_s": runs[mode][-1]}), flush=True)
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    print(json.dumps({"cpu": cpu, "log": str(log), "warm_start_s": {m: {"median": statistics.median(r), "runs": r}
-                                                                   for m, r in runs.items()}}))  # fmt: skip
+    sys.path.insert(0, str(REPO))  # run as a script: the repository's own packages
+    from edge.cpuinfo import host_model_name
+
+    medians = {m: {"median": statistics.median(r), "runs": r} for m, r in runs.items()}
+    print(json.dumps({"cpu": host_model_name(), "log": str(log), "warm_start_s": medians}))
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
+    from edge.cpuinfo import host_model_name
     from kernels.export.export import GRAPH, MANIFEST
     from kernels.export.export_verify import quality, speed
     from kernels.source.checkpoint import read_manifest
@@ -52,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         m = q["metrics"]
         print(f"{name}: KLD {m['mean_kld']['value']:.5f}, top-1 {m['top1_agreement']['value']:.4f}, "
               f"{rows[name]['speed']}", file=sys.stderr)  # fmt: skip
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    cpu = host_model_name()
     print(json.dumps({"bundle": str(args.bundle), "activations": manifest["graph"].get("activations"), "cpu": cpu,
                       "tokens": args.tokens, "paths": rows}, indent=2))  # fmt: skip
     return 0

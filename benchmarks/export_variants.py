@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
+    from edge.cpuinfo import host_model_name
     from kernels.export.export import GRAPH, MANIFEST
     from kernels.export.export_verify import speed
     from kernels.source.checkpoint import read_manifest
@@ -53,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                      "prefill_ratio": round(prefill / first[0], 3), "decode_ratio": round(decode / first[1], 3),
                      "mean_kld": quality.get("mean_kld"), "top1_agreement": quality.get("top1_agreement"),
                      "ppl_ratio": quality.get("ppl_ratio"), "passes": runs[bundle]})  # fmt: skip
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    cpu = host_model_name()
     print(json.dumps({"cpu": cpu, "threads": runs[args.bundles[0]][0]["threads"], "bundles": rows}, indent=2))
     return 0
 

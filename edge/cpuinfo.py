@@ -205,6 +205,16 @@ def _isa(info: CpuinfoText, features: set[str], arch: str | None) -> Fact[list[s
     return Fact(value=present, source="cpuinfo", detail=detail)
 
 
+def host_model_name(path: str = "/proc/cpuinfo") -> str | None:
+    """This host's CPU name as the probe reads it (`model name`, or an ARM board's), for benchmark and report
+    headers; None where /proc/cpuinfo cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _cpu_model(split_cpuinfo(f.read())).value
+    except (OSError, InputError):
+        return None
+
+
 def _phone(info: CpuinfoText) -> str | None:
     hardware = info.first("Hardware") or ""
     return hardware if any(word in hardware.lower() for word in PHONE_SOC_WORDS) else None

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from edge.cpuinfo import host_model_name
 from edge.errors import InputError
 from edge.export_plan import FORMAT, RUNTIME, WEIGHT_BITS, WEIGHT_BLOCK
 from kernels.source.checkpoint import make_readable, read_manifest, sha256_file, write_manifest
@@ -51,7 +52,6 @@ BUNDLE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"
                 "config.json", "generation_config.json")  # fmt: skip
 DEFAULT_TOKENS = 4096  # 8 chunks of 512: the whole export stays within ~5 min on 2 cores
 CHUNK = 512
-ACTIVATIONS = ("float32", "float16")  # kernels/export/export_graph.py ACTIVATIONS
 MIN_TOP1, MAX_KLD = 0.97, 0.01  # the targets for 8-bit weights (llama.cpp Q8_0: 97.7 %, 0.0014)
 
 
@@ -144,6 +144,8 @@ def export(model: str | Path, out: Path, plan: Any = None, *, verify: bool = Tru
     log = log or (lambda message: print(message, file=sys.stderr))
     if plan is not None and plan.path != "export-only":
         raise InputError("--plan path", plan.path, "an export-only plan (edge-select --device <a phone>)")
+    from kernels.export.export_graph import ACTIVATIONS
+
     field = "--activations"
     if activations is None:
         field, activations = "--plan export.activations", plan.export.activations if plan and plan.export else "float32"
@@ -217,13 +219,11 @@ def _build(src: Path, tmp: Path, plan: Any, threads: int | None, log, verify: bo
         "built_s": round(time.monotonic() - start, 1),
     }
     if verify:
-        body["verification"] = _verify(src, tmp, tokens, threads, log)
+        body["verification"] = _verify(src, tmp, tokens, threads, log, activations)
     return body
 
 
-def _verify(src: Path, bundle: Path, tokens: int, threads: int | None, log) -> dict[str, Any]:
-    import numpy as np
-
+def _verify(src: Path, bundle: Path, tokens: int, threads: int | None, log, activations: str) -> dict[str, Any]:
     from kernels.export import export_verify
 
     graph = bundle / GRAPH
@@ -240,18 +240,11 @@ def _verify(src: Path, bundle: Path, tokens: int, threads: int | None, log) -> d
         f"greedy {greedy['exact']:.0%} of prompts exact over {greedy['new_tokens']} tokens; onnxruntime-genai "
         f"{through_genai['equal_to_graph']:.0%} equal to the graph's; "
         f"{speed['prefill_tok_s']} prefill / {speed['decode_tok_s']} decode tok/s here ({speed['threads']} threads)")
-    body = {"quality": quality, "greedy": greedy, "onnxruntime_genai": through_genai, "speed": speed, "cpu": _cpu()}
-    if export_verify.GraphModel(graph, 1).kv_dtype == np.float16:
+    body = {"quality": quality, "greedy": greedy, "onnxruntime_genai": through_genai, "speed": speed,
+            "cpu": host_model_name()}  # fmt: skip
+    if activations == "float16":
         body["cpu_provider_float32_ops"] = export_verify.float16_fallbacks(graph)
     return body
-
-
-def _cpu() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,16 +157,6 @@ class Decoder(nn.Module):
         return (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(self.dtype)
 
 
-def _projections(layer: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """name -> (weight [N, K], bias [N] or None) of each linear of a decoder layer, fused ones split."""
-    attn, mlp = layer.self_attn, layer.mlp
-    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    for name, module in [("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
-                         ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)]:  # fmt: skip
-        out[name] = (module.weight, module.bias)
-    return out
-
-
 class _Layer(nn.Module):
     def __init__(self, layer: nn.Module, d: Decoder) -> None:
         super().__init__()
@@ -184,16 +174,17 @@ class _Layer(nn.Module):
         self.scaling = float(attn.scaling)
         window = getattr(attn, "sliding_window", None)
         if d.family == "mistral":  # Mistral windows every layer by its config, not per attention module
-            window = getattr(layer.self_attn.config, "sliding_window", None)
+            window = getattr(attn.config, "sliding_window", None)
         self.window = window if window and window < d.rope_rows else None  # a window past the table never binds
         kind = getattr(attn, "layer_type", None)
         self.table = f"_{kind}" if f"_{kind}" in d.tables else ""
         self.act = mlp.act_fn  # the source's activation module: SiLU, or GELU(tanh) for the Gemmas
         self.biases: list[str] = []
-        for name, (weight, bias) in _projections(layer).items():
-            setattr(self, name, _weight(weight.t(), d.dtype))  # [K, N]
-            if bias is not None:
-                setattr(self, f"{name}_bias", _weight(bias, d.dtype))
+        for name, module in [("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+                             ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)]:  # fmt: skip
+            setattr(self, name, _weight(module.weight.t(), d.dtype))  # [K, N]
+            if module.bias is not None:  # Qwen2's q/k/v
+                setattr(self, f"{name}_bias", _weight(module.bias, d.dtype))
                 self.biases.append(name)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -273,7 +264,7 @@ def export_float(hf_model: nn.Module, out: Path, activations: str = "float32") -
         torch.onnx.export(decoder, (ids, positions, *past), str(out), input_names=inputs, output_names=outputs,
                           dynamic_axes=axes, opset_version=OPSET, dynamo=False, do_constant_folding=True)  # fmt: skip
     c = hf_model.config
-    return {"family": decoder.family, "model_type": decoder.family, "layers": layers, "heads": decoder.heads,
+    return {"family": decoder.family, "layers": layers, "heads": decoder.heads,
             "kv_heads": decoder.kv_heads, "head_dim": decoder.head_dim, "hidden": c.hidden_size,
             "vocab": c.vocab_size, "rope_rows": decoder.rope_rows, "activations": activations,
             "windowed_layers": sum(layer.window is not None for layer in decoder.layers)}  # fmt: skip

@@ -49,7 +49,7 @@ def _ids(value: Any) -> int | list[int] | None:
 
 def genai_config(src: Path, graph: str, shape: dict[str, Any], context_length: int) -> dict[str, Any]:
     """The genai_config.json of a bundle whose decoder is `graph`, exported from the model at `src` with `shape`
-    (export_graph.export_float's record: layers, kv_heads, head_dim, heads, hidden, vocab, model_type)."""
+    (export_graph.export_float's record: family, layers, kv_heads, head_dim, heads, hidden, vocab)."""
     config, generation = _read(src / "config.json"), _read(src / "generation_config.json")
     text = config.get("text_config") or config  # a multimodal wrapper's language model
     bos = _ids(generation.get("bos_token_id", text.get("bos_token_id")))
@@ -74,7 +74,7 @@ def genai_config(src: Path, graph: str, shape: dict[str, Any], context_length: i
         "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
                     "present_value_names": "present.%d.value"},
     }  # fmt: skip
-    model = {"type": TYPES[shape["model_type"]], "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
+    model = {"type": TYPES[shape["family"]], "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
              "context_length": context_length, "vocab_size": shape["vocab"], "decoder": decoder}  # fmt: skip
     model = {key: value for key, value in model.items() if value is not None}  # the runtime reads no nulls
     return {"model": model, "search": dict(sorted(search.items()))}
@@ -85,10 +85,24 @@ def write_genai_config(bundle: Path, src: Path, graph: str, shape: dict[str, Any
     (bundle / CONFIG).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
 
 
+def greedy_ids(model: Any, ids: list[int], new_tokens: int) -> list[int]:
+    """`new_tokens` greedy tokens after `ids` by onnxruntime_genai's Generator on `model` (an og.Model), on its own
+    KV cache; min_length keeps an end token from stopping it short."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens)
+    generator = og.Generator(model, params)
+    generator.append_tokens([ids])
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(i) for i in generator.get_sequence(0)][len(ids) :]
+
+
 def generate(bundle: Path, prompts: list[str], new_tokens: int) -> list[dict[str, Any]]:
     """Greedy continuations of `prompts`, `new_tokens` each, by onnxruntime-genai itself: its Model loads the
     bundle from genai_config.json, its Tokenizer encodes the prompt and decodes the continuation, its Generator
-    runs the graph on its own KV cache. Returns per prompt its prompt ids, continuation ids and text."""
+    runs the graph (greedy_ids). Returns per prompt its prompt ids, continuation ids and text."""
     import onnxruntime_genai as og
 
     model = og.Model(str(bundle))
@@ -96,14 +110,6 @@ def generate(bundle: Path, prompts: list[str], new_tokens: int) -> list[dict[str
     rows = []
     for prompt in prompts:
         ids = [int(i) for i in tokenizer.encode(prompt)]
-        params = og.GeneratorParams(model)
-        # min_length keeps an end token from stopping one prompt short, so every continuation has new_tokens
-        params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens)
-        generator = og.Generator(model, params)
-        generator.append_tokens([ids])
-        while not generator.is_done():
-            generator.generate_next_token()
-        got = [int(i) for i in generator.get_sequence(0)][len(ids) :]
+        got = greedy_ids(model, ids, new_tokens)
         rows.append({"prompt": prompt, "prompt_ids": ids, "ids": got, "text": tokenizer.decode(got)})
-        del generator
     return rows

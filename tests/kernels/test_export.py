@@ -222,15 +222,9 @@ def genai_greedy(bundle: Path, prompt: list[int], new_tokens: int) -> list[int]:
     """onnxruntime_genai's own Model and Generator fed ids (a tiny bundle has no tokenizer files)."""
     import onnxruntime_genai as og
 
-    model = og.Model(str(bundle))
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + new_tokens,
-                              min_length=len(prompt) + new_tokens)  # fmt: skip
-    generator = og.Generator(model, params)
-    generator.append_tokens([prompt])
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
+    from kernels.export.genai import greedy_ids
+
+    return greedy_ids(og.Model(str(bundle)), prompt, new_tokens)
 
 
 def test_a_family_the_exporter_does_not_build_is_named(tmp_path):
