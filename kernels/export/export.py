@@ -98,7 +98,7 @@ def check_family(src: Path) -> str:
     """The source's model_type, when the exporter builds its family; otherwise InputError naming it."""
     import json
 
-    from kernels.export.export_graph import FAMILIES
+    from kernels.export.export_graph import FAMILIES, SEQUENCE_DEPENDENT_ROPE
 
     try:
         config = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -107,6 +107,13 @@ def check_family(src: Path) -> str:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise InputError("MODEL model_type", str(model_type), f"a family edge-export builds: {', '.join(FAMILIES)}")
+    for key in ("rope_parameters", "rope_scaling"):  # one dict, or one per layer type (Gemma 3)
+        rope = config.get(key) or {}
+        for params in [rope] if "rope_type" in rope or "type" in rope else list(rope.values()):
+            kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+            if kind in SEQUENCE_DEPENDENT_ROPE:
+                raise InputError(f"MODEL {key}.rope_type", kind, "a RoPE whose table does not depend on the "
+                                 "sequence's length: the graph holds one fixed table")  # fmt: skip
     return model_type
 
 

@@ -53,6 +53,7 @@ ROPE_ROWS = 4096  # cos/sin rows in the graph: the bundle's longest sequence (pr
 #           window some or all layers; each is read off the source's own modules and config, not assumed per family
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 ACTIVATIONS = {"float32": torch.float32, "float16": torch.float16}
+SEQUENCE_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})  # their tables change with the sequence's length
 
 
 def family_of(config: Any) -> str:
@@ -73,8 +74,8 @@ def rope_tables(hf_model: nn.Module, head_dim: int, rows: int) -> dict[str | Non
     rope = getattr(hf_model.config, "rope_parameters", None) or {}
     kinds = {p.get("rope_type", "default") for p in (rope.values() if "rope_type" not in rope else [rope])
              if isinstance(p, dict)}  # fmt: skip
-    if kinds & {"dynamic", "longrope"}:  # their tables change with the sequence's length
-        raise ValueError(f"rope_type {sorted(kinds & {'dynamic', 'longrope'})[0]!r}: the graph holds one fixed table")
+    if kinds & SEQUENCE_DEPENDENT_ROPE:  # edge-export refuses them first, naming the config's field
+        raise ValueError(f"rope_type {sorted(kinds & SEQUENCE_DEPENDENT_ROPE)[0]!r}: the graph holds one fixed table")
     x = torch.zeros(1, dtype=torch.float32)
     positions = torch.arange(rows).view(1, rows)
     with torch.no_grad():

@@ -235,6 +235,18 @@ def test_a_family_the_exporter_does_not_build_is_named(tmp_path):
         export(directory, tmp_path / "out", verify=False)
 
 
+def test_a_rope_whose_table_depends_on_the_length_is_named(tiny, tmp_path):
+    import shutil
+
+    directory = tmp_path / "dynamic"
+    shutil.copytree(tiny, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="rope_scaling.rope_type.*dynamic"):
+        export(directory, tmp_path / "out", verify=False)
+
+
 def test_bad_activations_are_named(tiny, tmp_path):
     with pytest.raises(InputError, match="--activations.*bfloat16"):
         export(tiny, tmp_path / "out", verify=False, activations="bfloat16")
