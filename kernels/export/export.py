@@ -211,7 +211,7 @@ def _build(src: Path, tmp: Path, plan: Any, threads: int | None, log, verify: bo
     for name in BUNDLE_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
-    genai.write_genai_config(tmp, src, GRAPH, shape, shape["rope_rows"])
+    genai.write_genai_config(tmp, src, GRAPH, shape)
     log(f"exported {GRAPH} ({shape['family']}, {activations} activations): {linears} linears at {WEIGHT_BITS} bits, "
         f"{(tmp / GRAPH).stat().st_size / 2**20:.1f} MiB in {time.monotonic() - start:.0f} s")  # fmt: skip
     body = {

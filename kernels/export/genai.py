@@ -28,10 +28,6 @@ CONFIG = "genai_config.json"
 # which quantizes the activations to int8 per block: on the default model that measured mean KLD 0.0068 and top-1
 # 95.1 % against 0.0018 and 97.7 % folded (1024 tokens, benchmarks/export_session_paths.py), below the 97 % target.
 SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
-# model.type as onnxruntime-genai names the decoder-only families (its model builder: model_type before "For",
-# lower-cased; Gemma 3's text model keeps transformers' model_type)
-TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-         "gemma2": "gemma2", "gemma3_text": "gemma3_text"}  # fmt: skip
 # search options read from generation_config.json, with transformers' GenerationConfig defaults
 SEARCH_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
                    "num_beams": 1, "length_penalty": 1.0, "no_repeat_ngram_size": 0}  # fmt: skip
@@ -47,9 +43,12 @@ def _ids(value: Any) -> int | list[int] | None:
     return None if value is None else int(value)
 
 
-def genai_config(src: Path, graph: str, shape: dict[str, Any], context_length: int) -> dict[str, Any]:
+def genai_config(src: Path, graph: str, shape: dict[str, Any]) -> dict[str, Any]:
     """The genai_config.json of a bundle whose decoder is `graph`, exported from the model at `src` with `shape`
-    (export_graph.export_float's record: family, layers, kv_heads, head_dim, heads, hidden, vocab)."""
+    (export_graph.export_float's record: family, layers, kv_heads, head_dim, heads, hidden, vocab, and rope_rows,
+    the longest sequence the graph takes). model.type is the family as transformers names it, which is
+    onnxruntime-genai's name for each of them (its model builder: model_type before "For", lower-cased)."""
+    context_length = shape["rope_rows"]
     config, generation = _read(src / "config.json"), _read(src / "generation_config.json")
     text = config.get("text_config") or config  # a multimodal wrapper's language model
     bos = _ids(generation.get("bos_token_id", text.get("bos_token_id")))
@@ -74,14 +73,14 @@ def genai_config(src: Path, graph: str, shape: dict[str, Any], context_length: i
         "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
                     "present_value_names": "present.%d.value"},
     }  # fmt: skip
-    model = {"type": TYPES[shape["family"]], "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
+    model = {"type": shape["family"], "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
              "context_length": context_length, "vocab_size": shape["vocab"], "decoder": decoder}  # fmt: skip
     model = {key: value for key, value in model.items() if value is not None}  # the runtime reads no nulls
     return {"model": model, "search": dict(sorted(search.items()))}
 
 
-def write_genai_config(bundle: Path, src: Path, graph: str, shape: dict[str, Any], context_length: int) -> None:
-    body = genai_config(src, graph, shape, context_length)
+def write_genai_config(bundle: Path, src: Path, graph: str, shape: dict[str, Any]) -> None:
+    body = genai_config(src, graph, shape)
     (bundle / CONFIG).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
 
 
