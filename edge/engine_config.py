@@ -142,12 +142,16 @@ DEFAULT_SERVING_MODE: ServingMode = "two-process"
 # OMP_PROC_BIND/OMP_PLACES in that process's environment, all cores less the reserved ones). An engine core running
 # the worker itself inherits the API server's environment, so the plan sets its thread count (OMP_NUM_THREADS)
 # and no binding: OMP_PROC_BIND there would pin the API server's thread to the engine's first core as well.
-# Two-process mode also starts the engine core by fork, not the spawn vLLM's CPU platform forces
-# (kernels/vllm_plugin/engine_start.py): the core inherits the API server's imports, 8-12 s off a warm start here.
 SERVING_MODE_ENV: dict[ServingMode, dict[str, str]] = {
-    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "EDGE_ENGINE_CORE_START": "fork"},
+    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     "three-process": {},
 }
+# A one-thread two-process engine starts its core by fork, not the spawn vLLM's CPU platform forces
+# (kernels/vllm_plugin/engine_start.py): the core inherits the API server's imports, 8-12 s off a warm start here.
+# Not with more threads: the API server has run an OpenMP region by then, and libgomp's thread pool does not
+# survive a fork. Seen 2026-12-02 (AMD EPYC Zen 5, OMP_NUM_THREADS=2): the forked core hung for good in its first
+# parallel region (CpuGpuBuffer's torch.zeros in the model runner's init), where spawn started and served.
+FORK_START_ENV = {"EDGE_ENGINE_CORE_START": "fork"}
 
 
 def engine_threads(cores: int | None) -> int:
@@ -210,6 +214,9 @@ def vllm_config(
     mode = mode or DEFAULT_SERVING_MODE
     env |= SERVING_MODE_ENV[mode]
     if mode == "two-process":
-        env["OMP_NUM_THREADS"] = str(engine_threads(cores))
+        threads = engine_threads(cores)
+        env["OMP_NUM_THREADS"] = str(threads)
+        if threads == 1:
+            env |= FORK_START_ENV
         env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)  # read only by vLLM's mp executor
     return VllmConfig(args=args, env=env, mode=mode)

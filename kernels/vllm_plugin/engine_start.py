@@ -8,18 +8,22 @@ runs the model itself (uni executor), its parent, the API server, runs no OpenMP
 the core sets its own thread count (`torch.set_num_threads` from OMP_NUM_THREADS, edge/engine_config.py). vLLM's
 default start method elsewhere is fork, and its engine core is built to be forked from the API server.
 
-Asked for by EDGE_ENGINE_CORE_START=fork (edge/engine_config.py sets it for two-process mode only); without it this
-changes nothing. After the platform's check, the wrapper puts `fork` back; vLLM's own reasons to force spawn
+Asked for by EDGE_ENGINE_CORE_START=fork (edge/engine_config.py sets it for a two-process engine of one thread);
+without it this changes nothing. With OMP_NUM_THREADS above 1 it is refused: libgomp's thread pool, which the API
+server has started by then, does not survive a fork, and the forked core hung in its first parallel region
+(edge/engine_config.py, FORK_START_ENV). After the platform's check, the wrapper puts `fork` back; vLLM's own reasons to force spawn
 (`_maybe_force_spawn`: CUDA or XPU initialized, Ray, WSL, --numa-bind) still override it when the core starts.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
 ENV = "EDGE_ENGINE_CORE_START"
+logger = logging.getLogger(__name__)
 _MARK = "_edge_select_engine_start"
 
 
@@ -27,6 +31,10 @@ def install() -> bool:
     """Wrap CpuPlatform.check_and_update_config when fork is asked for; True if wrapped (once per process)."""
     if os.environ.get(ENV) != "fork" or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         return False  # fork is only safe where the core runs the model itself (two-process mode)
+    if os.environ.get("OMP_NUM_THREADS", "").strip() != "1":
+        logger.warning("%s=fork ignored: OMP_NUM_THREADS=%r, and a forked engine core of more than one thread "
+                       "hangs in its first parallel region; it starts by spawn", ENV, os.environ.get("OMP_NUM_THREADS"))
+        return False
     from vllm.platforms.cpu import CpuPlatform
 
     check = CpuPlatform.check_and_update_config.__func__

@@ -401,8 +401,16 @@ def test_the_plan_serves_in_two_processes_with_the_engines_own_thread_binding(ze
     env = plan.vllm.env
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "OMP_PROC_BIND" not in env
     assert env["OMP_NUM_THREADS"] == str(max(1, zen5.compute_cores - 1))
-    assert env["EDGE_ENGINE_CORE_START"] == "fork"  # the core inherits the API server's imports
+    assert env["EDGE_ENGINE_CORE_START"] == "fork"  # one thread: the core inherits the API server's imports
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env  # only vLLM's mp executor reads it
+
+
+def test_an_engine_of_more_than_one_thread_starts_its_core_by_spawn(ice_lake, smollm2):
+    """libgomp's thread pool does not survive a fork: a forked core of two threads hung in its first parallel
+    region, so a box with more than two cores gets vLLM's own spawn."""
+    env = make_plan(ice_lake, smollm2).vllm.env
+    assert int(env["OMP_NUM_THREADS"]) == ice_lake.compute_cores - 1 > 1
+    assert "EDGE_ENGINE_CORE_START" not in env
 
 
 def test_three_process_mode_is_vllms_own_cpu_default(zen5, smollm2):

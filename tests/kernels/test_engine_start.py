@@ -32,7 +32,7 @@ print(json.dumps({"wrapped": wrapped, "again": again, "method": os.environ.get("
 def probe(env: dict[str, str]) -> dict:
     import os
 
-    mode_vars = ("EDGE_ENGINE_CORE_START", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    mode_vars = ("EDGE_ENGINE_CORE_START", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS")
     base = {k: v for k, v in os.environ.items() if k not in mode_vars}
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env={**base, **env}, capture_output=True,
                           text=True, timeout=300, check=True)  # fmt: skip
@@ -42,8 +42,11 @@ def probe(env: dict[str, str]) -> dict:
 @pytest.mark.parametrize(
     ("env", "wrapped"),
     [
-        ({"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, True),
-        ({"EDGE_ENGINE_CORE_START": "fork"}, False),  # three-process: vLLM's workers bind OpenMP, spawn stays
+        ({"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}, True),
+        ({"EDGE_ENGINE_CORE_START": "fork", "OMP_NUM_THREADS": "1"}, False),  # three-process: workers bind OpenMP
+        # more than one thread (or libgomp's default, every core): a forked core hangs in its first parallel region
+        ({"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}, False),
+        ({"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),
         ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),  # not asked for
     ],
 )
@@ -56,8 +59,8 @@ def test_fork_is_put_back_only_in_two_process_mode_when_asked(env, wrapped):
 def test_the_two_process_plan_asks_for_it_and_vllms_platform_still_forces_spawn():
     """The plan's two-process environment is what installs the wrapper; and the installed vLLM's CPU platform still
     sets spawn in check_and_update_config (when a vLLM upgrade stops doing so, the wrapper has nothing to undo)."""
-    from edge.engine_config import SERVING_MODE_ENV
+    from edge.engine_config import FORK_START_ENV, SERVING_MODE_ENV
 
-    got = probe(SERVING_MODE_ENV["two-process"])
+    got = probe({**SERVING_MODE_ENV["two-process"], **FORK_START_ENV, "OMP_NUM_THREADS": "1"})
     assert got["wrapped"] is True and got["method"] == "fork"
     assert got["real_sets_spawn"]
