@@ -11,7 +11,9 @@ default start method elsewhere is fork, and its engine core is built to be forke
 Asked for by EDGE_ENGINE_CORE_START=fork (edge/engine_config.py sets it for a two-process engine of one thread);
 without it this changes nothing. With OMP_NUM_THREADS above 1 it is refused: libgomp's thread pool, which the API
 server has started by then, does not survive a fork, and the forked core hung in its first parallel region
-(edge/engine_config.py, FORK_START_ENV). After the platform's check, the wrapper puts `fork` back; vLLM's own reasons to force spawn
+(edge/engine_config.py, FORK_START_ENV).
+
+After the platform's check, the wrapper puts `fork` back; vLLM's own reasons to force spawn
 (`_maybe_force_spawn`: CUDA or XPU initialized, Ray, WSL, --numa-bind) still override it when the core starts.
 """
 
