@@ -4,9 +4,8 @@ this plugin) instead of importing them again, about 9 s of each start on a 2-cor
 vLLM 0.28's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn unconditionally in
 `CpuPlatform.check_and_update_config` (platforms/cpu.py), for its `mp` executor's workers, which bind OpenMP threads
 to cores and must not inherit a parent's OpenMP state. In two-process mode there is no such worker: the engine core
-runs the model itself (uni executor), its parent, the API server, runs no OpenMP region before the core starts, and
-the core sets its own thread count (`torch.set_num_threads` from OMP_NUM_THREADS, edge/engine_config.py). vLLM's
-default start method elsewhere is fork, and its engine core is built to be forked from the API server.
+runs the model itself (uni executor) with the thread count the plan gives it (OMP_NUM_THREADS, edge/engine_config.py).
+vLLM's default start method elsewhere is fork, and its engine core is built to be forked from the API server.
 
 Asked for by EDGE_ENGINE_CORE_START=fork (edge/engine_config.py sets it for a two-process engine of one thread);
 without it this changes nothing. With OMP_NUM_THREADS above 1 it is refused: libgomp's thread pool, which the API

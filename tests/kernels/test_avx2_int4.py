@@ -113,8 +113,8 @@ def test_integer_inputs_give_the_int64_reference_bit_for_bit(act_bits, group, n,
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(101, 576), (6, 192), (3, 64), (8, 2048), (5, 96)])
 def test_one_row_at_group_32_with_int8_activations_gives_the_int64_reference_bit_for_bit(n, k):
-    """A decode row (M=1, as every decode step of the default model's plan): channel counts that are not a
-    multiple of 4, group counts that are not a multiple of 8 (the 128-bit tail) or odd give the exact result."""
+    """A decode row (M=1, as every decode step of the default model's plan) gives the exact result for ragged
+    channel counts and for group counts that are not a multiple of 8 (the 128-bit tail), odd ones included."""
     x, qweight, scales, zeros, reference = _exact_case(n, k, 32, 1, 8, seed=n + k)
     assert torch.equal(avx2_int4.linear(x, qweight, scales, zeros, 32, 8), reference)
 
