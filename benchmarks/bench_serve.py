@@ -13,6 +13,8 @@ Variants:
                   Q4_1 is the file the default model is built from; Q4_0 is what llama.cpp repacks for AVX2/AVX-512
                   (its fastest 4-bit format here), made from it by llama.cpp's own quantizer (--make-q4_0)
     llama:file    the same server on the very file edge-serve serves (--model FILE.gguf)
+    ...@N         either kind on N compute threads (edge:two-process@2, llama:Q4_0@2): thread counts compared in
+                  one interleaved run
 
 Each (pass, variant) starts its server fresh, times launch-to-ready (`warm_start_s`: the environment, the
 conversion and vLLM's compile cache exist after the first pass), warms it with one request, then measures through
@@ -28,7 +30,8 @@ the OpenAI API:
     rss          RssAnon summed over the server's whole process tree (benchmarks/rss.py), sampled every 0.25 s:
                  `settled` is the median over 3 s of idle after the warm-up, `peak` the maximum from launch to stop
 
-Both servers get the same thread count: the first edge variant's, what its plan starts vLLM with (read from
+Both servers get the same thread count unless a variant names its own: --threads N where given (edge-serve's
+--threads, for two-process variants), else the first edge variant's, what its plan starts vLLM with (read from
 /status: OMP_NUM_THREADS, else every core, as vLLM binds its worker on a box where the plan reserves none), passed
 to llama.cpp as n_threads and n_threads_batch. The table reports medians over passes and each variant's ratio to
 the best llama.cpp variant.
@@ -176,7 +179,7 @@ def measure(server: Server, model: str, tokenizer, seed: int) -> dict:
             "rss_settled_mib": settled / 2**20}  # fmt: skip
 
 
-def edge_argv(mode: str, args: argparse.Namespace, *extra: str) -> list[str]:
+def edge_argv(mode: str, args: argparse.Namespace, *extra: str, threads: int | None = None) -> list[str]:
     """edge-serve's command line for a variant: the speed plan in `mode`, --model and --path when `args` has them."""
     argv = [str(ROOT / ".venv" / "bin" / "edge-serve"), "--priority", "speed", "--serving-mode", mode,
             "--max-model-len", "2048", *extra]  # fmt: skip
@@ -184,12 +187,15 @@ def edge_argv(mode: str, args: argparse.Namespace, *extra: str) -> list[str]:
         argv += ["--model", str(args.model)]
     if getattr(args, "path", None):
         argv += ["--path", args.path]
+    if (threads := threads or getattr(args, "threads", None)) and mode == "two-process":
+        argv += ["--threads", str(threads)]
     return argv
 
 
-def edge_server(mode: str, args: argparse.Namespace, log: Path) -> tuple[Server, str, int]:
+def edge_server(mode: str, args: argparse.Namespace, log: Path,
+                threads: int | None = None) -> tuple[Server, str, int]:  # fmt: skip
     port = free_port()
-    argv = edge_argv(mode, args, "--port", str(port))
+    argv = edge_argv(mode, args, "--port", str(port), threads=threads)
     server = Server(argv, dict(os.environ), port, log)
     server.ready_s = server.wait_ready("/readyz")
     status = httpx.get(f"{server.url}/status", timeout=30).json()
@@ -230,13 +236,15 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
                                                                                       for r in mine)}  # fmt: skip
         out[variant]["passes"] = len(mine)
         out[variant]["detail"] = mine[-1]["detail"]
-    llama = [v for v in out if v.startswith("llama:")]
-    if llama:
-        best = max(llama, key=lambda v: out[v].get("decode_tok_s", 0))
-        for v in out:
-            for k in ("decode_tok_s", "prefill_tok_s", "streams4_tok_s"):
-                if k in out[v] and k in out[best]:
-                    out[v][f"{k}_vs_{best}"] = out[v][k] / out[best][k]
+    for v in out:  # each against the best llama.cpp variant of its own thread count
+        threads = out[v]["detail"].get("threads")
+        llama = [w for w in out if w.startswith("llama:") and out[w]["detail"].get("threads") == threads]
+        if not llama:
+            continue
+        best = max(llama, key=lambda w: out[w].get("decode_tok_s", 0))
+        for k in ("decode_tok_s", "prefill_tok_s", "streams4_tok_s"):
+            if k in out[v] and k in out[best]:
+                out[v][f"{k}_vs_{best}"] = out[v][k] / out[best][k]
     return out
 
 
@@ -260,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="edge-serve's --model (default: the embedded model)")
     parser.add_argument("--gguf-q4_1", type=Path, help="llama:Q4_1's file (default: the default model's own)")
     parser.add_argument("--gguf-q4_0", type=Path, help="llama:Q4_0's file (default: made from the Q4_1 one)")
+    parser.add_argument("--threads", type=int, help="both servers' compute threads (default: the edge plan's)")
     parser.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, default=ROOT / ".cache" / "bench_serve.log")
@@ -272,24 +281,26 @@ def main(argv: list[str] | None = None) -> int:
     q4_1 = args.gguf_q4_1 or source_gguf()
     q4_0 = args.gguf_q4_0 or ROOT / ".cache" / f"{q4_1.stem.replace('Q4_1', 'Q4_0')}.gguf"
     variants = args.variants.split(",")
-    if "llama:file" in variants and (args.model is None or args.model.suffix != ".gguf"):
+    kinds = {v.partition("@")[0] for v in variants}
+    if "llama:file" in kinds and (args.model is None or args.model.suffix != ".gguf"):
         parser.error("llama:file serves --model's file: pass --model FILE.gguf")
-    if "llama:Q4_0" in variants and not q4_0.exists():
+    if "llama:Q4_0" in kinds and not q4_0.exists():
         make_q4_0(args.llama_python, q4_1, q4_0)
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(), local_files_only=True)
-    threads = None
+    threads = args.threads
     rows: list[dict] = []
     args.log.parent.mkdir(parents=True, exist_ok=True)
     for p in range(args.passes):
         for variant in variants:
             kind, what = variant.split(":", 1)
+            what, _, own = what.partition("@")
             print(f"pass {p + 1}: {variant}", file=sys.stderr, flush=True)
             if kind == "edge":
-                server, model, threads_here = edge_server(what, args, args.log)
+                server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None)
                 threads = threads or threads_here
             else:
                 gguf = {"Q4_0": q4_0, "Q4_1": q4_1, "file": args.model}[what]
-                server, model = llama_server(args.llama_python, gguf, threads or 1, args.log)
+                server, model = llama_server(args.llama_python, gguf, int(own) if own else threads or 1, args.log)
             try:
                 row = measure(server, model, tokenizer, seed=p * 100 + len(rows))
             finally:

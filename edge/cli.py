@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
     parser.add_argument("--serving-mode", choices=SERVING_MODES,
                         help="how many processes vLLM runs as (default: the plan's choice, two-process)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="the two-process engine's compute threads (default: the calibration's choice, else "
+                             "every core but one)")
     parser.add_argument("--force", action="store_true", help="run a pinned path that a gate refuses")
     parser.add_argument("--max-kld", type=float, default=DEFAULT_MAX_KLD, metavar="NATS",
                         help="speed trades quality only within this measured mean KL divergence per token "
@@ -85,7 +88,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         device, model, priority=args.priority, budget_bytes=budget,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, path=args.path,
         layout=args.layout, force=args.force, quality=cached_records(), max_kld=args.max_kld,
-        calibration=_calibration(args, device, model.name), serving_mode=args.serving_mode,
+        calibration=_calibration(args, device, model.name), serving_mode=args.serving_mode, threads=args.threads,
     )  # fmt: skip
 
 

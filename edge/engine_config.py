@@ -146,11 +146,11 @@ SERVING_MODE_ENV: dict[ServingMode, dict[str, str]] = {
     "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     "three-process": {},
 }
-# A one-thread two-process engine starts its core by fork, not the spawn vLLM's CPU platform forces
+# A two-process engine starts its core by fork, not the spawn vLLM's CPU platform forces
 # (kernels/vllm_plugin/engine_start.py): the core inherits the API server's imports, 8-12 s off a warm start here.
-# Not with more threads: the API server has run an OpenMP region by then, and libgomp's thread pool does not
-# survive a fork. Seen 2026-12-02 (AMD EPYC Zen 5, OMP_NUM_THREADS=2): the forked core hung for good in its first
-# parallel region (CpuGpuBuffer's torch.zeros in the model runner's init), where spawn started and served.
+# libgomp's thread pool does not survive a fork (seen 2026-12-02, AMD EPYC Zen 5, OMP_NUM_THREADS=2: the forked core
+# hung for good in its first parallel region), so for an engine of more than one thread the plugin keeps the API
+# server on one thread and gives the forked core its OMP_NUM_THREADS back.
 FORK_START_ENV = {"EDGE_ENGINE_CORE_START": "fork"}
 
 
@@ -216,7 +216,6 @@ def vllm_config(
     if mode == "two-process":
         threads = engine_threads(cores)
         env["OMP_NUM_THREADS"] = str(threads)
-        if threads == 1:
-            env |= FORK_START_ENV
+        env |= FORK_START_ENV
         env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)  # read only by vLLM's mp executor
     return VllmConfig(args=args, env=env, mode=mode)

@@ -68,6 +68,7 @@ class Request:
     max_kld: float = DEFAULT_MAX_KLD
     calibration: CalibrationRecord | None = None  # the device's kernel times (edge-calibrate), when known
     serving_mode: ServingMode = DEFAULT_SERVING_MODE
+    threads: int | None = None  # the engine's compute threads as asked; None: the calibration's choice or the default
 
 
 @dataclass
@@ -114,6 +115,19 @@ def _check_inputs(priority: str, path: str | None, layout: str | None, max_model
         raise InputError("max_num_seqs", max_num_seqs, "a positive integer")
     if budget_bytes is not None and budget_bytes <= 0:
         raise InputError("memory_budget", budget_bytes, "a positive number of bytes")  # fmt: skip
+
+
+def _check_threads(threads: int | None, device: DeviceProfile, mode: ServingMode) -> None:
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InputError("threads", threads, "a positive number of threads")
+    if (cores := device.compute_cores) is not None and threads > cores:
+        raise InputError("threads", threads, f"at most the device's {cores} compute cores")
+    if mode != "two-process":
+        # vLLM binds a three-process engine's worker itself (utils/ompmultiprocessing.py), overriding OMP_NUM_THREADS
+        raise InputError("threads", threads, "no thread count in three-process mode, where vLLM binds its worker to "
+                         "the cores it does not reserve; use --serving-mode two-process")
 
 
 def engine_baseline(mode: ServingMode, isa_class: str) -> MeasuredFact:
@@ -271,8 +285,11 @@ def make_plan(
     max_kld: float = DEFAULT_MAX_KLD,
     calibration: CalibrationRecord | None = None,
     serving_mode: ServingMode | None = None,
+    threads: int | None = None,
 ) -> Plan:
     """serving_mode: how many processes vLLM runs as (edge.plan.ServingMode); None: edge.engine_config's default.
+    threads: the two-process engine's compute threads (OMP_NUM_THREADS); None: the calibration's choice, else
+    edge.engine_config.engine_threads.
     quality: edge-eval records (edge.quality.load_records); an option whose measured mean KLD exceeds
     max_kld is not chosen for speed, and the plan's `quality` section reports the chosen option's record.
     calibration: the device's own kernel times (edge.calibration; the caller matches it to the device): the
@@ -280,6 +297,7 @@ def make_plan(
     _check_inputs(priority, path, layout, max_model_len, max_num_seqs, budget_bytes, model)
     if not max_kld > 0:
         raise InputError("max_kld", max_kld, "a positive mean KL divergence (nats per token)")
+    _check_threads(threads, device, serving_mode or DEFAULT_SERVING_MODE)
     pin = " ".join(f"--{k} {v}" for k, v in (("path", path), ("layout", layout)) if v) or None
     if layout is not None:
         path = path_with_layout(layout)
@@ -290,7 +308,7 @@ def make_plan(
         max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
         max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_kld=max_kld, calibration=calibration,
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
-        serving_mode=serving_mode or DEFAULT_SERVING_MODE,
+        serving_mode=serving_mode or DEFAULT_SERVING_MODE, threads=threads,
     )  # fmt: skip
     req, decode_reason = _lossy_decode(req, gates, quality or [])
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
@@ -368,7 +386,13 @@ def _lossy_decode(req: Request, gates: dict[WeightPath, Gate],
 
 
 def _set_threads(plan: Plan, req: Request) -> None:
-    """The thread count the record measured best for the path's decode kernel goes into the engine's env."""
+    """The thread count asked for, else the one the record measured best for the path's decode kernel, goes into
+    the engine's env."""
+    if plan.vllm is not None and req.threads is not None:
+        plan.vllm.env["OMP_NUM_THREADS"] = str(req.threads)
+        plan.reasons.append(Reason(text=f"{req.threads} engine thread{'s' if req.threads > 1 else ''}, as asked "
+                                   "(threads)", value=req.threads, unit="threads", source="asked"))  # fmt: skip
+        return
     cores = req.device.compute_cores
     if plan.vllm is None or req.calibration is None or not cores:
         return

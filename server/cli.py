@@ -132,6 +132,7 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
         quality=cached_records(),
         calibration=best_match(cached_calibrations(), device, model.name),
         serving_mode=getattr(args, "serving_mode", None),
+        threads=getattr(args, "threads", None),
     )
     if plan.vllm is None:
         raise ExportOnly(plan, source, args.device)
@@ -285,6 +286,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--serving-mode", choices=SERVING_MODES,
                    help="vLLM as two processes (API server, engine core running its worker) or three (vLLM's CPU "
                         "default, a worker process of its own); default: the plan's choice")
+    p.add_argument("--threads", type=int, metavar="N", help="the two-process engine's compute threads (default: the "
+                   "calibration's choice, else every core but one)")
     p.add_argument("--force", action="store_true", help="start a plan over its memory budget or a refused pin")
     p.add_argument("--dry-run", action="store_true", help="plan and convert, print, do not serve")
     p.add_argument("--plan-only", action="store_true",

@@ -129,6 +129,7 @@ def plan_one(
         quality=quality,
         calibration=best_match(calibrations, device, model.name),
         serving_mode=options.serving_mode,
+        threads=options.threads,
         **pins,
     )
 

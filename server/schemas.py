@@ -180,6 +180,10 @@ class PlanOptions(_Strict):
         default=None, description="How many processes vLLM runs as: 'two-process' or 'three-process'; default: the "
         "planner's (the plan's vllm.mode).",
     )
+    threads: int | None = Field(
+        default=None, ge=1, description="The two-process engine's compute threads (OMP_NUM_THREADS); default: the "
+        "calibration's choice, else every core but one.",
+    )
 
 
 class PlanRequest(PlanOptions):

@@ -7,13 +7,15 @@ to cores and must not inherit a parent's OpenMP state. In two-process mode there
 runs the model itself (uni executor) with the thread count the plan gives it (OMP_NUM_THREADS, edge/engine_config.py).
 vLLM's default start method elsewhere is fork, and its engine core is built to be forked from the API server.
 
-Asked for by EDGE_ENGINE_CORE_START=fork (edge/engine_config.py sets it for a two-process engine of one thread);
-without it this changes nothing. With OMP_NUM_THREADS above 1 it is refused: libgomp's thread pool, which the API
-server has started by then, does not survive a fork, and the forked core hung in its first parallel region
-(edge/engine_config.py, FORK_START_ENV).
-
-After the platform's check, the wrapper puts `fork` back; vLLM's own reasons to force spawn
+Asked for by EDGE_ENGINE_CORE_START=fork (edge/engine_config.py sets it for every two-process engine); without it
+this changes nothing. After the platform's check, the wrapper puts `fork` back; vLLM's own reasons to force spawn
 (`_maybe_force_spawn`: CUDA or XPU initialized, Ray, WSL, --numa-bind) still override it when the core starts.
+
+OpenMP threads and fork: libgomp's thread pool does not survive a fork. A team the API server has started by the
+time it forks exists in the child only as bookkeeping, and the forked core then hangs for good in its first parallel
+region (seen 2026-12-02, OMP_NUM_THREADS=2: CpuGpuBuffer's torch.zeros in the model runner's init). So for an engine
+of N > 1 threads the API server computes on one thread, which starts no team, and the forked child takes its N back
+(`hold_threads_for_fork`). The API server's own torch work is tokenization-side and light.
 """
 
 from __future__ import annotations
@@ -28,13 +30,32 @@ logger = logging.getLogger(__name__)
 _MARK = "_edge_select_engine_start"
 
 
+def engine_threads_from_env() -> int | None:
+    """OMP_NUM_THREADS as a thread count, or None where it is unset or not a positive integer."""
+    try:
+        threads = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return threads if threads >= 1 else None
+
+
+def hold_threads_for_fork(threads: int) -> None:
+    """This process computes on one OpenMP thread from now on; a child forked from it computes on `threads`."""
+    import torch
+
+    torch.set_num_threads(1)
+    # Bound now: vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound its threads.
+    os.register_at_fork(after_in_child=functools.partial(torch.set_num_threads, threads))
+
+
 def install() -> bool:
     """Wrap CpuPlatform.check_and_update_config when fork is asked for; True if wrapped (once per process)."""
     if os.environ.get(ENV) != "fork" or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         return False  # fork is only safe where the core runs the model itself (two-process mode)
-    if os.environ.get("OMP_NUM_THREADS", "").strip() != "1":
-        logger.warning("%s=fork ignored: OMP_NUM_THREADS=%r, and a forked engine core of more than one thread "
-                       "hangs in its first parallel region; it starts by spawn", ENV, os.environ.get("OMP_NUM_THREADS"))
+    threads = engine_threads_from_env()
+    if threads is None:
+        logger.warning("%s=fork ignored: OMP_NUM_THREADS=%r is not a thread count, and the engine core's threads "
+                       "must be known before the fork; it starts by spawn", ENV, os.environ.get("OMP_NUM_THREADS"))
         return False
     from vllm.platforms.cpu import CpuPlatform
 
@@ -49,4 +70,6 @@ def install() -> bool:
 
     setattr(check_and_update_config, _MARK, True)
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    if threads > 1:
+        hold_threads_for_fork(threads)
     return True

@@ -73,7 +73,8 @@ def test_an_unmeasured_path_never_beats_a_measured_one_for_speed():
     ("args", "named"),
     [(["--memory-budget", "lots"], "--memory-budget"), (["--device", "/nonexistent"], "--device"),
      (["--model", "/nonexistent"], "model"), (["--max-model-len", "999999"], "max_model_len"),
-     (["--path", "w4a8-gptq", "--device", str(DATA / "cpuinfo_host_epyc_avx2.txt")], "path")],
+     (["--path", "w4a8-gptq", "--device", str(DATA / "cpuinfo_host_epyc_avx2.txt")], "path"),
+     (["--threads", "0"], "threads"), (["--threads", "2", "--serving-mode", "three-process"], "threads")],
 )  # fmt: skip
 def test_bad_input_exits_2_naming_the_field_without_a_traceback(args, named):
     result = edge_select(*args)

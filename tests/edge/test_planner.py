@@ -401,16 +401,34 @@ def test_the_plan_serves_in_two_processes_with_the_engines_own_thread_binding(ze
     env = plan.vllm.env
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "OMP_PROC_BIND" not in env
     assert env["OMP_NUM_THREADS"] == str(max(1, zen5.compute_cores - 1))
-    assert env["EDGE_ENGINE_CORE_START"] == "fork"  # one thread: the core inherits the API server's imports
+    assert env["EDGE_ENGINE_CORE_START"] == "fork"  # the core inherits the API server's imports
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env  # only vLLM's mp executor reads it
 
 
-def test_an_engine_of_more_than_one_thread_starts_its_core_by_spawn(ice_lake, smollm2):
-    """libgomp's thread pool does not survive a fork: a forked core of two threads hung in its first parallel
-    region, so a box with more than two cores gets vLLM's own spawn."""
+def test_an_engine_of_more_than_one_thread_starts_its_core_by_fork_too(ice_lake, smollm2):
+    """The plugin keeps the API server on one OpenMP thread and gives the forked core its threads back
+    (kernels/vllm_plugin/engine_start.py; libgomp's pool does not survive a fork), so bigger boxes keep the faster
+    start as well."""
     env = make_plan(ice_lake, smollm2).vllm.env
     assert int(env["OMP_NUM_THREADS"]) == ice_lake.compute_cores - 1 > 1
-    assert "EDGE_ENGINE_CORE_START" not in env
+    assert env["EDGE_ENGINE_CORE_START"] == "fork"
+
+
+def test_threads_asked_for_are_the_engines_and_the_plan_says_so(ice_lake, smollm2):
+    plan = make_plan(ice_lake, smollm2, threads=3)
+    assert plan.vllm.env["OMP_NUM_THREADS"] == "3" and plan.vllm.env["EDGE_ENGINE_CORE_START"] == "fork"
+    assert any(r.unit == "threads" and r.value == 3 and r.source == "asked" for r in plan.reasons)
+    assert plan.quantization_config == make_plan(ice_lake, smollm2).quantization_config  # no weights change
+
+
+@pytest.mark.parametrize(("threads", "mode", "expected"), [
+    (0, None, "a positive number"), (True, None, "a positive number"), (10**6, None, "compute cores"),
+    (2, "three-process", "three-process"),
+])  # fmt: skip
+def test_a_thread_count_the_engine_cannot_take_is_refused_naming_it(ice_lake, smollm2, threads, mode, expected):
+    with pytest.raises(InputError, match=expected) as refused:
+        make_plan(ice_lake, smollm2, threads=threads, serving_mode=mode)
+    assert refused.value.field == "threads" and refused.value.value == threads
 
 
 def test_three_process_mode_is_vllms_own_cpu_default(zen5, smollm2):

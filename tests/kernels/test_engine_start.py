@@ -24,7 +24,9 @@ from kernels.vllm_plugin import engine_start
 wrapped = engine_start.install()
 again = engine_start.install()
 CpuPlatform.check_and_update_config(object())
+import torch
 print(json.dumps({"wrapped": wrapped, "again": again, "method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
+                  "threads": torch.get_num_threads(),
                   "real_sets_spawn": "VLLM_WORKER_MULTIPROC_METHOD" in __import__("inspect").getsource(real)}))
 """
 
@@ -39,21 +41,62 @@ def probe(env: dict[str, str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+FORK = {"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 @pytest.mark.parametrize(
     ("env", "wrapped"),
     [
-        ({"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}, True),
+        ({**FORK, "OMP_NUM_THREADS": "1"}, True),
+        ({**FORK, "OMP_NUM_THREADS": "2"}, True),  # the API server then computes on one thread (below)
         ({"EDGE_ENGINE_CORE_START": "fork", "OMP_NUM_THREADS": "1"}, False),  # three-process: workers bind OpenMP
-        # more than one thread (or libgomp's default, every core): a forked core hangs in its first parallel region
-        ({"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}, False),
-        ({"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),
-        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),  # not asked for
+        # libgomp's default (every core) or nonsense: the core's thread count is not known before the fork
+        (FORK, False),
+        ({**FORK, "OMP_NUM_THREADS": "two"}, False),
+        ({**FORK, "OMP_NUM_THREADS": "0"}, False),
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}, False),  # not asked for
     ],
 )
 def test_fork_is_put_back_only_in_two_process_mode_when_asked(env, wrapped):
     got = probe(env)
     assert got["wrapped"] is wrapped and got["again"] is False  # installed at most once per process
     assert got["method"] == ("fork" if wrapped else "spawn")  # after the platform's check set spawn
+
+
+def test_the_api_server_of_a_two_thread_engine_computes_on_one_thread():
+    assert probe({**FORK, "OMP_NUM_THREADS": "2"})["threads"] == 1
+
+
+FORKED = """
+import json, os, torch
+from kernels.vllm_plugin.engine_start import hold_threads_for_fork
+hold_threads_for_fork(2)
+parent = torch.get_num_threads()
+(torch.rand(1 << 22) * 2).sum()  # a parallel region in the parent before the fork, as the API server runs
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    child = torch.get_num_threads()
+    total = float((torch.ones(1 << 22) * 2).sum())  # the region a forked core without the hold never left
+    os.write(write, json.dumps({"child": child, "total": total}).encode())
+    os._exit(0)
+os.close(write)
+got = json.loads(os.read(read, 4096))
+os.waitpid(pid, 0)
+print(json.dumps({"parent": parent, **got}))
+"""
+
+
+def test_a_child_forked_after_the_hold_computes_on_the_engines_threads():
+    """The hang this guards against: a forked child of a process that had run a multi-thread OpenMP region never
+    left its own first parallel region (the timeout fails the test if it comes back)."""
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", FORKED], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"parent": 1, "child": 2, "total": 2.0 * (1 << 22)}
 
 
 def test_the_two_process_plan_asks_for_it_and_vllms_platform_still_forces_spawn():

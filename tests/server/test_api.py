@@ -475,3 +475,11 @@ def test_post_plan_takes_the_serving_mode_and_the_plan_names_it(client):
     assert three["vllm"]["mode"] == "three-process" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in three["vllm"]["env"]
     bad = client.post("/plan", json={**body, "serving_mode": "one-process"})
     assert bad.status_code == 422 and "serving_mode" in bad.text
+
+
+def test_post_plan_takes_the_engines_threads_and_refuses_what_it_cannot_take(client):
+    body = {"device": {"cpuinfo": SPR_CPUINFO}}
+    assert client.post("/plan", json={**body, "threads": 2}).json()["vllm"]["env"]["OMP_NUM_THREADS"] == "2"
+    for bad in ({"threads": 0}, {"threads": 4096}, {"threads": 2, "serving_mode": "three-process"}):
+        response = client.post("/plan", json={**body, **bad})
+        assert response.status_code == 422 and "threads" in response.text, bad
