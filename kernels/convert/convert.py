@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge.errors import InputError
 from edge.quantized_layers import EMBEDDING, QuantRules
+from edge.rules import GPTQ_GROUP_SIZES, TINYGEMM_GROUP_SIZES
 from edge.weight_paths import PATHS as PATH_SPECS
 from edge.weight_paths import quant_methods
 from kernels.source.checkpoint import (
@@ -326,17 +327,12 @@ def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
     if qconfig.get("quant_method") not in methods:
         expected = f"'{methods[0]}'" if len(methods) == 1 else f"one of {methods}"
         raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), expected)
-    if weight_format == "tinygemm":
-        from kernels.ops.int4 import check_group
-
-        check_group(qconfig["group_size"])
-    else:
-        assert weight_format == "gptq", (path, weight_format)
-        from kernels.ops import gptq
-
-        if qconfig["group_size"] not in gptq.GROUP_SIZES:
-            group = qconfig["group_size"]
-            raise InputError("quantization_config.group_size", group, f"one of {gptq.GROUP_SIZES}")
+    # the grids' group sizes from edge.rules, not kernels.ops: importing torch there is most of an up-to-date
+    # check's second, which every edge-serve start waits for
+    assert weight_format in ("tinygemm", "gptq"), (path, weight_format)
+    groups = TINYGEMM_GROUP_SIZES if weight_format == "tinygemm" else GPTQ_GROUP_SIZES
+    if qconfig["group_size"] not in groups:
+        raise InputError("quantization_config.group_size", qconfig["group_size"], f"one of {groups}")
 
 
 def _fingerprint(source: Source) -> dict[str, list[int]]:
