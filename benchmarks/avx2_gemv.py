@@ -196,17 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--int8", action="store_true", help="the 8-bit set's kernels, per channel and per group")
+    parser.add_argument("--shapes", help="NxK,... instead of the default shapes, e.g. 49152x2048 (a ~1B model's head)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     if args.child:
         sets = (INT8_KERNELS, INT8_SHAPES) if args.int8 else (KERNELS, SHAPES)
+        if args.shapes:
+            sets = (sets[0], [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")])
         print(json.dumps(measure(args.rounds, rows, args.group, *sets)))
         return 0
     runs = {}
     for label, extra in (("native", {}), ("avx2", AVX2_ENV)):
         command = [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--rows", args.rows,
-                   "--group", str(args.group), *(["--int8"] if args.int8 else [])]  # fmt: skip
+                   "--group", str(args.group), *(["--int8"] if args.int8 else []),
+                   *(["--shapes", args.shapes] if args.shapes else [])]  # fmt: skip
         done = subprocess.run(command, env={**os.environ, **extra}, capture_output=True, text=True, check=True)
         runs[label] = json.loads(done.stdout.strip().splitlines()[-1])
     render = int8_table if args.int8 else table

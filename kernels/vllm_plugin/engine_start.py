@@ -16,6 +16,11 @@ time it forks exists in the child only as bookkeeping, and the forked core then 
 region (seen 2026-12-02, OMP_NUM_THREADS=2: CpuGpuBuffer's torch.zeros in the model runner's init). So for an engine
 of N > 1 threads the API server computes on one thread, which starts no team, and the forked child takes its N back
 (`hold_threads_for_fork`). The API server's own torch work is tokenization-side and light.
+
+Startup threads: while the core loads and repacks weights, loads the compile cache and runs vLLM's warm-up, the API
+server only waits, so the core starts on every CPU this process may use and drops to its serving count when its
+busy loop begins, as vLLM does for its GPU workers (`startup_omp_num_threads`, then `set_torch_threads_for_runtime`).
+EDGE_ENGINE_STARTUP_THREADS=N sets that count (1: start on the serving count).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import os
 from typing import Any
 
 ENV = "EDGE_ENGINE_CORE_START"
-logger = logging.getLogger(__name__)
+STARTUP_THREADS_ENV = "EDGE_ENGINE_STARTUP_THREADS"
+# under vLLM's logger, whose handler is the one a vLLM process has (a logger outside it prints no INFO)
+logger = logging.getLogger("vllm.edge_select.engine_start")
 _MARK = "_edge_select_engine_start"
 
 
@@ -39,13 +46,37 @@ def engine_threads_from_env() -> int | None:
     return threads if threads >= 1 else None
 
 
-def hold_threads_for_fork(threads: int) -> None:
-    """This process computes on one OpenMP thread from now on; a child forked from it computes on `threads`."""
-    import torch
+def startup_threads(threads: int) -> int:
+    """The forked core's threads until it serves: EDGE_ENGINE_STARTUP_THREADS, else every CPU this process may run
+    on; never fewer than its serving count."""
+    try:
+        asked = int(os.environ.get(STARTUP_THREADS_ENV, ""))
+    except ValueError:
+        asked = len(os.sched_getaffinity(0))
+    return max(threads, asked)
 
-    torch.set_num_threads(1)
+
+def hold_threads_for_fork(threads: int, startup: int) -> None:
+    """This process computes on one OpenMP thread from now on; a core forked from it starts on `startup` threads
+    and serves on `threads` (set as its busy loop begins)."""
+    import torch
+    from vllm.v1.engine.core import EngineCoreProc
+
     # Bound now: vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound its threads.
-    os.register_at_fork(after_in_child=functools.partial(torch.set_num_threads, threads))
+    set_threads = torch.set_num_threads
+    set_threads(1)
+    os.register_at_fork(after_in_child=functools.partial(set_threads, startup))
+    if startup == threads:
+        return
+    loop = EngineCoreProc.run_busy_loop
+
+    @functools.wraps(loop)
+    def run_busy_loop(self: Any) -> None:
+        set_threads(threads)
+        logger.info("engine core: %d threads to start, %d to serve", startup, threads)
+        return loop(self)
+
+    EngineCoreProc.run_busy_loop = run_busy_loop
 
 
 def install() -> bool:
@@ -70,6 +101,6 @@ def install() -> bool:
 
     setattr(check_and_update_config, _MARK, True)
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-    if threads > 1:
-        hold_threads_for_fork(threads)
+    if (startup := startup_threads(threads)) > 1:
+        hold_threads_for_fork(threads, startup)
     return True

@@ -68,9 +68,11 @@ def test_the_api_server_of_a_two_thread_engine_computes_on_one_thread():
 
 
 FORKED = """
-import json, os, torch
+import json, os, sys, torch
 from kernels.vllm_plugin.engine_start import hold_threads_for_fork
-hold_threads_for_fork(2)
+from vllm.v1.engine.core import EngineCoreProc
+serving, startup = int(sys.argv[1]), int(sys.argv[2])
+hold_threads_for_fork(serving, startup)
 parent = torch.get_num_threads()
 (torch.rand(1 << 22) * 2).sum()  # a parallel region in the parent before the fork, as the API server runs
 read, write = os.pipe()
@@ -78,7 +80,16 @@ pid = os.fork()
 if pid == 0:
     child = torch.get_num_threads()
     total = float((torch.ones(1 << 22) * 2).sum())  # the region a forked core without the hold never left
-    os.write(write, json.dumps({"child": child, "total": total}).encode())
+    class StandInEngineCore:  # a stand-in for vLLM's engine core: its loop polls _handle_shutdown first
+        def _handle_shutdown(self):
+            self.serving = torch.get_num_threads()
+            return False
+    core = StandInEngineCore()
+    try:
+        EngineCoreProc.run_busy_loop(core)  # the real method, wrapped or not
+    except SystemExit:
+        pass
+    os.write(write, json.dumps({"child": child, "total": total, "serving": core.serving}).encode())
     os._exit(0)
 os.close(write)
 got = json.loads(os.read(read, 4096))
@@ -87,16 +98,33 @@ print(json.dumps({"parent": parent, **got}))
 """
 
 
+def forked(serving: int, startup: int) -> dict:
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(serving)}
+    done = subprocess.run([sys.executable, "-c", FORKED, str(serving), str(startup)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_a_child_forked_after_the_hold_computes_on_the_engines_threads():
     """The hang this guards against: a forked child of a process that had run a multi-thread OpenMP region never
     left its own first parallel region (the timeout fails the test if it comes back)."""
+    assert forked(2, 2) == {"parent": 1, "child": 2, "total": 2.0 * (1 << 22), "serving": 2}
+
+
+def test_a_one_thread_core_starts_on_two_threads_and_serves_on_one():
+    assert forked(1, 2) == {"parent": 1, "child": 2, "total": 2.0 * (1 << 22), "serving": 1}
+
+
+@pytest.mark.parametrize(("asked", "serving", "expected"), [("1", 1, 1), ("1", 3, 3), ("4", 1, 4), ("x", 1, None)])
+def test_startup_threads_are_the_cpus_unless_asked_and_never_fewer_than_serving(monkeypatch, asked, serving, expected):
     import os
 
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", FORKED], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120, check=True)  # fmt: skip
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == {"parent": 1, "child": 2, "total": 2.0 * (1 << 22)}
+    from kernels.vllm_plugin.engine_start import STARTUP_THREADS_ENV, startup_threads
+
+    monkeypatch.setenv(STARTUP_THREADS_ENV, asked)
+    assert startup_threads(serving) == (expected or max(serving, len(os.sched_getaffinity(0))))
 
 
 def test_the_two_process_plan_asks_for_it_and_vllms_platform_still_forces_spawn():
