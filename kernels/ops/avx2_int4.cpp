@@ -558,8 +558,11 @@ void int8_channel(const int8_t* qweight, const void* scales, const int16_t* xq, 
   const int64_t groups = k / 32;
   const int8_t* row = qweight + col * k;
   const float* gs = WG ? static_cast<const float*>(scales) + col * (k / (WG ? WG : 32)) : nullptr;
-  __m256 acc[MB];
-  for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
+  // At WG 16 each group's halves meet their own scales: two FMAs a group, into two accumulators, so that they are
+  // not one chain (one accumulator kept a channel at 4x2 cycles a group: 21.8 GB/s at 49152x2048 on the Zen 5,
+  // against 32.3 at WG 32).
+  __m256 acc[MB], acc_hi[MB];
+  for (int r = 0; r < MB; ++r) acc[r] = acc_hi[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g)));
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * g + 16)));
@@ -575,7 +578,7 @@ void int8_channel(const int8_t* qweight, const void* scales, const int16_t* xq, 
         const __m256i p1 = _mm256_madd_epi16(w1, loadu(x + 16));
 #endif
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ag * gs[2 * g]), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ag * gs[2 * g + 1]), acc[r]);
+        acc_hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ag * gs[2 * g + 1]), acc_hi[r]);
       } else {
 #if EDGE_AVX2_VNNI
         const __m256i p = EDGE_DPWSSD(EDGE_DPWSSD(_mm256_setzero_si256(), w0, loadu(x)), w1, loadu(x + 16));
@@ -587,7 +590,7 @@ void int8_channel(const int8_t* qweight, const void* scales, const int16_t* xq, 
     }
   }
   const float s = WG ? 1.f : bf16_to_float(static_cast<const uint16_t*>(scales)[col]);
-  for (int r = 0; r < MB; ++r) y[(m0 + r) * n + col] = hsum_ps(acc[r]) * s;
+  for (int r = 0; r < MB; ++r) y[(m0 + r) * n + col] = hsum_ps(WG == 16 ? _mm256_add_ps(acc[r], acc_hi[r]) : acc[r]) * s;
 }
 
 template <int WG>
