@@ -18,8 +18,9 @@ of N > 1 threads the API server computes on one thread, which starts no team, an
 (`hold_threads_for_fork`). The API server's own torch work is tokenization-side and light.
 
 Startup threads: while the core loads and repacks weights, loads the compile cache and runs vLLM's warm-up, the API
-server only waits, so the core starts on every CPU this process may use and drops to its serving count when its
-busy loop begins, as vLLM does for its GPU workers (`startup_omp_num_threads`, then `set_torch_threads_for_runtime`).
+server only waits, so the core starts on every CPU this process may use (affinity and cgroup quota) and drops to
+its serving count when its busy loop begins, as vLLM does for its GPU workers (`startup_omp_num_threads`, then
+`set_torch_threads_for_runtime`).
 EDGE_ENGINE_STARTUP_THREADS=N sets that count (1: start on the serving count).
 """
 
@@ -47,12 +48,15 @@ def engine_threads_from_env() -> int | None:
 
 
 def startup_threads(threads: int) -> int:
-    """The forked core's threads until it serves: EDGE_ENGINE_STARTUP_THREADS, else every CPU this process may run
-    on; never fewer than its serving count."""
+    """The forked core's threads until it serves: EDGE_ENGINE_STARTUP_THREADS, else every CPU this process may use
+    (its affinity capped by its cgroup's CPU quota, as vLLM counts them: a container's quota, not the node's cores);
+    never fewer than its serving count."""
+    from vllm.utils.torch_utils import available_cpu_count
+
     try:
         asked = int(os.environ.get(STARTUP_THREADS_ENV, ""))
     except ValueError:
-        asked = len(os.sched_getaffinity(0))
+        asked = available_cpu_count()
     return max(threads, asked)
 
 

@@ -119,12 +119,12 @@ def test_a_one_thread_core_starts_on_two_threads_and_serves_on_one():
 
 @pytest.mark.parametrize(("asked", "serving", "expected"), [("1", 1, 1), ("1", 3, 3), ("4", 1, 4), ("x", 1, None)])
 def test_startup_threads_are_the_cpus_unless_asked_and_never_fewer_than_serving(monkeypatch, asked, serving, expected):
-    import os
+    from vllm.utils.torch_utils import available_cpu_count
 
     from kernels.vllm_plugin.engine_start import STARTUP_THREADS_ENV, startup_threads
 
     monkeypatch.setenv(STARTUP_THREADS_ENV, asked)
-    assert startup_threads(serving) == (expected or max(serving, len(os.sched_getaffinity(0))))
+    assert startup_threads(serving) == (expected or max(serving, available_cpu_count()))
 
 
 def test_the_two_process_plan_asks_for_it_and_vllms_platform_still_forces_spawn():
