@@ -187,7 +187,7 @@ def edge_argv(mode: str, args: argparse.Namespace, *extra: str, threads: int | N
         argv += ["--model", str(args.model)]
     if getattr(args, "path", None):
         argv += ["--path", args.path]
-    if (threads := threads or getattr(args, "threads", None)) and mode == "two-process":
+    if (threads := threads or getattr(args, "threads", None)) and mode != "three-process":
         argv += ["--threads", str(threads)]
     return argv
 

@@ -40,10 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
     parser.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
     parser.add_argument("--serving-mode", choices=SERVING_MODES,
-                        help="how many processes vLLM runs as (default: the plan's choice, two-process)")
+                        help="how many processes vLLM runs as (default: the plan's choice by cores: one-process on "
+                             "a box of 1-2 cores, else two-process)")
     parser.add_argument("--threads", type=int, metavar="N",
-                        help="the two-process engine's compute threads (default: the calibration's choice, else "
-                             "every core but one)")
+                        help="the one- or two-process engine's compute threads (default: the calibration's "
+                             "choice, else every core but one)")
     parser.add_argument("--force", action="store_true", help="run a pinned path that a gate refuses")
     parser.add_argument("--max-kld", type=float, default=DEFAULT_MAX_KLD, metavar="NATS",
                         help="speed trades quality only within this measured mean KL divergence per token "

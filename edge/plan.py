@@ -97,8 +97,9 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #                  handing it each step through shared memory (its wait spins a core)
 #   two-process    the engine core runs the worker itself (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's uni
 #                  executor): API server and engine core; the wrapper stays a process of its own either way
-ServingMode = Literal["two-process", "three-process"]
-SERVING_MODES: tuple[ServingMode, ...] = ("two-process", "three-process")
+#   one-process    the engine core runs in a thread of the API server's process (kernels/vllm_plugin/engine_thread.py)
+ServingMode = Literal["one-process", "two-process", "three-process"]
+SERVING_MODES: tuple[ServingMode, ...] = ("one-process", "two-process", "three-process")
 
 
 class VllmConfig(BaseModel):

@@ -13,7 +13,14 @@ from edge import kernel_params, ledger, rules
 from edge.calibration import CalibrationRecord
 from edge.cost import engine_linears, thread_choice
 from edge.device import DeviceProfile
-from edge.engine_config import DEFAULT_SERVING_MODE, attention_block_size, quantization_config, vllm_config
+from edge.engine_config import (
+    DEFAULT_SERVING_MODE,
+    ONE_PROCESS_MAX_CORES,
+    attention_block_size,
+    quantization_config,
+    serving_mode_for,
+    vllm_config,
+)
 from edge.errors import InputError
 from edge.export_plan import export_section
 from edge.facts import FACTS, MeasuredFact, fact
@@ -124,10 +131,10 @@ def _check_threads(threads: int | None, device: DeviceProfile, mode: ServingMode
         raise InputError("threads", threads, "a positive number of threads")
     if (cores := device.compute_cores) is not None and threads > cores:
         raise InputError("threads", threads, f"at most the device's {cores} compute cores")
-    if mode != "two-process":
+    if mode == "three-process":
         # vLLM binds a three-process engine's worker itself (utils/ompmultiprocessing.py), overriding OMP_NUM_THREADS
         raise InputError("threads", threads, "no thread count in three-process mode, where vLLM binds its worker to "
-                         "the cores it does not reserve; use --serving-mode two-process")
+                         "the cores it does not reserve; use --serving-mode one-process or two-process")
 
 
 def engine_baseline(mode: ServingMode, isa_class: str) -> MeasuredFact:
@@ -287,8 +294,9 @@ def make_plan(
     serving_mode: ServingMode | None = None,
     threads: int | None = None,
 ) -> Plan:
-    """serving_mode: how many processes vLLM runs as (edge.plan.ServingMode); None: edge.engine_config's default.
-    threads: the two-process engine's compute threads (OMP_NUM_THREADS); None: the calibration's choice, else
+    """serving_mode: how many processes vLLM runs as (edge.plan.ServingMode); None: edge.engine_config's choice for
+    the device's cores (serving_mode_for).
+    threads: the one- or two-process engine's compute threads (OMP_NUM_THREADS); None: the calibration's choice, else
     edge.engine_config.engine_threads.
     quality: edge-eval records (edge.quality.load_records); an option whose measured mean KLD exceeds
     max_kld is not chosen for speed, and the plan's `quality` section reports the chosen option's record.
@@ -297,7 +305,8 @@ def make_plan(
     _check_inputs(priority, path, layout, max_model_len, max_num_seqs, budget_bytes, model)
     if not max_kld > 0:
         raise InputError("max_kld", max_kld, "a positive mean KL divergence (nats per token)")
-    _check_threads(threads, device, serving_mode or DEFAULT_SERVING_MODE)
+    mode = serving_mode or serving_mode_for(device, threads)
+    _check_threads(threads, device, mode)
     pin = " ".join(f"--{k} {v}" for k, v in (("path", path), ("layout", layout)) if v) or None
     if layout is not None:
         path = path_with_layout(layout)
@@ -308,7 +317,7 @@ def make_plan(
         max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
         max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_kld=max_kld, calibration=calibration,
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
-        serving_mode=serving_mode or DEFAULT_SERVING_MODE, threads=threads,
+        serving_mode=mode, threads=threads,
     )  # fmt: skip
     req, decode_reason = _lossy_decode(req, gates, quality or [])
     evaluated = [Evaluated(option, gates[option.path], _estimate(option, gates[option.path], req),
@@ -355,8 +364,30 @@ def make_plan(
     if plan.vllm is not None and (block := attention_block_size(model)) is not None:
         plan.reasons.append(Reason(text=f"every layer attends through a sliding window: vLLM's CPU attention then "
                                    f"serves only at --block-size {block} (vLLM 0.28, docs/FACTS.md)"))  # fmt: skip
+    if plan.vllm is not None:
+        plan.reasons.append(_serving_mode_reason(plan.vllm.mode, serving_mode is not None, device))
     _set_threads(plan, req)
     return plan
+
+
+def _serving_mode_reason(mode: ServingMode, asked: bool, device: DeviceProfile) -> Reason:
+    """Why vLLM runs as this many processes: as asked, else what one-process mode measured against two-process
+    (edge.engine_config.serving_mode_for decides by cores)."""
+    if asked:
+        return Reason(text=f"vLLM runs {mode}, as asked (serving_mode)", source="asked")
+    rss = fact("avx512.one_process.rss_settled_ratio")
+    decode = fact("avx512.one_process.decode_ratio")
+    measured = (f"one-process measured {rss.value:.0%} of two-process's settled RssAnon and {decode.value:.2f}x its "
+                f"served decode on a {ONE_PROCESS_MAX_CORES}-core {rss.isa_class} host ({rss.date})")  # fmt: skip
+    if mode == "one-process":
+        return Reason(text=f"vLLM runs one-process, its engine core a thread of the API server's process, on this "
+                      f"{device.compute_cores}-core box: {measured}", fact=rss.key, value=rss.value, unit=rss.unit,
+                      source="measured here")  # fmt: skip
+    cores = f"{device.compute_cores} cores" if device.compute_cores else "an unknown core count"
+    return Reason(text=f"vLLM runs two-process (API server, engine core) with {cores}: the API server keeps a process "
+                  f"and a GIL of its own beside the engine's threads; {measured}, and is not measured on more cores "
+                  "(--serving-mode one-process asks for it)", fact=rss.key, value=rss.value, unit=rss.unit,
+                  source="measured here")  # fmt: skip
 
 
 def _lossy_decode(req: Request, gates: dict[WeightPath, Gate],
@@ -392,6 +423,10 @@ def _set_threads(plan: Plan, req: Request) -> None:
         plan.vllm.env["OMP_NUM_THREADS"] = str(req.threads)
         plan.reasons.append(Reason(text=f"{req.threads} engine thread{'s' if req.threads > 1 else ''}, as asked "
                                    "(threads)", value=req.threads, unit="threads", source="asked"))  # fmt: skip
+        if req.threads > 1 and plan.vllm.mode == "one-process" and req.device.compute_cores == 2:
+            decode, _ = _second_thread_facts("one-process")
+            plan.warnings.append(f"one-process on {req.threads} threads of a 2-core box: a second thread served "
+                                 f"{decode.value:.2f}x the decode of one (fact {decode.key}); two-process loses less")
         return
     cores = req.device.compute_cores
     if plan.vllm is None or not cores:
@@ -399,7 +434,7 @@ def _set_threads(plan: Plan, req: Request) -> None:
     decode = kernels_for(plan.path, plan.layout, "decode")  # the kernel of its decode rows (edge.kernel_registry)
     choice = thread_choice(req.calibration, decode[0], cores) if decode and req.calibration else None
     if choice is not None:
-        if choice.threads > 1 or plan.vllm.mode == "two-process":  # two-process: the engine's own binding
+        if choice.threads > 1 or plan.vllm.mode != "three-process":  # one/two-process: the engine's own binding
             plan.vllm.env["OMP_NUM_THREADS"] = str(choice.threads)
         plan.reasons.append(Reason(text=choice.why, value=choice.threads, unit="threads",
                                    source="calibration of this CPU"))  # fmt: skip
@@ -408,17 +443,22 @@ def _set_threads(plan: Plan, req: Request) -> None:
 
 
 def _served_threads_reason(plan: Plan, cores: int) -> Reason | None:
-    """Why a two-process engine on a 2-core box computes on one thread: what a second one measured end to end
-    through edge-serve, where the API server and the streams share the cores with it (a kernel's own scaling, which
-    the calibration times, leaves that out)."""
-    if plan.vllm is None or plan.vllm.mode != "two-process" or cores != 2:
+    """Why a one- or two-process engine on a 2-core box computes on one thread: what a second one measured end to
+    end through edge-serve in that mode, where the API server and the streams share the cores with it (a kernel's
+    own scaling, which the calibration times, leaves that out)."""
+    if plan.vllm is None or plan.vllm.mode == "three-process" or cores != 2:
         return None
-    decode = fact("avx512.two_process.second_thread.decode_ratio")
-    prefill = fact("avx512.two_process.second_thread.prefill_ratio")
+    decode, prefill = _second_thread_facts(plan.vllm.mode)
+    hint = "--threads 2 --serving-mode two-process" if plan.vllm.mode == "one-process" else "--threads 2"
     return Reason(text=f"1 engine thread on this 2-core box: a second one served {decode.value:.2f}x the decode and "
-                  f"{prefill.value:.2f}x the prefill@512 through edge-serve (measured on the {decode.isa_class} host, "
-                  f"{decode.date}); --threads 2 for prompt-heavy use", fact=decode.key, value=decode.value,
-                  unit=decode.unit, source="measured here")  # fmt: skip
+                  f"{prefill.value:.2f}x the prefill@512 through edge-serve {plan.vllm.mode} (measured on the "
+                  f"{decode.isa_class} host, {decode.date}); {hint} for prompt-heavy use", fact=decode.key,
+                  value=decode.value, unit=decode.unit, source="measured here")  # fmt: skip
+
+
+def _second_thread_facts(mode: ServingMode) -> tuple[MeasuredFact, MeasuredFact]:
+    key = mode.replace("-", "_")
+    return fact(f"avx512.{key}.second_thread.decode_ratio"), fact(f"avx512.{key}.second_thread.prefill_ratio")
 
 
 def _w4a16_shapes(model: ModelShape, gates: dict[WeightPath, Gate]) -> list[tuple[int, int]]:

@@ -284,10 +284,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--path", choices=WEIGHT_PATHS, help="pin the weight path")
     p.add_argument("--layout", choices=LAYOUTS, help="pin the w4a16-tinygemm layout")
     p.add_argument("--serving-mode", choices=SERVING_MODES,
-                   help="vLLM as two processes (API server, engine core running its worker) or three (vLLM's CPU "
-                        "default, a worker process of its own); default: the plan's choice")
-    p.add_argument("--threads", type=int, metavar="N", help="the two-process engine's compute threads (default: the "
-                   "calibration's choice, else every core but one)")
+                   help="vLLM as one process (the engine core a thread of the API server), two (API server, engine "
+                        "core running its worker) or three (vLLM's CPU default, a worker process of its own); default: "
+                        "the plan's choice by cores")
+    p.add_argument("--threads", type=int, metavar="N", help="the one- or two-process engine's "
+                   "compute threads (default: the calibration's choice, else every core but one)")
     p.add_argument("--force", action="store_true", help="start a plan over its memory budget or a refused pin")
     p.add_argument("--dry-run", action="store_true", help="plan and convert, print, do not serve")
     p.add_argument("--plan-only", action="store_true",

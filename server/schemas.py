@@ -177,12 +177,12 @@ class PlanOptions(_Strict):
         default=None, ge=1, le=MAX_NUM_SEQS, description="Concurrent sequences; default: the planner's."
     )
     serving_mode: ServingMode | None = Field(
-        default=None, description="How many processes vLLM runs as: 'two-process' or 'three-process'; default: the "
-        "planner's (the plan's vllm.mode).",
+        default=None, description="How many processes vLLM runs as: 'one-process', 'two-process' or 'three-process'; "
+        "default: the planner's by the device's cores (the plan's vllm.mode).",
     )
     threads: int | None = Field(
-        default=None, ge=1, description="The two-process engine's compute threads (OMP_NUM_THREADS); default: the "
-        "calibration's choice, else every core but one.",
+        default=None, ge=1, description="The one- or two-process engine's compute threads (OMP_NUM_THREADS); "
+        "default: the calibration's choice, else every core but one.",
     )
 
 

@@ -20,6 +20,9 @@ def register() -> None:
     from kernels.vllm_plugin import engine_start
 
     engine_start.install()
+    from kernels.vllm_plugin import engine_thread
+
+    engine_thread.install()
     # Importing registers: @register_quantization_config("cpu_int4") and the torch.ops.vllm.cpu_int4_* ops.
     import kernels.vllm_plugin.cpu_int4  # noqa: F401
     import kernels.vllm_plugin.cpu_w4a8  # noqa: F401  (@register_quantization_config("cpu_w4a8"), torch.ops.vllm.cpu_w4a8_linear)

@@ -8,7 +8,7 @@ from edge.errors import InputError
 from edge.gates import all_gates
 from edge.kernel_params import for_device
 from edge.model_reader import read_model
-from edge.plan import Plan
+from edge.plan import SERVING_MODES, Plan
 from edge.planner import PlanRefused, make_plan
 from edge.quality import QualityRecord, quality_key
 from edge.rank import RankInput, rank, speed_options
@@ -392,17 +392,41 @@ def test_gemma_3_takes_the_8_bit_embedding_and_head(zen5):
 # --- serving mode (issue 23) ------------------------------------------------------------------------------------
 
 
-def test_the_plan_serves_in_two_processes_with_the_engines_own_thread_binding(zen5, smollm2):
+def test_a_two_core_box_serves_in_one_process_and_says_what_that_measured(zen5, smollm2):
+    """On a 1-2 core box the engine core is a thread of vLLM's API server (kernels/vllm_plugin/engine_thread.py):
+    one Python process with torch and vLLM, on one compute thread, and no OpenMP binding."""
+    plan = make_plan(zen5, smollm2)
+    assert zen5.compute_cores == 2 and plan.vllm.mode == "one-process"
+    env = plan.vllm.env
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["EDGE_ENGINE_CORE_START"] == "thread"
+    assert env["OMP_NUM_THREADS"] == "1" and "OMP_PROC_BIND" not in env and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env
+    why = [r for r in plan.reasons if r.fact == "avx512.one_process.rss_settled_ratio"]
+    assert len(why) == 1 and f"measured {why[0].value:.0%} of two-process's settled RssAnon" in why[0].text
+
+
+def test_a_bigger_box_serves_in_two_processes_with_the_engines_own_thread_binding(ice_lake, smollm2):
     """The engine core runs the worker itself (vLLM's uni executor), so the plan gives it the thread count vLLM
     would give a worker process, one core left to the API server and the wrapper, and no OpenMP binding (which the
     API server, whose environment the engine core inherits, would take too)."""
-    plan = make_plan(zen5, smollm2)
+    plan = make_plan(ice_lake, smollm2)
     assert plan.vllm.mode == "two-process"
     env = plan.vllm.env
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "OMP_PROC_BIND" not in env
-    assert env["OMP_NUM_THREADS"] == str(max(1, zen5.compute_cores - 1))
+    assert env["OMP_NUM_THREADS"] == str(max(1, ice_lake.compute_cores - 1))
     assert env["EDGE_ENGINE_CORE_START"] == "fork"  # the core inherits the API server's imports
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in env  # only vLLM's mp executor reads it
+    assert any(r.fact == "avx512.one_process.rss_settled_ratio" and "two-process" in r.text for r in plan.reasons)
+
+
+def test_two_threads_asked_on_a_two_core_box_serve_in_two_processes(zen5, smollm2):
+    """One-process on 2 threads served 0.44x the decode of one thread; two-process lost 9 %."""
+    plan = make_plan(zen5, smollm2, threads=2)
+    assert plan.vllm.mode == "two-process" and plan.vllm.env["OMP_NUM_THREADS"] == "2"
+    assert not any("one-process" in w for w in plan.warnings)
+    asked = make_plan(zen5, smollm2, threads=2, serving_mode="one-process")  # asked for both: served, with a warning
+    assert asked.vllm.mode == "one-process" and asked.vllm.env["OMP_NUM_THREADS"] == "2"
+    assert any("0.44x" in w for w in asked.warnings)
+    assert any(r.source == "asked" and "one-process" in r.text for r in asked.reasons)
 
 
 def test_an_engine_of_more_than_one_thread_starts_its_core_by_fork_too(ice_lake, smollm2):
@@ -425,10 +449,13 @@ def test_one_engine_thread_on_a_two_core_box_cites_what_a_second_one_measured_se
     assert zen5.compute_cores == 2
     plan = make_plan(zen5, smollm2)
     assert plan.vllm.env["OMP_NUM_THREADS"] == "1"
-    served = [r for r in plan.reasons if r.fact == "avx512.two_process.second_thread.decode_ratio"]
-    assert len(served) == 1 and "--threads 2" in served[0].text
+    served = [r for r in plan.reasons if r.fact == "avx512.one_process.second_thread.decode_ratio"]
+    assert len(served) == 1 and "--threads 2 --serving-mode two-process" in served[0].text
+    two = make_plan(zen5, smollm2, serving_mode="two-process")
+    assert [r.fact for r in two.reasons if r.fact and "second_thread" in r.fact] == [
+        "avx512.two_process.second_thread.decode_ratio"]
     asked = make_plan(zen5, smollm2, threads=2)  # asked for two: the measurement against it is not quoted
-    assert not any(r.fact == served[0].fact for r in asked.reasons)
+    assert not any(r.fact and "second_thread" in r.fact for r in asked.reasons)
 
 
 @pytest.mark.parametrize(("threads", "mode", "expected"), [
@@ -451,9 +478,10 @@ def test_three_process_mode_is_vllms_own_cpu_default(zen5, smollm2):
 
 
 def test_the_serving_mode_changes_no_weights(zen5, smollm2):
-    two, three = (make_plan(zen5, smollm2, serving_mode=m) for m in ("two-process", "three-process"))
-    assert two.quantization_config == three.quantization_config and two.vllm.args == three.vllm.args
-    assert two.vllm.env["VLLM_CACHE_ROOT"] == three.vllm.env["VLLM_CACHE_ROOT"]  # the same compiled graphs
+    one, two, three = (make_plan(zen5, smollm2, serving_mode=m) for m in SERVING_MODES)
+    assert one.quantization_config == two.quantization_config == three.quantization_config
+    assert one.vllm.args == two.vllm.args == three.vllm.args
+    assert one.vllm.env["VLLM_CACHE_ROOT"] == two.vllm.env["VLLM_CACHE_ROOT"] == three.vllm.env["VLLM_CACHE_ROOT"]
 
 
 def _w4a8_record_of(zen5, model, kld: float) -> QualityRecord:
@@ -527,13 +555,13 @@ def test_a_q4_k_m_whose_rows_fall_back_keeps_its_q4_k_codes_and_takes_the_rest_a
 
 
 def test_the_ledgers_engine_baseline_follows_the_serving_mode(zen5, smollm2):
-    """Measured per mode on the AVX-512 host: the two-process engine carries one Python process fewer."""
+    """Measured per mode on the AVX-512 host: each mode carries one Python process with torch and vLLM fewer."""
     def baseline(mode):
         plan = make_plan(zen5, smollm2, serving_mode=mode)
         return next(item.bytes for item in plan.memory.items if item.kind == "engine-baseline")
 
     from edge.facts import fact
 
-    assert baseline("two-process") == fact("avx512.vllm_engine_baseline_bytes.two-process").value
-    assert baseline("three-process") == fact("avx512.vllm_engine_baseline_bytes.three-process").value
-    assert baseline("two-process") < baseline("three-process")
+    for mode in ("one-process", "two-process", "three-process"):
+        assert baseline(mode) == fact(f"avx512.vllm_engine_baseline_bytes.{mode}").value
+    assert baseline("one-process") < baseline("two-process") < baseline("three-process")

@@ -473,7 +473,9 @@ def test_post_plan_takes_the_serving_mode_and_the_plan_names_it(client):
     assert client.post("/plan", json=body).json()["vllm"]["mode"] == "two-process"
     three = client.post("/plan", json={**body, "serving_mode": "three-process"}).json()
     assert three["vllm"]["mode"] == "three-process" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in three["vllm"]["env"]
-    bad = client.post("/plan", json={**body, "serving_mode": "one-process"})
+    one = client.post("/plan", json={**body, "serving_mode": "one-process"}).json()
+    assert one["vllm"]["mode"] == "one-process" and one["vllm"]["env"]["EDGE_ENGINE_CORE_START"] == "thread"
+    bad = client.post("/plan", json={**body, "serving_mode": "four-process"})
     assert bad.status_code == 422 and "serving_mode" in bad.text
 
 

@@ -1,0 +1,235 @@
+"""kernels/vllm_plugin/engine_thread.py: one-process serving's engine-core client.
+
+The client's own logic (the queue into the engine thread, outputs back to the event loop, a dead engine, utilities,
+shutdown) runs here against a stand-in for vLLM's EngineCore, named as such. The real EngineCore in a thread, behind
+vLLM's real OpenAI server, is served by the slow tests (tests/server), whose plan is one-process on a 1-2 core box.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.engine import core as vllm_core  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
+
+from kernels.vllm_plugin import engine_thread  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class StandInCore:
+    """A stand-in for vLLM's EngineCore: each request yields one output per step, `steps` steps long."""
+
+    def __init__(self, vllm_config, executor_class, log_stats) -> None:
+        if vllm_config.fail_init:
+            raise RuntimeError("the model did not load")
+        self.config = vllm_config
+        self.left: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.stepped_on: set[str] = set()
+        self.shut = False
+        self.scheduler = SimpleNamespace(has_requests=lambda: bool(self.left))
+
+    def preprocess_add_request(self, request):
+        return request, 0
+
+    def add_request(self, request, wave):
+        self.left[request] = self.config.steps
+
+    def abort_requests(self, ids):
+        self.aborted += ids
+        for i in ids:
+            self.left.pop(i, None)
+
+    def step_fn(self):
+        self.steps += 1
+        self.stepped_on.add(threading.current_thread().name)
+        if self.steps == self.config.fail_at_step:
+            raise RuntimeError("a kernel failed")
+        out = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            out.append((rid, self.left[rid]))
+            if not self.left[rid]:
+                del self.left[rid]
+        return {0: out}, True
+
+    def post_step(self, model_executed):
+        pass
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def reset_prefix_cache(self, reset_running_requests, reset_connector):
+        return (reset_running_requests, reset_connector)
+
+    def is_sleeping(self):
+        raise ValueError("asked of a core that cannot say")
+
+    def shutdown(self):
+        self.shut = True
+
+
+def config(steps: int = 3, fail_at_step: int | None = None, fail_init: bool = False, dp: int = 1):
+    return SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp), steps=steps,
+                           fail_at_step=fail_at_step, fail_init=fail_init)  # fmt: skip
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    monkeypatch.setattr(vllm_core, "EngineCore", StandInCore)
+
+
+async def collect(client, count: int, timeout_s: float = 10) -> list:
+    got = []
+    while len(got) < count:
+        got += (await asyncio.wait_for(client.get_output_async(), timeout_s))
+    return got
+
+
+def test_requests_are_stepped_in_the_engine_thread_and_their_outputs_come_back_in_order(stand_in):
+    client = engine_thread.ThreadEngineClient(config(steps=3), None, False)
+
+    async def run():
+        await client.add_request_async("a")
+        await client.add_request_async("b")
+        return await collect(client, 6)
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert [left for rid, left in got if rid == "a"] == [2, 1, 0]
+    assert [left for rid, left in got if rid == "b"] == [2, 1, 0]
+    assert client._core is None and client.resources.engine_dead is False
+    assert not client._thread.is_alive()
+
+
+def test_an_idle_engine_waits_instead_of_stepping(stand_in):
+    client = engine_thread.ThreadEngineClient(config(steps=2), None, False)
+    core = client._core
+
+    async def run():
+        await client.add_request_async("a")
+        await collect(client, 2)
+        await asyncio.sleep(0.3)
+
+    try:
+        asyncio.run(run())
+        assert core.steps == 2 and core.stepped_on == {"EdgeEngineCore"}
+    finally:
+        client.shutdown()
+    assert core.shut
+
+
+def test_an_abort_reaches_the_core(stand_in):
+    client = engine_thread.ThreadEngineClient(config(steps=10**6), None, False)
+    core = client._core
+
+    async def run():
+        await client.add_request_async("long")
+        await collect(client, 3)
+        await client.abort_requests_async(["long"])
+        for _ in range(100):
+            if not core.left:
+                return
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert core.aborted == ["long"] and not core.left
+
+
+def test_a_failing_step_marks_the_engine_dead_and_fails_what_comes_next(stand_in):
+    client = engine_thread.ThreadEngineClient(config(steps=5, fail_at_step=2), None, False)
+
+    async def run():
+        await client.add_request_async("a")
+        first = await client.get_output_async()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(client.get_output_async(), 10)
+        with pytest.raises(EngineDeadError):
+            await client.add_request_async("b")
+        with pytest.raises(EngineDeadError):
+            await client.reset_prefix_cache_async()
+        return first
+
+    try:
+        assert asyncio.run(run()) == [("a", 4)]
+    finally:
+        client.shutdown()
+    assert client.resources.engine_dead
+
+
+def test_an_engine_that_fails_to_start_raises_its_error_to_the_server(stand_in):
+    with pytest.raises(RuntimeError, match="did not load"):
+        engine_thread.ThreadEngineClient(config(fail_init=True), None, False)
+
+
+def test_one_process_refuses_data_parallel(stand_in):
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        engine_thread.ThreadEngineClient(config(dp=2), None, False)
+
+
+def test_utilities_run_in_the_engine_thread_and_their_errors_are_the_callers(stand_in):
+    client = engine_thread.ThreadEngineClient(config(), None, False)
+
+    async def run():
+        reset = await client.reset_prefix_cache_async(True, False)
+        with pytest.raises(ValueError, match="cannot say"):
+            await client.is_sleeping_async()
+        tasks = await client.get_supported_tasks_async()
+        await client.add_request_async("after")
+        return reset, tasks, await collect(client, 3)
+
+    try:
+        reset, tasks, after = asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert reset == (True, False) and tasks == ("generate",) and after[-1] == ("after", 0)
+    assert not client.resources.engine_dead
+
+
+PROBE = """
+import json
+from vllm.v1.engine import async_llm
+from kernels.vllm_plugin import engine_thread
+before = async_llm.EngineCoreClient.make_async_mp_client
+installed, again = engine_thread.install(), engine_thread.install()
+after = async_llm.EngineCoreClient.make_async_mp_client
+print(json.dumps({"installed": installed, "again": again, "replaced": after is not before,
+                  "ours": getattr(after, "_edge_select_engine_thread", False)}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("env", "installed"),
+    [
+        ({"EDGE_ENGINE_CORE_START": "thread", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, True),
+        ({"EDGE_ENGINE_CORE_START": "thread"}, False),  # vLLM's platform would turn the executor into mp
+        ({"EDGE_ENGINE_CORE_START": "fork", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),  # two-process
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, False),
+    ],
+)
+def test_the_client_is_routed_only_in_one_process_mode(env, installed):
+    import os
+
+    mode_vars = ("EDGE_ENGINE_CORE_START", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    base = {k: v for k, v in os.environ.items() if k not in mode_vars}
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env={**base, **env}, capture_output=True, text=True,
+                          timeout=300, check=True)  # fmt: skip
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"installed": installed, "again": False, "replaced": installed, "ours": installed}
