@@ -36,7 +36,9 @@ class Settings(BaseSettings):
     )
 
     # The engine child process: it listens on a Unix socket in run_dir, fresh for each start, never on a TCP port.
-    health_poll_s: float = Field(default=1.0, gt=0, description="How often the engine's /health is polled.")
+    # A starting engine's socket refuses at once, so a short poll costs nothing and is up to a poll of start time:
+    # 1.0 s here lost 0.5 s of each warm start on average (2026-12-03)
+    health_poll_s: float = Field(default=0.1, gt=0, description="How often a starting engine's /health is polled.")
     ready_timeout_s: float = Field(
         default=900.0,
         gt=0,

@@ -70,15 +70,20 @@ class ThreadEngineClient:
     def _run(self, vllm_config: Any, executor_class: Any, log_stats: bool, started: Future) -> None:
         from vllm.v1.engine.core import EngineCore
 
+        serving, startup = _thread_counts()
         try:
+            if startup != serving:
+                _set_threads(startup)  # the event loop only waits meanwhile
             core = EngineCore(vllm_config, executor_class, log_stats)
+            if startup != serving:
+                _set_threads(serving)
         except BaseException as e:  # noqa: BLE001 - handed to the starting thread, which raises it
             started.set_exception(e)
             return
         self._core = core
         started.set_result(None)
-        logger.info("engine core runs in thread %r of the API server's process (pid %d)",
-                    threading.current_thread().name, os.getpid())
+        logger.info("engine core runs in thread %r of the API server's process (pid %d): %d threads to start, %d to "
+                    "serve", threading.current_thread().name, os.getpid(), startup, serving)
         try:
             while True:
                 # Wait for work when there is none; take every queued input before the next step.
@@ -255,6 +260,30 @@ class ThreadEngineClient:
             self._core = None
 
 
+def _thread_counts() -> tuple[int, int]:
+    """The engine thread's OpenMP threads to serve on (OMP_NUM_THREADS) and to start on: while it loads, repacks
+    and warms up, the event loop only waits, so it starts on every CPU this process may use, as a forked two-process
+    core does (kernels/vllm_plugin/engine_start.py; EDGE_ENGINE_STARTUP_THREADS=1 turns it off)."""
+    import torch
+
+    from kernels.vllm_plugin.engine_start import engine_threads_from_env, startup_threads
+
+    serving = engine_threads_from_env() or torch.get_num_threads()
+    return serving, startup_threads(serving)
+
+
+# torch.set_num_threads, bound by install() before vLLM's CPU worker replaces it with a no-op (cpu_worker.py)
+_torch_set_threads: Any = None
+
+
+def _set_threads(threads: int) -> None:
+    """This thread's OpenMP team size: omp_set_num_threads is a per-thread setting, so the engine thread's count
+    leaves the event loop's alone."""
+    import torch
+
+    (_torch_set_threads or torch.set_num_threads)(threads)
+
+
 def install() -> bool:
     """Route AsyncLLM's engine-core client to ThreadEngineClient when EDGE_ENGINE_CORE_START=thread; True if
     installed (once per process)."""
@@ -277,4 +306,8 @@ def install() -> bool:
 
     setattr(make_async_mp_client, _MARK, True)
     client.make_async_mp_client = staticmethod(make_async_mp_client)
+    global _torch_set_threads
+    import torch
+
+    _torch_set_threads = torch.set_num_threads
     return True

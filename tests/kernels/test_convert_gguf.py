@@ -173,8 +173,11 @@ def test_the_tensors_wider_than_4_bits_go_to_the_8_bit_set_and_said_so(tmp_path,
     plan = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
                      path="w4a16-tinygemm")  # fmt: skip
     layers = {(layer.name, layer.format): layer for layer in plan.layers}
-    assert layers["v_proj", "int8"].why.endswith("from the file's Q6_K x1") and layers["v_proj", "int8"].indices == [0]
-    assert layers["down_proj", "int8"].why.endswith("from the file's Q5_0 x1")
+    # Q6_K's and Q5_0's grids are int8 grids the 8-bit kernel runs (group 16 and 32): the plan copies their codes
+    # (edge.gguf_metadata.INT8_GRIDS)
+    assert layers["v_proj", "int8"].why.endswith("the file's codes copied (Q6_K x1)")
+    assert layers["v_proj", "int8"].indices == [0]
+    assert layers["down_proj", "int8"].why.endswith("the file's codes copied (Q5_0 x1)")
     assert layers["down_proj", "int4"].why == "quantized: the file's codes copied (1)"
 
 
