@@ -23,7 +23,9 @@ exception in the engine thread marks the engine dead (AsyncLLM's `errored`, /hea
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -36,6 +38,8 @@ THREAD = "thread"
 logger = logging.getLogger("vllm.edge_select.engine_thread")
 _MARK = "_edge_select_engine_thread"
 _STOP = object()
+# How long shutdown waits for the engine thread's current step, and for AsyncLLM's output handler to take the error
+STOP_WAIT_S = 5.0
 
 
 class _Resources:
@@ -58,6 +62,8 @@ class ThreadEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = None
         self._pending: list[Any] = []  # outputs made before the event loop was known
+        self._loop_thread: int | None = None
+        self._handler_failed = threading.Event()
         self._lock = threading.Lock()
         self._core: Any = None
         started: Future = Future()
@@ -147,6 +153,7 @@ class ThreadEngineClient:
             return
         with self._lock:
             self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
             self._outputs = asyncio.Queue()
             for out in self._pending:
                 self._outputs.put_nowait(out)
@@ -166,6 +173,7 @@ class ThreadEngineClient:
         if isinstance(out, BaseException):
             from vllm.v1.engine.exceptions import EngineDeadError
 
+            self._handler_failed.set()  # AsyncLLM's output handler now hands the error to every request
             raise EngineDeadError() from out
         return out
 
@@ -252,12 +260,29 @@ class ThreadEngineClient:
         return False
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine thread after its current step, end every request in flight with EngineDeadError (as a
+        dead engine process does through vLLM's MP client; otherwise each open stream waits for tokens that never
+        come and the server's graceful shutdown with it), then release the core. vLLM's launcher calls this from an
+        executor thread and cancels AsyncLLM's output handler right after, so it waits until the handler has taken
+        the error. In-flight requests are aborted whatever `timeout` says: there is no drain in one-process mode."""
         if self._thread.is_alive():
             self._inputs.put(_STOP)
-            self._thread.join(timeout if timeout is not None else 30)
-        if self._core is not None:
+            self._thread.join(STOP_WAIT_S)
+        self._fail_in_flight()
+        if self._thread.is_alive():  # a step that does not end: the process is on its way out anyway (daemon)
+            logger.warning("engine core thread still running %.0f s after it was told to stop", STOP_WAIT_S)
+        elif self._core is not None:
             self._core.shutdown()
             self._core = None
+
+    def _fail_in_flight(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed() or threading.get_ident() == self._loop_thread:
+            return  # no request ever came, or called on the event loop itself, which cannot wait for itself
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._deliver(EngineDeadError("the API server is shutting down"))
+        self._handler_failed.wait(STOP_WAIT_S)
 
 
 def _thread_counts() -> tuple[int, int]:
@@ -310,4 +335,9 @@ def install() -> bool:
     import torch
 
     _torch_set_threads = torch.set_num_threads
+    # At exit the interpreter's last cyclic collection walks the engine's whole object graph (the model, its compiled
+    # graphs): 2.5-4 s of every stop (py-spy: gc_collect_main in finalization, 2026-12-03), time in which a restart
+    # waits and the watchdog's grace runs out. atexit runs before it (registered first, it runs last): the objects
+    # left are then not collected, which the exit makes moot; vLLM's and logging's own exit handlers have run.
+    atexit.register(gc.freeze)
     return True

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -172,6 +173,36 @@ def test_a_failing_step_marks_the_engine_dead_and_fails_what_comes_next(stand_in
     finally:
         client.shutdown()
     assert client.resources.engine_dead
+
+
+def test_shutdown_ends_the_requests_in_flight_before_the_handler_is_cancelled(stand_in):
+    """vLLM's launcher calls shutdown from an executor thread, then cancels AsyncLLM's output handler: a stream still
+    open must get an error first, or it waits for tokens that never come (and the server's graceful exit with it)."""
+    client = engine_thread.ThreadEngineClient(config(steps=10**6), None, False)
+    core = client._core
+
+    async def run():
+        failed: list[BaseException] = []
+
+        async def output_handler():  # a stand-in for AsyncLLM's: outputs to requests, an error to every one
+            try:
+                while True:
+                    await client.get_output_async()
+            except Exception as e:  # noqa: BLE001
+                failed.append(e)
+
+        handler = asyncio.create_task(output_handler())
+        await client.add_request_async("open stream")
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, client.shutdown, 0)
+        took = time.monotonic() - started
+        handler.cancel()
+        return failed, took
+
+    failed, took = asyncio.run(run())
+    assert len(failed) == 1 and isinstance(failed[0], EngineDeadError)
+    assert took < engine_thread.STOP_WAIT_S and not client._thread.is_alive() and core.shut
 
 
 def test_an_engine_that_fails_to_start_raises_its_error_to_the_server(stand_in):
