@@ -1,13 +1,15 @@
 """What a client gets over HTTP: edge-serve against llama.cpp's own OpenAI server, same model, same threads, both
 streaming through their API, interleaved (issue 23).
 
-    .venv/bin/python -m benchmarks.bench_serve [--variants edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1]
+    .venv/bin/python -m benchmarks.bench_serve
+        [--variants edge:one-process,edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1]
         [--passes 2] [--model DIR|FILE.gguf] [--gguf-q4_1 FILE] [--gguf-q4_0 FILE] [--threads N] [--json OUT]
 
 Variants:
     edge:MODE     `edge-serve --priority speed --serving-mode MODE` on the default model (or --model): the plan's
-                  path and kernels, vLLM in `two-process` mode (API server + engine core running its worker) or
-                  `three-process` (API server, engine core, worker: vLLM's own CPU default)
+                  path and kernels, vLLM in `one-process` mode (the engine core a thread of the API server),
+                  `two-process` (API server + engine core running its worker) or `three-process` (API server,
+                  engine core, worker: vLLM's own CPU default); `edge:MODE@N` on N engine threads
     llama:TYPE    llama-cpp-python's server (`python -m llama_cpp.server`, the separate venv of
                   benchmarks/gguf_fidelity.py, built for this host's SIMD) on the default model's GGUF of that type:
                   Q4_1 is the file the default model is built from; Q4_0 is what llama.cpp repacks for AVX2/AVX-512
@@ -31,7 +33,7 @@ the OpenAI API:
                  `settled` is the median over 3 s of idle after the warm-up, `peak` the maximum from launch to stop
 
 Both servers get the same thread count unless a variant names its own: --threads N where given (edge-serve's
---threads, for two-process variants), else the first edge variant's, what its plan starts vLLM with (read from
+--threads, for one- and two-process variants), else the first edge variant's, what its plan starts vLLM with (read from
 /status: OMP_NUM_THREADS, else every core, as vLLM binds its worker on a box where the plan reserves none), passed
 to llama.cpp as n_threads and n_threads_batch. The table reports medians over passes and each variant's ratio to
 the best llama.cpp variant.
@@ -263,7 +265,8 @@ def table(summary: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default="edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1")
+    parser.add_argument("--variants",
+                        default="edge:one-process,edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--model", type=Path, help="edge-serve's --model (default: the embedded model)")
     parser.add_argument("--gguf-q4_1", type=Path, help="llama:Q4_1's file (default: the default model's own)")

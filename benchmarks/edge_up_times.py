@@ -11,7 +11,8 @@ already present (this checkout's .venv, or EDGE_VENV, and EDGE_SELECT_CACHE_DIR 
 per mode and pass, interleaved, with a first unmeasured start of each mode that fills its compile cache. Reports
 each mode's median seconds to /readyz 200:
 
-    python3 benchmarks/edge_up_times.py --warm [--modes two-process,three-process] [--passes 3] [--port 8090]
+    python3 benchmarks/edge_up_times.py --warm [--modes one-process,two-process,three-process] [--passes 3]
+        [--port 8090]
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("workdir", type=Path, nargs="?")
     parser.add_argument("--port", type=int, default=8090)
     parser.add_argument("--warm", action="store_true", help="warm starts per serving mode (docstring)")
-    parser.add_argument("--modes", default="two-process,three-process")
+    parser.add_argument("--modes", default="one-process,two-process,three-process")
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args()
     if args.warm:

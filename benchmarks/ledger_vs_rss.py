@@ -1,7 +1,7 @@
 """The plan's memory ledger against what edge-serve's engine holds, per serving mode (issue 23, item 6).
 
-    .venv/bin/python -m benchmarks.ledger_vs_rss [--modes two-process,three-process] [--passes 1] [--model DIR]
-        [--path PATH] [--cold] [--json OUT]
+    .venv/bin/python -m benchmarks.ledger_vs_rss [--modes one-process,two-process,three-process] [--passes 1]
+        [--model DIR] [--path PATH] [--cold] [--json OUT]
 
 For each (pass, mode), interleaved: `edge-serve --priority speed --serving-mode MODE` (bench_serve's launcher)
 starts fresh; RssAnon is sampled every 0.25 s over its whole process tree from launch to stop (benchmarks/rss.py),
@@ -96,7 +96,7 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="two-process,three-process")
+    parser.add_argument("--modes", default="one-process,two-process,three-process")
     parser.add_argument("--passes", type=int, default=1)
     parser.add_argument("--model", type=Path, help="default: the embedded default model")
     parser.add_argument("--path", help="edge-serve's --path (default: the plan's)")
