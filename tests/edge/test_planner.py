@@ -484,6 +484,22 @@ def test_the_serving_mode_changes_no_weights(zen5, smollm2):
     assert one.vllm.env["VLLM_CACHE_ROOT"] == two.vllm.env["VLLM_CACHE_ROOT"] == three.vllm.env["VLLM_CACHE_ROOT"]
 
 
+def test_a_class_without_its_own_baseline_for_the_mode_takes_the_mode_measured_elsewhere(avx2_host, smollm2):
+    """The AVX2 host has only a three-process baseline (measured there on bf16). Its one-process engine is charged
+    the one-process figure of the AVX-512 host, not that: the mode moves the baseline by half a GB a process, the
+    ISA barely. That figure was measured on a quantized plan, so a bf16 plan books that class's repack retention."""
+    from edge.facts import fact
+
+    def items(mode, path=None):
+        plan = make_plan(avx2_host, smollm2, serving_mode=mode, path=path)
+        return {item.kind: item.bytes for item in plan.memory.items}
+
+    assert items("one-process")["engine-baseline"] == fact("avx512.vllm_engine_baseline_bytes.one-process").value
+    assert items("three-process")["engine-baseline"] == fact("any.vllm_engine_baseline_bytes").value
+    assert "repack-retention" in items("one-process", "bf16")
+    assert "repack-retention" not in items("three-process", "bf16")  # its baseline was measured on bf16
+
+
 def _w4a8_record_of(zen5, model, kld: float) -> QualityRecord:
     plan = make_plan(zen5, model, path="w4a8-gptq")
     return record(model, quality_key(plan.path, plan.quantization_config), kld)
