@@ -17,6 +17,12 @@ Variants:
     llama:file    the same server on the very file edge-serve serves (--model FILE.gguf)
     ...@N         either kind on N compute threads (edge:two-process@2, llama:Q4_0@2): thread counts compared in
                   one interleaved run
+    edge:MODE+vllm-sampler  the same with vLLM's CPU sampler as shipped (EDGE_SELECT_SAMPLER=vllm), against the
+                  plugin's (kernels/vllm_plugin/sampling.py); it matters only with --sampling llama-defaults
+
+--sampling greedy (the default) streams with temperature 0. --sampling llama-defaults sends every server the sampling
+llama.cpp's server applies to a request that names none (llama-cpp-python 0.3.36: temperature 0.8, top-k 40, top-p
+0.95, min-p 0.05, repeat penalty 1.1), each under its own parameter names: what a client moving from llama.cpp gets.
 
 Each (pass, variant) starts its server fresh, times launch-to-ready (`warm_start_s`: the environment, the
 conversion and vLLM's compile cache exist after the first pass), warms it with one request, then measures through
@@ -67,6 +73,15 @@ DECODE_STREAMS = 3
 PREFILL_TOKENS = 512
 STREAMS = 4
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
+GREEDY = {"temperature": 0}
+# llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names
+LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+REPEAT_PENALTY = 1.1
+SAMPLINGS = {
+    "greedy": {"edge": GREEDY, "llama": GREEDY},
+    "llama-defaults": {"edge": {**LLAMA_DEFAULTS, "repetition_penalty": REPEAT_PENALTY},
+                       "llama": {**LLAMA_DEFAULTS, "repeat_penalty": REPEAT_PENALTY}},
+}
 
 
 def free_port() -> int:
@@ -109,9 +124,9 @@ class Server:
         self.sampler.stop()
 
 
-def stream(url: str, model: str, prompt: str, tokens: int) -> dict:
+def stream(url: str, model: str, prompt: str, tokens: int, sampling: dict | None = None) -> dict:
     """One streamed completion: time to first token, token arrival times."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, **(sampling or GREEDY), "stream": True}
     start = time.perf_counter()
     times = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
@@ -136,13 +151,13 @@ def prefill(url: str, model: str, prompt: str) -> dict:
     return {"prompt_tokens": n, "wall_s": wall, "tok_s": n / wall}
 
 
-def concurrent(url: str, model: str, streams: int, tokens: int) -> dict:
+def concurrent(url: str, model: str, streams: int, tokens: int, sampling: dict | None = None) -> dict:
     results: list[dict] = [{}] * streams
     go = threading.Barrier(streams)
 
     def one(i: int) -> None:
         go.wait()
-        results[i] = stream(url, model, f"{i}. {SHORT_PROMPT}", tokens)
+        results[i] = stream(url, model, f"{i}. {SHORT_PROMPT}", tokens, sampling)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
     start = time.perf_counter()
@@ -164,16 +179,17 @@ def long_prompt(tokenizer, seed: int, tokens: int = PREFILL_TOKENS) -> str:
     return tokenizer.decode(ids)
 
 
-def measure(server: Server, model: str, tokenizer, seed: int) -> dict:
-    stream(server.url, model, SHORT_PROMPT, 8)  # warm-up
+def measure(server: Server, model: str, tokenizer, seed: int, sampling: dict | None = None) -> dict:
+    stream(server.url, model, SHORT_PROMPT, 8, sampling)  # warm-up
     idle_from = time.monotonic()
     time.sleep(3)
     settled = server.sampler.settled_bytes(idle_from)
-    ones = [stream(server.url, model, f"{seed}.{i} {SHORT_PROMPT}", DECODE_TOKENS) for i in range(DECODE_STREAMS)]
+    ones = [stream(server.url, model, f"{seed}.{i} {SHORT_PROMPT}", DECODE_TOKENS, sampling)
+            for i in range(DECODE_STREAMS)]
     one = {key: statistics.median(v) if (v := [o[key] for o in ones if o[key] is not None]) else None
            for key in ("decode_tok_s", "ttft_s", "tokens")}  # fmt: skip
     fills = [prefill(server.url, model, long_prompt(tokenizer, seed * 10 + i)) for i in range(2)]
-    many = concurrent(server.url, model, STREAMS, DECODE_TOKENS)
+    many = concurrent(server.url, model, STREAMS, DECODE_TOKENS, sampling)
     return {"decode_tok_s": one["decode_tok_s"], "decode_tokens": one["tokens"], "ttft_s": one["ttft_s"],
             "decode_tok_s_each": [o["decode_tok_s"] for o in ones],
             "prefill_tok_s": max(f["tok_s"] for f in fills), "prefill_prompt_tokens": fills[0]["prompt_tokens"],
@@ -194,11 +210,11 @@ def edge_argv(mode: str, args: argparse.Namespace, *extra: str, threads: int | N
     return argv
 
 
-def edge_server(mode: str, args: argparse.Namespace, log: Path,
-                threads: int | None = None) -> tuple[Server, str, int]:  # fmt: skip
+def edge_server(mode: str, args: argparse.Namespace, log: Path, threads: int | None = None,
+                env: dict[str, str] | None = None) -> tuple[Server, str, int]:  # fmt: skip
     port = free_port()
     argv = edge_argv(mode, args, "--port", str(port), threads=threads)
-    server = Server(argv, dict(os.environ), port, log)
+    server = Server(argv, dict(os.environ) | (env or {}), port, log)
     server.ready_s = server.wait_ready("/readyz")
     status = httpx.get(f"{server.url}/status", timeout=30).json()
     env = status["plan"]["vllm"]["env"]
@@ -273,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-q4_0", type=Path, help="llama:Q4_0's file (default: made from the Q4_1 one)")
     parser.add_argument("--threads", type=int, help="both servers' compute threads (default: the edge plan's)")
     parser.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON)
+    parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy",
+                        help="greedy, or llama.cpp server's default sampling sent to every server")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, default=ROOT / ".cache" / "bench_serve.log")
     args = parser.parse_args(argv)
@@ -297,15 +315,20 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants:
             kind, what = variant.split(":", 1)
             what, _, own = what.partition("@")
+            what, _, modifier = what.partition("+")
+            own, _, modifier = own.partition("+") if own else ("", "", modifier)
+            if modifier not in ("", "vllm-sampler") or (modifier and kind != "edge"):
+                parser.error(f"--variants: unknown modifier +{modifier} in {variant!r} (edge:MODE+vllm-sampler)")
             print(f"pass {p + 1}: {variant}", file=sys.stderr, flush=True)
             if kind == "edge":
-                server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None)
+                env = {"EDGE_SELECT_SAMPLER": "vllm"} if modifier else {}
+                server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None, env)
                 threads = threads or threads_here
             else:
                 gguf = {"Q4_0": q4_0, "Q4_1": q4_1, "file": args.model}[what]
                 server, model = llama_server(args.llama_python, gguf, int(own) if own else threads or 1, args.log)
             try:
-                row = measure(server, model, tokenizer, seed=p * 100 + len(rows))
+                row = measure(server, model, tokenizer, p * 100 + len(rows), SAMPLINGS[args.sampling][kind])
             finally:
                 server.stop()
             rows.append({"variant": variant, "pass": p + 1, "warm_start_s": server.ready_s,
@@ -314,10 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")  # fmt: skip
-    print(f"{cpu}, {os.cpu_count()} cores, {threads} thread(s), {args.passes} passes (medians)\n")
+    print(f"{cpu}, {os.cpu_count()} cores, {threads} thread(s), {args.passes} passes (medians), "
+          f"sampling {args.sampling}\n")
     print(table(summary))
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu, "threads": threads, "rows": rows, "summary": summary}, indent=1))
+        args.json.write_text(json.dumps({"cpu": cpu, "threads": threads, "sampling": args.sampling, "rows": rows,
+                                               "summary": summary}, indent=1))
     return 0
 
 

@@ -15,7 +15,11 @@ from pathlib import Path
 
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the process went between being listed and being read
+        return kids
+    for task in tasks:
         try:
             kids += [int(p) for p in (task / "children").read_text().split()]
         except OSError:

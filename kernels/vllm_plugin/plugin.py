@@ -22,7 +22,14 @@ def register() -> None:
     engine_start.install()
     from kernels.vllm_plugin import engine_thread
 
-    engine_thread.install()
+    if engine_thread.install():  # one-process: this process loads the compiled model, and never forks
+        compile_cache.prefetch_keys()
+        from kernels.vllm_plugin import warmup
+
+        warmup.install()
+    from kernels.vllm_plugin import sampling
+
+    sampling.install()
     # Importing registers: @register_quantization_config("cpu_int4") and the torch.ops.vllm.cpu_int4_* ops.
     import kernels.vllm_plugin.cpu_int4  # noqa: F401
     import kernels.vllm_plugin.cpu_w4a8  # noqa: F401  (@register_quantization_config("cpu_w4a8"), torch.ops.vllm.cpu_w4a8_linear)

@@ -6,6 +6,8 @@ x @ dequantize(checkpoint).T in fp32; 40 dB is bf16-rounding territory (bf16 alo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -456,3 +458,22 @@ def test_the_engines_fresh_api_key_is_not_a_compile_cache_factor(monkeypatch):
     assert "VLLM_API_KEY" not in first and envs.compile_factors() == first
     monkeypatch.setenv("VLLM_FLOAT32_MATMUL_PRECISION", "medium")  # a factor that is not dropped still counts
     assert envs.compile_factors()["VLLM_FLOAT32_MATMUL_PRECISION"] != first["VLLM_FLOAT32_MATMUL_PRECISION"]
+
+
+def test_prefetched_inductor_keys_are_the_keys_torch_computes():
+    """compile_cache.prefetch_keys starts torch_key and triton_key in torch's background pool; what the engine then
+    reads is what torch computes itself (a fresh process, so neither was cached before)."""
+    import subprocess
+    import sys
+
+    code = """
+from torch._inductor import codecache
+from kernels.vllm_plugin.compile_cache import prefetch_keys
+print(prefetch_keys())
+prefetched = (codecache.torch_key(), codecache.triton_key())
+codecache.torch_key.clear(); codecache.triton_key.clear()
+print(prefetched == (codecache.torch_key(), codecache.triton_key()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2], check=True).stdout.split("\n")
+    assert out[:2] == ["['torch_key', 'triton_key']", "True"], out

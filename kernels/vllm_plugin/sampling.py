@@ -1,0 +1,129 @@
+"""Sampling on CPU without a full-vocabulary sort or an exponential variate per token, and with no compile at start.
+
+vLLM 0.28's CPU sampler (`vllm/v1/sample/ops/topk_topp_sampler.py`, `TopKTopPSampler.forward_cpu`) costs a decode
+step of the default model (SmolLM2-135M, 49152 tokens, ~8 ms on 2 Zen 5 cores) far more than its size suggests,
+measured per row on one thread (`benchmarks/bench_sampler.py`):
+
+- **top-p** (`apply_top_k_top_p_pytorch`) sorts the whole vocabulary every step: ~4 ms a row, top-k or not. llama.cpp's
+  server samples with top-k 40 and top-p 0.95 by default, so a client moving from it sends exactly this.
+- **the draw** (`compiled_random_sample`) is Gumbel-max: one exponential variate per vocabulary entry, and torch's
+  CPU `exponential_` costs ~17 ns an element: ~0.9 ms a row. It is also a `torch.compile(dynamic=True)` function,
+  so every engine start traces it in the warm-up's dummy sampler run (1.3 s of a 16 s warm start, from the log).
+
+This module replaces both, in that module only, with the same distributions:
+
+- `top_k_top_p`: top-k is vLLM's own `apply_top_k_only` (no sort). Top-p keeps, of the probabilities renormalized
+  after top-k, the most likely tokens until their mass reaches p: the token of rank r is kept iff the mass of the
+  r - 1 tokens above it is below p, which is vLLM's rule (drop a token iff the ascending cumulative sum up to it is
+  at most 1 - p) read from the other end. The candidates come from `topk` (64, 512, then 4096): when the mass of all but
+  the last candidate already reaches p, no token outside them can be kept in any order of ties, so the result is
+  exact; otherwise vLLM's full sort runs. The masses are summed in float64: vLLM's float32 sum over the whole
+  vocabulary drifts by ~1e-6, enough to keep or drop one more token where the mass lands that close to p. A row
+  whose p is 1 or more is left as top-k made it.
+- `inverse_cdf_sample`: one uniform variate per row; the first index whose cumulative probability (float64)
+  reaches u * total, u in (0, 1]. A token of probability zero (masked) is never chosen: its cumulative sum equals
+  its predecessor's, so an earlier index reaches u first, and index 0 would need u <= 0.
+
+Seeded requests (`generators`) keep vLLM's exponential-noise path: their streams stay vLLM's. EDGE_SELECT_SAMPLER=vllm
+leaves vLLM's sampler as shipped (the benchmark measures both).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.edge_select.sampling")
+
+_MARK = "_edge_select_sampler"
+# Candidate counts for top-p before falling back to the full sort. Over 49152 entries on one Zen 5 core: topk(64)
+# ~66 us, topk(512) ~90 us, topk(4096) ~450 us; the full sort ~3.4 ms.
+TOP_P_CANDIDATES = (64, 512, 4096)
+
+
+def inverse_cdf_sample(logits: torch.Tensor) -> torch.Tensor:
+    """One token id per row, drawn from softmax(logits) with the global CPU generator (what Gumbel-max draws)."""
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    # torch.rand is in [0, 1), so 1 - rand is in (0, 1] and u in (0, total]: some index always reaches it.
+    u = (1.0 - torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1).view(-1)
+
+
+def _top_p_from_candidates(logits: torch.Tensor, p: torch.Tensor, limited: torch.Tensor) -> bool:
+    """Mask, in place, the rows `limited` of `logits` to their top-p nucleus from topk candidates; False (and
+    `logits` untouched) when some limited row's nucleus may reach past the largest candidate count."""
+    vocab = logits.shape[1]
+    if vocab < 2:
+        return True
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    for count in TOP_P_CANDIDATES:
+        count = min(count, vocab)
+        top_probs, top_idx = probs.topk(count, dim=-1)
+        mass = top_probs.cumsum(dim=-1, dtype=torch.float64)
+        mass_before = mass - top_probs
+        # Exact only if all but the last candidate already reach p (ties with the last cannot enter then).
+        reached = mass[:, -2] >= p
+        if count < vocab and not bool((reached | ~limited).all()):
+            continue
+        keep = mass_before < p.unsqueeze(1)
+        keep[:, 0] = True
+        drop = torch.ones_like(logits, dtype=torch.bool)
+        drop.scatter_(1, top_idx, ~keep)
+        drop &= limited.unsqueeze(1)
+        logits.masked_fill_(drop, -float("inf"))
+        return True
+    return False
+
+
+def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's `apply_top_k_top_p` on CPU without sorting the vocabulary (see the module's docstring). May update
+    `logits` in place, as vLLM's does."""
+    from vllm.v1.sample.ops import topk_topp_sampler as vllm_sampler
+
+    if k is not None:
+        logits = vllm_sampler.apply_top_k_only(logits, k)
+    if p is None:
+        return logits
+    limited = p < 1
+    if not bool(limited.any()):
+        return logits
+    if _top_p_from_candidates(logits, p.to(torch.float64), limited):
+        return logits
+    return vllm_sampler.apply_top_k_top_p_pytorch(logits, None, p, allow_cpu_sync=True)
+
+
+def _cpu_top_k_top_p(original: Callable) -> Callable:
+    def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+        if logits.device.type != "cpu":
+            return original(logits, k, p)
+        return top_k_top_p(logits, k, p)
+
+    setattr(apply_top_k_top_p, _MARK, original)
+    return apply_top_k_top_p
+
+
+def install() -> bool:
+    """Route vLLM's CPU sampler through this module, once per process; True if it is (now) in place.
+
+    Only on the CPU platform without Triton (where vLLM would use its Triton top-k/top-p instead), and not with
+    EDGE_SELECT_SAMPLER=vllm. Not hashed into vLLM's compile-cache key: the sampler is outside the compiled graph.
+    """
+    if os.environ.get("EDGE_SELECT_SAMPLER", "edge") == "vllm":
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.sample.ops import topk_topp_sampler as vllm_sampler
+
+    if getattr(vllm_sampler, "HAS_TRITON", False):
+        return False
+    if not getattr(vllm_sampler.apply_top_k_top_p, _MARK, None):
+        vllm_sampler.apply_top_k_top_p = _cpu_top_k_top_p(vllm_sampler.apply_top_k_top_p)
+        vllm_sampler.compiled_random_sample = inverse_cdf_sample
+        logger.info("cpu_int4 plugin: CPU sampling by topk candidates and inverse CDF (no vocabulary sort)")
+    return True

@@ -1,0 +1,139 @@
+"""The plugin's CPU sampler (kernels/vllm_plugin/sampling.py) against vLLM's own: same nucleus, same distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.sample.ops import topk_topp_sampler as vllm_sampler  # noqa: E402
+
+from kernels.vllm_plugin import sampling  # noqa: E402
+
+VOCAB = 49152  # the default model's
+
+
+def _vllm_top_k_top_p(logits: torch.Tensor, k, p) -> torch.Tensor:
+    """vLLM's CPU path as shipped (the plugin may already have replaced the module's dispatcher)."""
+    return vllm_sampler.apply_top_k_top_p_pytorch(logits.clone(), k, p, allow_cpu_sync=True)
+
+
+def _rows(seed: int, rows: int, scale: float) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=generator) * scale
+
+
+def _exact_nucleus(logits: torch.Tensor, k, p) -> torch.Tensor:
+    """The rule in float64 over a full sort: top-k (vLLM's, no sort), then keep a token iff the mass of the more
+    likely tokens is below p (the most likely always kept); rows with p >= 1 keep what top-k kept."""
+    logits = logits.clone() if k is None else vllm_sampler.apply_top_k_only(logits.clone(), k)
+    kept = torch.isfinite(logits)
+    if p is None:
+        return kept
+    probs = logits.softmax(dim=-1, dtype=torch.float32).to(torch.float64)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = mass_before < p.to(torch.float64).unsqueeze(1)
+    keep_sorted[:, 0] = True
+    nucleus = torch.zeros_like(kept).scatter_(1, order, keep_sorted)
+    return torch.where((p < 1).unsqueeze(1), nucleus & kept, kept)
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 4.0, 8.0])
+@pytest.mark.parametrize("k_values,p_values", [
+    (None, [0.9, 0.95, 0.5, 0.99]),
+    ([40, 40, 40, 40], [0.95, 0.95, 0.95, 0.95]),  # llama.cpp server's defaults
+    ([1, 5, 100, VOCAB], [0.8, 1.0, 0.3, 0.7]),  # mixed, one row without top-p, one without top-k
+    ([20, 3000, 7, 64], None),
+])
+def test_same_nucleus_as_vllm(scale, k_values, p_values):
+    """Without ties (float32 normal logits), the kept set is the rule's exactly, in every path: peaked rows (the
+    64-candidate step), flatter ones (512, 4096), and flat ones (vLLM's full sort). vLLM's own result differs
+    only in tokens whose preceding mass lies within 1e-5 of p (its float32 sum over the whole vocabulary)."""
+    logits = _rows(int(scale * 10), 4, scale)
+    k = None if k_values is None else torch.tensor(k_values)
+    p = None if p_values is None else torch.tensor(p_values)
+    ours = sampling.top_k_top_p(logits.clone(), k, p)
+    kept = torch.isfinite(ours)
+    assert torch.equal(kept, _exact_nucleus(logits, k, p))
+    assert torch.equal(ours[kept], logits[kept])  # kept logits untouched
+    differ = kept ^ torch.isfinite(_vllm_top_k_top_p(logits, k, p))
+    if differ.any():
+        masked = logits.clone() if k is None else vllm_sampler.apply_top_k_only(logits.clone(), k)
+        probs = masked.softmax(dim=-1).to(torch.float64)
+        for row, token in differ.nonzero().tolist():
+            before = probs[row][probs[row] > probs[row, token]].sum()
+            assert abs(float(before) - float(p[row])) < 1e-5, (row, token, float(before))
+
+
+def test_each_candidate_step_is_exercised():
+    """The rows above reach every path: the nucleus within 64, within 512, within 4096, and past it (the full
+    sort)."""
+    sizes = []
+    for scale in (0.5, 2.0, 4.0, 8.0):
+        logits = _rows(int(scale * 10), 4, scale)
+        nucleus = sampling.top_k_top_p(logits.clone(), None, torch.full((4,), 0.95))
+        sizes += torch.isfinite(nucleus).sum(dim=1).tolist()
+    assert min(sizes) < 64 and any(64 <= s < 512 for s in sizes), sizes
+    assert any(512 <= s < 4096 for s in sizes) and max(sizes) > 4096, sizes
+
+
+def test_ties_keep_a_valid_nucleus():
+    """bf16-rounded logits tie often; whichever tied tokens are kept, the set is a nucleus: its mass reaches p,
+    it is the most likely tokens, and without its least likely member it would not reach p."""
+    logits = _rows(7, 8, 3.0).to(torch.bfloat16).to(torch.float32)
+    p = torch.tensor([0.5, 0.8, 0.9, 0.95, 0.99, 0.3, 0.7, 0.6])
+    ours = sampling.top_k_top_p(logits.clone(), None, p)
+    probs = logits.softmax(dim=-1)
+    for row in range(logits.shape[0]):
+        kept = torch.isfinite(ours[row])
+        kept_probs = probs[row][kept]
+        assert kept_probs.sum() >= p[row] - 1e-5
+        assert kept_probs.sum() - kept_probs.min() < p[row] + 1e-5
+        if (~kept).any():
+            assert probs[row][~kept].max() <= kept_probs.min()
+        reference = torch.isfinite(_vllm_top_k_top_p(logits[row:row + 1], None, p[row:row + 1]))[0]
+        assert abs(int(kept.sum()) - int(reference.sum())) <= int((probs[row] == kept_probs.min()).sum())
+
+
+def test_inverse_cdf_draws_the_softmax_distribution():
+    """200000 draws over 6 tokens (two masked, at both ends): never a masked token, and frequencies within
+    4.5 standard errors of softmax's probabilities (the seed is fixed: the test is deterministic)."""
+    torch.manual_seed(1234)
+    logits = torch.tensor([-math.inf, 2.0, 0.5, -1.0, 1.0, -math.inf])
+    draws = 200_000
+    tokens = sampling.inverse_cdf_sample(logits.expand(draws, -1).contiguous())
+    assert tokens.shape == (draws,)
+    counts = torch.bincount(tokens, minlength=6).to(torch.float64)
+    assert counts[0] == 0 and counts[5] == 0
+    probs = logits.softmax(dim=-1).to(torch.float64)
+    se = (probs * (1 - probs) / draws).sqrt()
+    z = ((counts / draws - probs).abs() / se.clamp(min=1e-12))[1:5]
+    assert float(z.max()) < 4.5, z
+
+
+def test_inverse_cdf_single_finite_token_and_bf16_input():
+    logits = torch.full((3, VOCAB), -math.inf, dtype=torch.bfloat16)
+    logits[0, 0] = 1.0
+    logits[1, VOCAB - 1] = -3.0
+    logits[2, 12345] = 0.0
+    assert sampling.inverse_cdf_sample(logits).tolist() == [0, VOCAB - 1, 12345]
+
+
+def test_installed_sampler_routes_vllm_cpu_path():
+    """After install(), vLLM's TopKTopPSampler on CPU samples through this module, and only inside the nucleus."""
+    assert sampling.install()
+    assert vllm_sampler.compiled_random_sample is sampling.inverse_cdf_sample
+    assert sampling.install()  # idempotent
+    sampler = vllm_sampler.TopKTopPSampler()
+    assert sampler.forward == sampler.forward_cpu
+    torch.manual_seed(0)
+    logits = _rows(3, 4, 4.0)
+    k, p = torch.tensor([40, 40, 40, 40]), torch.tensor([0.95, 0.95, 0.95, 0.95])
+    nucleus = torch.isfinite(_vllm_top_k_top_p(logits, k, p))
+    for _ in range(50):
+        tokens, _ = sampler.forward_cpu(logits.clone(), {}, k, p)
+        assert nucleus.gather(1, tokens.view(-1, 1)).all()
