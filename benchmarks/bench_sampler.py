@@ -1,12 +1,19 @@
 """vLLM's CPU sampler against the plugin's (kernels/vllm_plugin/sampling.py), side by side, interleaved.
 
 One sampling step as `TopKTopPSampler.forward_cpu` runs it for unseeded requests (top-k/top-p mask, then the
-draw), per sampling setting a client sends and per batch size, over a vocabulary of the default model's size
-(49152) and of Qwen3's (151936). Logits are random normal times a scale (3.0: a peaked row with a nucleus of a
-few dozen tokens at top-p 0.95; the nucleus sizes are printed). Rounds alternate the two samplers; each reports
+draw), per sampling setting a client sends and per batch size. Logits:
+
+    default       the default model's own (SmolLM2-135M-Instruct bf16, transformers, 49152 tokens) at every position
+                  of plain English prose, divided by temperature 0.8 (llama.cpp server's default): rows of a real
+                  distribution, taken in turn, so each call sees another position's nucleus
+    random:N      random normal times --scale over N tokens (151936: Qwen3's vocabulary); flatter than a real model
+                  at 3.0: a nucleus of thousands at top-p 0.95, which is where the full sort still runs
+
+The nucleus sizes are reported (median and max over the rows used). Rounds alternate the two samplers; each reports
 the median microseconds of its calls and the ratio vllm / edge:
 
-    .venv/bin/python -m benchmarks.bench_sampler [--rounds 5] [--calls 50] [--threads 1] [--json FILE]
+    .venv/bin/python -m benchmarks.bench_sampler [--logits default,random:151936] [--rounds 5] [--calls 50]
+        [--threads 1] [--json FILE]
 
 Run it alone: two benchmarks on two cores measure each other.
 """
@@ -35,12 +42,33 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
+def _logits(source: str, scale: float):
+    """Rows of logits, float32: the default model's over PROSE at temperature 0.8, or random:N (see the docstring)."""
+    import torch
+
+    if source.startswith("random:"):
+        return torch.randn(256, int(source.split(":", 1)[1]), generator=torch.Generator().manual_seed(0)) * scale
+    if source != "default":
+        raise SystemExit(f"--logits: {source!r} is neither 'default' nor 'random:N'")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.llama_cpp_decode import PROSE
+    from kernels.source.default_model import ensure_default_model
+
+    directory = ensure_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, torch_dtype=torch.float32)
+    ids = tokenizer(PROSE, return_tensors="pt").input_ids[:, :512]
+    with torch.no_grad():
+        return (model(ids).logits[0] / 0.8).contiguous()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--vocab", default="49152,151936")
+    parser.add_argument("--logits", default="default,random:151936")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--scale", type=float, default=3.0)
     parser.add_argument("--json", type=Path)
@@ -52,6 +80,7 @@ def main() -> None:
     from kernels.vllm_plugin import sampling
 
     torch.set_num_threads(args.threads)
+    sources = {name: _logits(name, args.scale) for name in args.logits.split(",")}
     vllm_draw = vllm_sampler.compiled_random_sample  # vLLM's own: this process never installs the plugin's
 
     def vllm_step(logits, k, p):
@@ -63,25 +92,27 @@ def main() -> None:
 
     samplers = {"vllm": vllm_step, "edge": edge_step}
     results = []
-    for vocab in (int(v) for v in args.vocab.split(",")):
+    for source, rows in sources.items():
+        vocab = rows.shape[1]
         for batch in (int(b) for b in args.batches.split(",")):
-            generator = torch.Generator().manual_seed(vocab + batch)
-            logits = torch.randn(batch, vocab, generator=generator) * args.scale
+            batches = [rows[(i * batch) % (rows.shape[0] - batch + 1):][:batch] for i in range(args.calls)]
             for name, (k_value, p_value) in SETTINGS.items():
                 k = None if k_value is None else torch.full((batch,), k_value)
                 p = None if p_value is None else torch.full((batch,), p_value)
-                nucleus = torch.isfinite(sampling.top_k_top_p(logits.clone(), k, p)).sum(dim=1).tolist()
+                nucleus = [n for x in batches for n in
+                           torch.isfinite(sampling.top_k_top_p(x.clone(), k, p)).sum(dim=1).tolist()]
                 for step in samplers.values():  # warm-up (vLLM's draw compiles on its first call)
-                    step(logits.clone(), k, p)
+                    step(batches[0].clone(), k, p)
                 times: dict[str, list[float]] = {s: [] for s in samplers}
                 for _ in range(args.rounds):
                     for label, step in samplers.items():
-                        inputs = [logits.clone() for _ in range(args.calls)]
+                        inputs = [x.clone() for x in batches]
                         for x in inputs:
                             start = time.perf_counter()
                             step(x, k, p)
                             times[label].append((time.perf_counter() - start) * 1e6)
-                row = {"vocab": vocab, "batch": batch, "setting": name, "nucleus": nucleus,
+                row = {"logits": source, "vocab": vocab, "batch": batch, "setting": name,
+                       "nucleus_median": statistics.median(nucleus), "nucleus_max": max(nucleus),
                        **{f"{s}_us": round(statistics.median(t), 1) for s, t in times.items()}}
                 row["ratio"] = round(row["vllm_us"] / row["edge_us"], 2)
                 results.append(row)
@@ -89,10 +120,12 @@ def main() -> None:
     report = {"cpu": _cpu_name(), "threads": args.threads, "torch": torch.__version__, "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{'vocab':>7} {'batch':>5}  {'setting':52} {'vllm us':>9} {'edge us':>9} {'ratio':>6}")
+    print(f"{report['cpu']}, {args.threads} thread(s), medians of {args.rounds} x {args.calls} calls\n")
+    print("| logits | batch | setting | nucleus median (max) | vLLM us | edge us | vLLM / edge |")
+    print("|---|---|---|---|---|---|---|")
     for row in results:
-        print(f"{row['vocab']:7d} {row['batch']:5d}  {row['setting']:52} {row['vllm_us']:9.1f} "
-              f"{row['edge_us']:9.1f} {row['ratio']:6.2f}")
+        print(f"| {row['logits']} ({row['vocab']}) | {row['batch']} | {row['setting']} | {row['nucleus_median']:g} "
+              f"({row['nucleus_max']}) | {row['vllm_us']:.1f} | {row['edge_us']:.1f} | {row['ratio']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ def ready(url: str) -> bool:
     return response is not None and response.status_code == 200
 
 
-def complete(url: str, model: str) -> httpx.Response:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+def complete(url: str, model: str, **sampling: float) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **sampling}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
 
 
@@ -136,6 +136,16 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
 
     again = complete(url, model)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+    # Sampling goes through the plugin's CPU sampler (kernels/vllm_plugin/sampling.py): a nucleus of one token, by
+    # top-k or by top-p, samples the greedy text whatever the random draw.
+    for sampling in ({"temperature": 0.8, "top_k": 1}, {"temperature": 0.8, "top_p": 1e-6},
+                     {"temperature": 0.8, "top_k": 40, "top_p": 1e-6}):
+        sampled = complete(url, model, **sampling)
+        assert sampled.status_code == 200, sampled.text
+        assert sampled.json()["choices"][0]["text"] == first.json()["choices"][0]["text"], sampling
+    varied = complete(url, model, temperature=1.0, top_k=40, top_p=0.95, max_tokens=16)
+    assert varied.status_code == 200 and varied.json()["usage"]["completion_tokens"] >= 1, varied.text
 
 
 # How PyTorch runs on an AVX2 box, on any x86 host with AVX2 (docs/FACTS.md): ATen dispatches its AVX2 kernels
