@@ -12,14 +12,16 @@ measured per row on one thread (`benchmarks/bench_sampler.py`):
 
 This module replaces both, in that module only, with the same distributions:
 
-- `top_k_top_p`: top-k is vLLM's own `apply_top_k_only` (no sort). Top-p keeps, of the probabilities renormalized
-  after top-k, the most likely tokens until their mass reaches p: the token of rank r is kept iff the mass of the
-  r - 1 tokens above it is below p, which is vLLM's rule (drop a token iff the ascending cumulative sum up to it is
-  at most 1 - p) read from the other end. The candidates come from `topk` (64, 512, then 4096): when the mass of all but
-  the last candidate already reaches p, no token outside them can be kept in any order of ties, so the result is
-  exact; otherwise vLLM's full sort runs. The masses are summed in float64: vLLM's float32 sum over the whole
-  vocabulary drifts by ~1e-6, enough to keep or drop one more token where the mass lands that close to p. A row
-  whose p is 1 or more is left as top-k made it.
+- `top_k_top_p`: top-p keeps, of the probabilities renormalized after top-k, the most likely tokens until their mass
+  reaches p: the token of rank r is kept iff the mass of the r - 1 tokens above it is below p, which is vLLM's rule
+  (drop a token iff the ascending cumulative sum up to it is at most 1 - p) read from the other end. Where every
+  row's top-k is at most 256, one `topk` of max(k) + 1 gives both the top-k (every token tied with the k-th kept, as
+  vLLM keeps them; a tie reaching the last candidate falls back) and its nucleus. Otherwise top-k is vLLM's own
+  `apply_top_k_only` (no sort) and the nucleus comes from `topk` candidates (64, 512, then 4096): when the mass of
+  all but the last candidate already reaches p, no token outside them can be kept in any order of ties, so the
+  result is exact; otherwise vLLM's full sort runs. The masses are summed in float64: vLLM's float32 sum over the
+  whole vocabulary drifts by ~1e-6, enough to keep or drop one more token where the mass lands that close to p. A
+  row whose p is 1 or more is left as top-k made it.
 - `inverse_cdf_sample`: one uniform variate per row; the first index whose cumulative probability (float64)
   reaches u * total, u in (0, 1]. A token of probability zero (masked) is never chosen: its cumulative sum equals
   its predecessor's, so an earlier index reaches u first, and index 0 would need u <= 0.
@@ -42,6 +44,8 @@ _MARK = "_edge_select_sampler"
 # Candidate counts for top-p before falling back to the full sort. Over 49152 entries on one Zen 5 core: topk(64)
 # ~66 us, topk(512) ~90 us, topk(4096) ~450 us; the full sort ~3.4 ms.
 TOP_P_CANDIDATES = (64, 512, 4096)
+# Top-k at most this (llama.cpp's default is 40) takes one topk of k + 1 for both top-k and top-p.
+TOP_K_CANDIDATES = 256
 
 
 def inverse_cdf_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -79,11 +83,38 @@ def _top_p_from_candidates(logits: torch.Tensor, p: torch.Tensor, limited: torch
     return False
 
 
+def _top_k_top_p_from_candidates(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor | None) -> bool:
+    """Top-k, then top-p, from one `topk` of max(k) + 1 candidates, when every row's k is at most
+    `TOP_K_CANDIDATES`: `logits` masked in place and True; False (`logits` untouched) when a row's k-th value ties
+    the last candidate, so that vLLM's top-k (which keeps every token tied with the k-th) might keep more."""
+    vocab = logits.shape[1]
+    largest = int(k.max())
+    if largest > TOP_K_CANDIDATES or largest + 1 > vocab or int(k.min()) < 1:
+        return False
+    values, index = logits.topk(largest + 1, dim=-1)
+    kth = values.gather(1, (k.to(torch.long) - 1).unsqueeze(1))
+    if bool((values[:, -1:] >= kth).any()):
+        return False
+    kept = values >= kth  # top-k exactly as vLLM's apply_top_k_only keeps it, ties included
+    if p is not None:
+        limited = (p < 1).unsqueeze(1)
+        probs = values.masked_fill(~kept, -float("inf")).softmax(dim=-1, dtype=torch.float32)
+        mass_before = probs.cumsum(dim=-1, dtype=torch.float64) - probs
+        nucleus = mass_before < p.to(torch.float64).unsqueeze(1)
+        nucleus[:, 0] = True
+        kept &= nucleus | ~limited
+    logits.fill_(-float("inf"))
+    logits.scatter_(1, index, values.masked_fill(~kept, -float("inf")))
+    return True
+
+
 def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
     """vLLM's `apply_top_k_top_p` on CPU without sorting the vocabulary (see the module's docstring). May update
     `logits` in place, as vLLM's does."""
     from vllm.v1.sample.ops import topk_topp_sampler as vllm_sampler
 
+    if k is not None and _top_k_top_p_from_candidates(logits, k, p):
+        return logits
     if k is not None:
         logits = vllm_sampler.apply_top_k_only(logits, k)
     if p is None:

@@ -47,7 +47,9 @@ def _exact_nucleus(logits: torch.Tensor, k, p) -> torch.Tensor:
     (None, [0.9, 0.95, 0.5, 0.99]),
     ([40, 40, 40, 40], [0.95, 0.95, 0.95, 0.95]),  # llama.cpp server's defaults
     ([1, 5, 100, VOCAB], [0.8, 1.0, 0.3, 0.7]),  # mixed, one row without top-p, one without top-k
+    ([1, 5, 100, 256], [0.8, 1.0, 0.3, 0.7]),  # the same within one topk of k + 1
     ([20, 3000, 7, 64], None),
+    ([3, 40, 64, 200], None),
 ])
 def test_same_nucleus_as_vllm(scale, k_values, p_values):
     """Without ties (float32 normal logits), the kept set is the rule's exactly, in every path: peaked rows (the
@@ -137,3 +139,17 @@ def test_installed_sampler_routes_vllm_cpu_path():
     for _ in range(50):
         tokens, _ = sampler.forward_cpu(logits.clone(), {}, k, p)
         assert nucleus.gather(1, tokens.view(-1, 1)).all()
+
+
+def test_top_k_ties_keep_what_vllm_keeps():
+    """vLLM's top-k keeps every token tied with the k-th; bf16-rounded logits tie often, and a tie running past the
+    k + 1 candidates falls back to vLLM's own top-k: the kept set is vLLM's in every case."""
+    logits = _rows(11, 8, 3.0).to(torch.bfloat16).to(torch.float32)
+    logits[0, 100:140] = logits[0].max() + 1  # 40 tied maxima: k 20 keeps all 40 (the fallback)
+    k = torch.tensor([20, 40, 40, 1, 2, 64, 256, 7])
+    ours = torch.isfinite(sampling.top_k_top_p(logits.clone(), k, None))
+    assert torch.equal(ours, torch.isfinite(vllm_sampler.apply_top_k_only(logits.clone(), k)))
+    assert int(ours[0].sum()) == 40
+    p = torch.full((8,), 0.9)
+    nucleus = torch.isfinite(sampling.top_k_top_p(logits.clone(), k, p))
+    assert (nucleus <= ours).all() and (nucleus.sum(dim=1) >= 1).all()
