@@ -4,6 +4,7 @@ streaming through their API, interleaved (issue 23).
     .venv/bin/python -m benchmarks.bench_serve
         [--variants edge:one-process,edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1]
         [--passes 2] [--model DIR|FILE.gguf] [--gguf-q4_1 FILE] [--gguf-q4_0 FILE] [--threads N] [--json OUT]
+        [--sampling greedy|llama-defaults] [--together]
 
 Variants:
     edge:MODE     `edge-serve --priority speed --serving-mode MODE` on the default model (or --model): the plan's
@@ -23,10 +24,13 @@ Variants:
 --sampling greedy (the default) streams with temperature 0. --sampling llama-defaults sends every server the sampling
 llama.cpp's server applies to a request that names none (llama-cpp-python 0.3.36: temperature 0.8, top-k 40, top-p
 0.95, min-p 0.05, repeat penalty 1.1), each under its own parameter names: what a client moving from llama.cpp gets.
+--sampling top-p sends temperature 0.8 and top-p 0.95 alone (llama.cpp's top-k, min-p and repeat penalty switched
+off), as an OpenAI-API client does.
 
-Each (pass, variant) starts its server fresh, times launch-to-ready (`warm_start_s`: the environment, the
-conversion and vLLM's compile cache exist after the first pass), warms it with one request, then measures through
-the OpenAI API:
+Each (pass, variant) starts its server fresh (with --together: each variant's server starts once, they idle side by
+side, and the passes alternate between them, which keeps start-up noise out of a close A/B), times launch-to-ready
+(`warm_start_s`: the environment, the conversion and vLLM's compile cache exist after the first pass), warms it with
+one request, then measures through the OpenAI API:
 
     decode       one stream of /v1/completions (greedy, 128 tokens): tokens after the first over the time from the
                  first streamed token to the last, i.e. the steady decode rate a reader sees; the median of 3
@@ -77,8 +81,11 @@ GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names
 LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 REPEAT_PENALTY = 1.1
+# An OpenAI-API client that sets only temperature and top_p (no top-k, no min-p: nothing narrows the vocabulary first)
+TOP_P = {"temperature": 0.8, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0}
 SAMPLINGS = {
     "greedy": {"edge": GREEDY, "llama": GREEDY},
+    "top-p": {"edge": {"temperature": 0.8, "top_p": 0.95}, "llama": TOP_P},
     "llama-defaults": {"edge": {**LLAMA_DEFAULTS, "repetition_penalty": REPEAT_PENALTY},
                        "llama": {**LLAMA_DEFAULTS, "repeat_penalty": REPEAT_PENALTY}},
 }
@@ -289,8 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-q4_0", type=Path, help="llama:Q4_0's file (default: made from the Q4_1 one)")
     parser.add_argument("--threads", type=int, help="both servers' compute threads (default: the edge plan's)")
     parser.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON)
+    parser.add_argument("--together", action="store_true",
+                        help="start every variant's server once, idle side by side, and alternate their measurements "
+                             "through the passes: no start between them (memory for all at once; start s is the one "
+                             "start's)")
     parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy",
-                        help="greedy, or llama.cpp server's default sampling sent to every server")
+                        help="greedy; llama.cpp server's default sampling; or temperature and top-p alone")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, default=ROOT / ".cache" / "bench_serve.log")
     args = parser.parse_args(argv)
@@ -311,29 +322,45 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads
     rows: list[dict] = []
     args.log.parent.mkdir(parents=True, exist_ok=True)
-    for p in range(args.passes):
-        for variant in variants:
-            kind, what = variant.split(":", 1)
-            what, _, own = what.partition("@")
-            what, _, modifier = what.partition("+")
-            own, _, modifier = own.partition("+") if own else ("", "", modifier)
-            if modifier not in ("", "vllm-sampler") or (modifier and kind != "edge"):
-                parser.error(f"--variants: unknown modifier +{modifier} in {variant!r} (edge:MODE+vllm-sampler)")
-            print(f"pass {p + 1}: {variant}", file=sys.stderr, flush=True)
-            if kind == "edge":
-                env = {"EDGE_SELECT_SAMPLER": "vllm"} if modifier else {}
-                server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None, env)
-                threads = threads or threads_here
-            else:
-                gguf = {"Q4_0": q4_0, "Q4_1": q4_1, "file": args.model}[what]
-                server, model = llama_server(args.llama_python, gguf, int(own) if own else threads or 1, args.log)
-            try:
-                row = measure(server, model, tokenizer, p * 100 + len(rows), SAMPLINGS[args.sampling][kind])
-            finally:
-                server.stop()
-            rows.append({"variant": variant, "pass": p + 1, "warm_start_s": server.ready_s,
-                         "rss_peak_mib": server.sampler.peak_bytes / 2**20, "detail": server.detail, **row})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    servers: dict[str, tuple] = {}  # --together: every variant's server, kept up through all passes
+
+    def start(variant: str) -> tuple:
+        nonlocal threads
+        kind, what = variant.split(":", 1)
+        what, _, own = what.partition("@")
+        what, _, modifier = what.partition("+")
+        own, _, modifier = own.partition("+") if own else ("", "", modifier)
+        if modifier not in ("", "vllm-sampler") or (modifier and kind != "edge"):
+            parser.error(f"--variants: unknown modifier +{modifier} in {variant!r} (edge:MODE+vllm-sampler)")
+        if kind == "edge":
+            env = {"EDGE_SELECT_SAMPLER": "vllm"} if modifier else {}
+            server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None, env)
+            threads = threads or threads_here
+        else:
+            gguf = {"Q4_0": q4_0, "Q4_1": q4_1, "file": args.model}[what]
+            server, model = llama_server(args.llama_python, gguf, int(own) if own else threads or 1, args.log)
+        return server, model, kind
+
+    try:
+        if args.together:
+            for variant in variants:
+                print(f"starting {variant}", file=sys.stderr, flush=True)
+                servers[variant] = start(variant)
+        for p in range(args.passes):
+            for variant in variants:
+                print(f"pass {p + 1}: {variant}", file=sys.stderr, flush=True)
+                server, model, kind = servers.get(variant) or start(variant)
+                try:
+                    row = measure(server, model, tokenizer, p * 100 + len(rows), SAMPLINGS[args.sampling][kind])
+                finally:
+                    if variant not in servers:
+                        server.stop()
+                rows.append({"variant": variant, "pass": p + 1, "warm_start_s": server.ready_s,
+                             "rss_peak_mib": server.sampler.peak_bytes / 2**20, "detail": server.detail, **row})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    finally:
+        for server, _, _ in servers.values():
+            server.stop()
     summary = summarize(rows)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")  # fmt: skip
