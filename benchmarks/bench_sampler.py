@@ -9,8 +9,9 @@ draw), per sampling setting a client sends and per batch size. Logits:
     random:N      random normal times --scale over N tokens (151936: Qwen3's vocabulary); flatter than a real model
                   at 3.0: a nucleus of thousands at top-p 0.95, which is where the full sort still runs
 
-The nucleus sizes are reported (median and max over the rows used). Rounds alternate the two samplers; each reports
-the median microseconds of its calls and the ratio vllm / edge:
+The nucleus sizes are reported (median and max over the rows used). Last, the repetition penalty alone (vLLM's
+CPU path against the plugin's), on a 64-token prompt and 128 output tokens a row. Rounds alternate the two samplers;
+each reports the median microseconds of its calls and the ratio vllm / edge:
 
     .venv/bin/python -m benchmarks.bench_sampler [--logits default,random:151936] [--rounds 5] [--calls 50]
         [--threads 1] [--json FILE]
@@ -117,6 +118,32 @@ def main() -> None:
                 row["ratio"] = round(row["vllm_us"] / row["edge_us"], 2)
                 results.append(row)
                 print(json.dumps(row), flush=True)
+    # The repetition penalty (vLLM's CPU path, dense, against the plugin's on the seen tokens): a 64-token prompt and
+    # 128 tokens of output per row, penalty 1.1, on the first source's logits
+    from vllm import _custom_ops
+
+    vllm_penalty = _custom_ops.apply_repetition_penalties_torch  # vLLM's own: this process never installs the plugin's
+    rows = next(iter(sources.values()))
+    for batch in (int(b) for b in args.batches.split(",")):
+        generator = torch.Generator().manual_seed(batch)
+        seen = [torch.zeros(batch, rows.shape[1], dtype=torch.bool) for _ in range(2)]
+        for mask, count in zip(seen, (64, 128), strict=True):
+            mask.scatter_(1, torch.randint(0, rows.shape[1], (batch, count), generator=generator), True)
+        penalties = torch.full((batch,), 1.1)
+        times = {"vllm": [], "edge": []}
+        for _ in range(args.rounds):
+            for label, penalize in (("vllm", vllm_penalty), ("edge", sampling.apply_repetition_penalties)):
+                inputs = [rows[i % (rows.shape[0] - batch + 1):][:batch].clone() for i in range(args.calls)]
+                for x in inputs:
+                    start = time.perf_counter()
+                    penalize(x, seen[0], seen[1], penalties)
+                    times[label].append((time.perf_counter() - start) * 1e6)
+        row = {"logits": next(iter(sources)), "vocab": rows.shape[1], "batch": batch,
+               "setting": "repetition penalty 1.1 (64 prompt + 128 output tokens)", "nucleus_median": rows.shape[1],
+               "nucleus_max": rows.shape[1], **{f"{s}_us": round(statistics.median(t), 1) for s, t in times.items()}}
+        row["ratio"] = round(row["vllm_us"] / row["edge_us"], 2)
+        results.append(row)
+        print(json.dumps(row), flush=True)
     report = {"cpu": _cpu_name(), "threads": args.threads, "torch": torch.__version__, "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

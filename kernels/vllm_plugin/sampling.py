@@ -26,6 +26,9 @@ This module replaces both, in that module only, with the same distributions:
   reaches u * total, u in (0, 1]. A token of probability zero (masked) is never chosen: its cumulative sum equals
   its predecessor's, so an earlier index reaches u first, and index 0 would need u <= 0.
 
+- `apply_repetition_penalties`: vLLM's torch fallback for the repetition penalty, computed on the tokens the prompt
+  and output hold instead of over the whole vocabulary; the same float32 operations, so the same bits.
+
 Seeded requests (`generators`) keep vLLM's exponential-noise path: their streams stay vLLM's. EDGE_SELECT_SAMPLER=vllm
 leaves vLLM's sampler as shipped (the benchmark measures both).
 """
@@ -46,6 +49,8 @@ _MARK = "_edge_select_sampler"
 TOP_P_CANDIDATES = (64, 512, 4096)
 # Top-k at most this (llama.cpp's default is 40) takes one topk of k + 1 for both top-k and top-p.
 TOP_K_CANDIDATES = 256
+# vLLM's own functions this module replaced in this process, by name (benchmarks and tests compare against them)
+ORIGINALS: dict[str, Callable] = {}
 
 
 def inverse_cdf_sample(logits: torch.Tensor) -> torch.Tensor:
@@ -127,6 +132,19 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
     return vllm_sampler.apply_top_k_top_p_pytorch(logits, None, p, allow_cpu_sync=True)
 
 
+def apply_repetition_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_mask: torch.Tensor,
+                               repetition_penalties: torch.Tensor) -> None:
+    """vLLM's `apply_repetition_penalties_torch` (its CPU path) on the tokens seen only, bit for bit: a seen token's
+    logit times 1 / penalty where positive, times the penalty otherwise; every other logit untouched (vLLM multiplies
+    it by 1.0). vLLM's builds, per step, a penalty and a scale for every vocabulary entry of every row."""
+    rows, cols = (prompt_mask | output_mask).nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return
+    values = logits[rows, cols]
+    penalties = repetition_penalties.to(logits.dtype)[rows]
+    logits[rows, cols] = values * torch.where(values > 0, 1.0 / penalties, penalties)
+
+
 def _cpu_top_k_top_p(original: Callable) -> Callable:
     def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
         if logits.device.type != "cpu":
@@ -154,7 +172,12 @@ def install() -> bool:
     if getattr(vllm_sampler, "HAS_TRITON", False):
         return False
     if not getattr(vllm_sampler.apply_top_k_top_p, _MARK, None):
+        from vllm import _custom_ops
+
         vllm_sampler.apply_top_k_top_p = _cpu_top_k_top_p(vllm_sampler.apply_top_k_top_p)
         vllm_sampler.compiled_random_sample = inverse_cdf_sample
+        # vLLM's CPU path for the repetition penalty (apply_repetition_penalties calls it for non-CUDA tensors)
+        ORIGINALS["apply_repetition_penalties_torch"] = _custom_ops.apply_repetition_penalties_torch
+        _custom_ops.apply_repetition_penalties_torch = apply_repetition_penalties
         logger.info("cpu_int4 plugin: CPU sampling by topk candidates and inverse CDF (no vocabulary sort)")
     return True

@@ -129,6 +129,9 @@ def test_installed_sampler_routes_vllm_cpu_path():
     """After install(), vLLM's TopKTopPSampler on CPU samples through this module, and only inside the nucleus."""
     assert sampling.install()
     assert vllm_sampler.compiled_random_sample is sampling.inverse_cdf_sample
+    from vllm import _custom_ops
+
+    assert _custom_ops.apply_repetition_penalties_torch is sampling.apply_repetition_penalties
     assert sampling.install()  # idempotent
     sampler = vllm_sampler.TopKTopPSampler()
     assert sampler.forward == sampler.forward_cpu
@@ -153,3 +156,29 @@ def test_top_k_ties_keep_what_vllm_keeps():
     p = torch.full((8,), 0.9)
     nucleus = torch.isfinite(sampling.top_k_top_p(logits.clone(), k, p))
     assert (nucleus <= ours).all() and (nucleus.sum(dim=1) >= 1).all()
+
+
+def test_repetition_penalty_is_vllms_bit_for_bit():
+    """Positive and negative logits, seen in the prompt, the output, both or neither, a row without penalty (1.0):
+    the plugin's sparse penalty leaves exactly the bits vLLM's dense one does."""
+    from vllm import _custom_ops
+
+    vllm_dense = sampling.ORIGINALS.get("apply_repetition_penalties_torch",
+                                        _custom_ops.apply_repetition_penalties_torch)
+    assert vllm_dense is not sampling.apply_repetition_penalties
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, VOCAB, generator=generator) * 5
+    logits[0, :10] = -float("inf")
+    prompt_mask = torch.rand(4, VOCAB, generator=generator) < 0.002
+    output_mask = torch.rand(4, VOCAB, generator=generator) < 0.002
+    prompt_mask[0, :5] = True
+    penalties = torch.tensor([1.1, 1.0, 1.3, 0.9])
+    theirs, ours = logits.clone(), logits.clone()
+    vllm_dense(theirs, prompt_mask, output_mask, penalties)
+    sampling.apply_repetition_penalties(ours, prompt_mask, output_mask, penalties)
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, logits)
+    nothing = torch.zeros_like(prompt_mask)
+    untouched = logits.clone()
+    sampling.apply_repetition_penalties(untouched, nothing, nothing, penalties)
+    assert torch.equal(untouched, logits)
