@@ -144,7 +144,11 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
         sampled = complete(url, model, **sampling)
         assert sampled.status_code == 200, sampled.text
         assert sampled.json()["choices"][0]["text"] == first.json()["choices"][0]["text"], sampling
-    varied = complete(url, model, temperature=1.0, top_k=40, top_p=0.95, max_tokens=16)
+    penalized = complete(url, model, repetition_penalty=1.3)  # the plugin's repetition penalty, greedy
+    sampled = complete(url, model, temperature=0.8, top_k=1, repetition_penalty=1.3)
+    assert penalized.status_code == sampled.status_code == 200, (penalized.text, sampled.text)
+    assert sampled.json()["choices"][0]["text"] == penalized.json()["choices"][0]["text"]
+    varied = complete(url, model, temperature=1.0, top_k=40, top_p=0.95, max_tokens=16, repetition_penalty=1.1)
     assert varied.status_code == 200 and varied.json()["usage"]["completion_tokens"] >= 1, varied.text
 
 
