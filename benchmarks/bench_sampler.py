@@ -28,6 +28,8 @@ import statistics
 import time
 from pathlib import Path
 
+from edge.cpuinfo import host_model_name
+
 SETTINGS = {
     "temperature only": (None, None),
     "top-k 40": (40, None),
@@ -36,11 +38,17 @@ SETTINGS = {
 }
 
 
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+def _interleaved(steps: dict, calls: list[tuple], rounds: int) -> dict[str, float]:
+    """Median microseconds a call of each step, the steps alternating round by round; each call gets its arguments
+    with the logits (the first, which the steps change in place) cloned beforehand, outside the timing."""
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(rounds):
+        for label, step in steps.items():
+            for logits, *rest in [(arguments[0].clone(), *arguments[1:]) for arguments in calls]:
+                start = time.perf_counter()
+                step(logits, *rest)
+                times[label].append((time.perf_counter() - start) * 1e6)
+    return {f"{label}_us": round(statistics.median(t), 1) for label, t in times.items()}
 
 
 def _logits(source: str, scale: float):
@@ -104,17 +112,9 @@ def main() -> None:
                            torch.isfinite(sampling.top_k_top_p(x.clone(), k, p)).sum(dim=1).tolist()]
                 for step in samplers.values():  # warm-up (vLLM's draw compiles on its first call)
                     step(batches[0].clone(), k, p)
-                times: dict[str, list[float]] = {s: [] for s in samplers}
-                for _ in range(args.rounds):
-                    for label, step in samplers.items():
-                        inputs = [x.clone() for x in batches]
-                        for x in inputs:
-                            start = time.perf_counter()
-                            step(x, k, p)
-                            times[label].append((time.perf_counter() - start) * 1e6)
+                medians = _interleaved(samplers, [(x, k, p) for x in batches], args.rounds)
                 row = {"logits": source, "vocab": vocab, "batch": batch, "setting": name,
-                       "nucleus_median": statistics.median(nucleus), "nucleus_max": max(nucleus),
-                       **{f"{s}_us": round(statistics.median(t), 1) for s, t in times.items()}}
+                       "nucleus_median": statistics.median(nucleus), "nucleus_max": max(nucleus), **medians}
                 row["ratio"] = round(row["vllm_us"] / row["edge_us"], 2)
                 results.append(row)
                 print(json.dumps(row), flush=True)
@@ -130,21 +130,16 @@ def main() -> None:
         for mask, count in zip(seen, (64, 128), strict=True):
             mask.scatter_(1, torch.randint(0, rows.shape[1], (batch, count), generator=generator), True)
         penalties = torch.full((batch,), 1.1)
-        times = {"vllm": [], "edge": []}
-        for _ in range(args.rounds):
-            for label, penalize in (("vllm", vllm_penalty), ("edge", sampling.apply_repetition_penalties)):
-                inputs = [rows[i % (rows.shape[0] - batch + 1):][:batch].clone() for i in range(args.calls)]
-                for x in inputs:
-                    start = time.perf_counter()
-                    penalize(x, seen[0], seen[1], penalties)
-                    times[label].append((time.perf_counter() - start) * 1e6)
+        calls = [(rows[i % (rows.shape[0] - batch + 1):][:batch], *seen, penalties) for i in range(args.calls)]
+        medians = _interleaved({"vllm": vllm_penalty, "edge": sampling.apply_repetition_penalties}, calls, args.rounds)
         row = {"logits": next(iter(sources)), "vocab": rows.shape[1], "batch": batch,
                "setting": "repetition penalty 1.1 (64 prompt + 128 output tokens)", "nucleus_median": rows.shape[1],
-               "nucleus_max": rows.shape[1], **{f"{s}_us": round(statistics.median(t), 1) for s, t in times.items()}}
+               "nucleus_max": rows.shape[1], **medians}
         row["ratio"] = round(row["vllm_us"] / row["edge_us"], 2)
         results.append(row)
         print(json.dumps(row), flush=True)
-    report = {"cpu": _cpu_name(), "threads": args.threads, "torch": torch.__version__, "results": results}
+    report = {"cpu": host_model_name() or platform.processor(), "threads": args.threads, "torch": torch.__version__,
+              "results": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{report['cpu']}, {args.threads} thread(s), medians of {args.rounds} x {args.calls} calls\n")

@@ -4,7 +4,7 @@ streaming through their API, interleaved (issue 23).
     .venv/bin/python -m benchmarks.bench_serve
         [--variants edge:one-process,edge:two-process,edge:three-process,llama:Q4_0,llama:Q4_1]
         [--passes 2] [--model DIR|FILE.gguf] [--gguf-q4_1 FILE] [--gguf-q4_0 FILE] [--threads N] [--json OUT]
-        [--sampling greedy|llama-defaults] [--together]
+        [--sampling greedy|llama-defaults|top-p] [--together]
 
 Variants:
     edge:MODE     `edge-serve --priority speed --serving-mode MODE` on the default model (or --model): the plan's
@@ -19,7 +19,7 @@ Variants:
     ...@N         either kind on N compute threads (edge:two-process@2, llama:Q4_0@2): thread counts compared in
                   one interleaved run
     edge:MODE+vllm-sampler  the same with vLLM's CPU sampler as shipped (EDGE_SELECT_SAMPLER=vllm), against the
-                  plugin's (kernels/vllm_plugin/sampling.py); it matters only with --sampling llama-defaults
+                  plugin's (kernels/vllm_plugin/sampling.py); it matters only with a --sampling other than greedy
 
 --sampling greedy (the default) streams with temperature 0. --sampling llama-defaults sends every server the sampling
 llama.cpp's server applies to a request that names none (llama-cpp-python 0.3.36: temperature 0.8, top-k 40, top-p
@@ -67,6 +67,7 @@ import httpx
 
 from benchmarks.llama_cpp_decode import PROSE  # plain English prose (public domain)
 from benchmarks.rss import TreeSampler
+from edge.cpuinfo import host_model_name
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PYTHON = ROOT / ".cache" / "llama-native" / "bin" / "python"
@@ -224,9 +225,9 @@ def edge_server(mode: str, args: argparse.Namespace, log: Path, threads: int | N
     server = Server(argv, dict(os.environ) | (env or {}), port, log)
     server.ready_s = server.wait_ready("/readyz")
     status = httpx.get(f"{server.url}/status", timeout=30).json()
-    env = status["plan"]["vllm"]["env"]
+    engine_env = status["plan"]["vllm"]["env"]
     # three-process on a small box: vLLM binds its worker to every core the plan leaves unreserved (all of them)
-    threads = int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1))
+    threads = int(engine_env.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
     server.detail = {"path": status["plan"]["path"], "layout": status["plan"].get("layout"),
                      "mode": status["plan"]["vllm"].get("mode"), "threads": threads}  # fmt: skip
@@ -362,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         for server, _, _ in servers.values():
             server.stop()
     summary = summarize(rows)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown")  # fmt: skip
+    cpu = host_model_name() or "unknown"
     print(f"{cpu}, {os.cpu_count()} cores, {threads} thread(s), {args.passes} passes (medians), "
           f"sampling {args.sampling}\n")
     print(table(summary))

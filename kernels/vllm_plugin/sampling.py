@@ -25,7 +25,6 @@ This module replaces both, in that module only, with the same distributions:
 - `inverse_cdf_sample`: one uniform variate per row; the first index whose cumulative probability (float64)
   reaches u * total, u in (0, 1]. A token of probability zero (masked) is never chosen: its cumulative sum equals
   its predecessor's, so an earlier index reaches u first, and index 0 would need u <= 0.
-
 - `apply_repetition_penalties`: vLLM's torch fallback for the repetition penalty, computed on the tokens the prompt
   and output hold instead of over the whole vocabulary; the same float32 operations, so the same bits.
 
