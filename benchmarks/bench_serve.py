@@ -20,6 +20,8 @@ Variants:
                   one interleaved run
     edge:MODE+vllm-sampler  the same with vLLM's CPU sampler as shipped (EDGE_SELECT_SAMPLER=vllm), against the
                   plugin's (kernels/vllm_plugin/sampling.py); it matters only with a --sampling other than greedy
+    edge:MODE+python-wrapper  the same with the compiled model's wrapper in Python, as vLLM ships it
+                  (EDGE_SELECT_WRAPPER=python, kernels/vllm_plugin/compiled_wrapper.py), against the plan's C++ one
 
 --sampling greedy (the default) streams with temperature 0. --sampling llama-defaults sends every server the sampling
 llama.cpp's server applies to a request that names none (llama-cpp-python 0.3.36: temperature 0.8, top-k 40, top-p
@@ -77,6 +79,8 @@ DECODE_TOKENS = 128
 DECODE_STREAMS = 3
 PREFILL_TOKENS = 512
 STREAMS = 4
+# edge:MODE+MODIFIER: the engine's environment for each (the plugin's off switches)
+EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "python-wrapper": {"EDGE_SELECT_WRAPPER": "python"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names
@@ -205,6 +209,40 @@ def measure(server: Server, model: str, tokenizer, seed: int, sampling: dict | N
             "rss_settled_mib": settled / 2**20}  # fmt: skip
 
 
+def decode_rounds(servers: dict[str, tuple], rounds: int, samplings: dict[str, dict | None]) -> dict:
+    """Paired decode: `rounds` rounds of one stream per server, the order rotated each round, so a VM whose speed
+    drifts over minutes slows both sides of a pair alike. Each variant's median tok/s, and per other variant the
+    median and quartiles of its per-round ratio to the first variant."""
+    names = list(servers)
+    per: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            server, model, kind = servers[name]
+            result = stream(server.url, model, f"r{r} {SHORT_PROMPT}", DECODE_TOKENS, samplings[kind])
+            per[name].append(result["decode_tok_s"])
+        print(json.dumps({"round": r + 1, **{n: round(v[-1], 1) for n, v in per.items()}}), file=sys.stderr,
+              flush=True)  # fmt: skip
+    base = names[0]
+    out = {"rounds": rounds, "decode_tok_s": {n: statistics.median(v) for n, v in per.items()}, "each": per,
+           "ratio_to": base, "ratios": {}}  # fmt: skip
+    for name in names[1:]:
+        ratios = sorted(a / b for a, b in zip(per[name], per[base], strict=True))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        out["ratios"][name] = {"median": q[1], "q1": q[0], "q3": q[2]}
+    return out
+
+
+def rounds_table(result: dict) -> str:
+    base = result["ratio_to"]
+    lines = [f"Paired decode, {result['rounds']} rounds (order rotated), ratio to {base}:", "",
+             "| variant | decode tok/s (median) | ratio (median) | ratio q1-q3 |", "|---|---|---|---|"]  # fmt: skip
+    for name, rate in result["decode_tok_s"].items():
+        r = result["ratios"].get(name)
+        ratio = f"{r['median']:.3f} | {r['q1']:.3f}-{r['q3']:.3f}" if r else "1 | -"
+        lines.append(f"| {name} | {rate:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def edge_argv(mode: str, args: argparse.Namespace, *extra: str, threads: int | None = None) -> list[str]:
     """edge-serve's command line for a variant: the speed plan in `mode`, --model and --path when `args` has them."""
     argv = [str(ROOT / ".venv" / "bin" / "edge-serve"), "--priority", "speed", "--serving-mode", mode,
@@ -303,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                              "start's)")
     parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy",
                         help="greedy; llama.cpp server's default sampling; or temperature and top-p alone")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="with --together, after the passes: this many rounds of one decode stream per server, "
+                             "order rotated, each variant's ratio to the first per round (medians, quartiles)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, default=ROOT / ".cache" / "bench_serve.log")
     args = parser.parse_args(argv)
@@ -324,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     args.log.parent.mkdir(parents=True, exist_ok=True)
     servers: dict[str, tuple] = {}  # --together: every variant's server, kept up through all passes
+    paired: dict = {}
+    if args.rounds and not args.together:
+        parser.error("--rounds alternates servers that are up side by side: add --together")
 
     def start(variant: str) -> tuple:
         nonlocal threads
@@ -331,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         what, _, own = what.partition("@")
         what, _, modifier = what.partition("+")
         own, _, modifier = own.partition("+") if own else ("", "", modifier)
-        if modifier not in ("", "vllm-sampler") or (modifier and kind != "edge"):
-            parser.error(f"--variants: unknown modifier +{modifier} in {variant!r} (edge:MODE+vllm-sampler)")
+        if modifier not in ("", *EDGE_MODIFIERS) or (modifier and kind != "edge"):
+            parser.error(f"--variants: unknown modifier +{modifier} in {variant!r} "
+                         f"(edge:MODE+{'|'.join(EDGE_MODIFIERS)})")  # fmt: skip
         if kind == "edge":
-            env = {"EDGE_SELECT_SAMPLER": "vllm"} if modifier else {}
+            env = EDGE_MODIFIERS.get(modifier, {})
             server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None, env)
             threads = threads or threads_here
         else:
@@ -359,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"variant": variant, "pass": p + 1, "warm_start_s": server.ready_s,
                              "rss_peak_mib": server.sampler.peak_bytes / 2**20, "detail": server.detail, **row})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.rounds:
+            paired = decode_rounds(servers, args.rounds, {k: SAMPLINGS[args.sampling][k] for k in ("edge", "llama")})
     finally:
         for server, _, _ in servers.values():
             server.stop()
@@ -367,9 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cpu}, {os.cpu_count()} cores, {threads} thread(s), {args.passes} passes (medians), "
           f"sampling {args.sampling}\n")
     print(table(summary))
+    if paired:
+        print("\n" + rounds_table(paired))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "threads": threads, "sampling": args.sampling, "rows": rows,
-                                               "summary": summary}, indent=1))
+                                         "summary": summary, "paired": paired}, indent=1))
     return 0
 
 
