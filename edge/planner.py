@@ -374,18 +374,8 @@ def make_plan(
                                    f"serves only at --block-size {block} (vLLM 0.28, docs/FACTS.md)"))  # fmt: skip
     if plan.vllm is not None:
         plan.reasons.append(_serving_mode_reason(plan.vllm.mode, serving_mode is not None, device))
-        plan.reasons.append(_compiled_wrapper_reason())
     _set_threads(plan, req)
     return plan
-
-
-def _compiled_wrapper_reason() -> Reason:
-    """Why vLLM compiles the model with Inductor's C++ wrapper (edge.engine_config.COMPILED_WRAPPER_ARGS)."""
-    ratio = fact("avx512.cpp_wrapper.served_decode_ratio")
-    return Reason(text=f"the compiled model's per-step glue runs as C++ (Inductor's cpp_wrapper), not Python: served "
-                  f"decode {ratio.value:.2f}x on a {ratio.isa_class} host ({ratio.date}); EDGE_SELECT_WRAPPER=python "
-                  "in the environment switches it off", fact=ratio.key, value=ratio.value, unit=ratio.unit,
-                  source="measured here")  # fmt: skip
 
 
 def _serving_mode_reason(mode: ServingMode, asked: bool, device: DeviceProfile) -> Reason:

@@ -17,9 +17,6 @@ def register() -> None:
 
     compile_cache.install()
     compile_cache.install_factors_fix()
-    from kernels.vllm_plugin import compiled_wrapper
-
-    compiled_wrapper.install()
     from kernels.vllm_plugin import engine_start
 
     engine_start.install()

@@ -581,19 +581,3 @@ def test_the_ledgers_engine_baseline_follows_the_serving_mode(zen5, smollm2):
     for mode in ("one-process", "two-process", "three-process"):
         assert baseline(mode) == fact(f"avx512.vllm_engine_baseline_bytes.{mode}").value
     assert baseline("one-process") < baseline("two-process") < baseline("three-process")
-
-
-@pytest.mark.parametrize("mode", SERVING_MODES)
-@pytest.mark.parametrize("path", ["w4a16-tinygemm", "bf16"])
-def test_every_vllm_plan_compiles_with_the_cpp_wrapper_and_says_what_it_measured(zen5, smollm2, mode, path):
-    """Inductor's C++ wrapper and the layer name as a string it can pass, in every serving mode and weight path;
-    the reason quotes the served decode it measured (kernels/vllm_plugin/compiled_wrapper.py switches it off)."""
-    import json
-
-    plan = make_plan(zen5, smollm2, path=path, serving_mode=mode)
-    args = plan.vllm.args
-    options = json.loads(args[args.index("--compilation-config") + 1])["inductor_compile_config"]
-    assert options == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
-    assert plan.vllm.env["VLLM_USE_LAYERNAME"] == "0"
-    why = [r for r in plan.reasons if r.fact == "avx512.cpp_wrapper.served_decode_ratio"]
-    assert len(why) == 1 and f"{why[0].value:.2f}x" in why[0].text and "EDGE_SELECT_WRAPPER=python" in why[0].text
