@@ -17,11 +17,13 @@ This module replaces both, in that module only, with the same distributions:
   (drop a token iff the ascending cumulative sum up to it is at most 1 - p) read from the other end. Where every
   row's top-k is at most 256, one `topk` of max(k) + 1 gives both the top-k (every token tied with the k-th kept, as
   vLLM keeps them; a tie reaching the last candidate falls back) and its nucleus. Otherwise top-k is vLLM's own
-  `apply_top_k_only` (no sort) and the nucleus comes from `topk` candidates (64, 512, then 4096): when the mass of
-  all but the last candidate already reaches p, no token outside them can be kept in any order of ties, so the
-  result is exact; otherwise vLLM's full sort runs. The masses are summed in float64: vLLM's float32 sum over the
-  whole vocabulary drifts by ~1e-6, enough to keep or drop one more token where the mass lands that close to p. A
-  row whose p is 1 or more is left as top-k made it.
+  `apply_top_k_only` (no sort) and the nucleus comes from `topk` candidates (64, 512, 4096, 16384, 65536, up to
+  half the vocabulary; a count reaching the vocabulary holds any nucleus): when the mass of all but the last
+  candidate already reaches p, no token outside them can be kept in any order of ties, so the result is exact;
+  otherwise vLLM's full sort runs. A failed count gives a lower bound on the nucleus (no token below it is more
+  likely than its last), and counts below the bound are skipped. The masses are summed in float64: vLLM's float32
+  sum over the whole vocabulary drifts by ~1e-6, enough to keep or drop one more token where the mass lands that
+  close to p. A row whose p is 1 or more is left as top-k made it.
 - `inverse_cdf_sample`: one uniform variate per row; the first index whose cumulative probability (float64)
   reaches u * total, u in (0, 1]. A token of probability zero (masked) is never chosen: its cumulative sum equals
   its predecessor's, so an earlier index reaches u first, and index 0 would need u <= 0.
@@ -44,8 +46,11 @@ logger = init_logger("vllm.edge_select.sampling")
 
 _MARK = "_edge_select_sampler"
 # Candidate counts for top-p before falling back to the full sort. Over 49152 entries on one Zen 5 core: topk(64)
-# ~66 us, topk(512) ~90 us, topk(4096) ~450 us; the full sort ~3.4 ms.
-TOP_P_CANDIDATES = (64, 512, 4096)
+# ~66 us, topk(512) ~90-220 us, topk(4096) ~450-720 us, topk(16384) ~1.4 ms; the full sort ~3.4-3.8 ms. Over
+# 151936: topk(16384) 2.7 ms, topk(65536) under 4.9 ms (topk(32768) 3.7 ms), the sort 11.5 ms.
+TOP_P_CANDIDATES = (64, 512, 4096, 16384, 65536)
+# A topk of more than this share of the vocabulary costs about a sort: vLLM's sort runs instead.
+TOP_P_MAX_FRACTION = 0.5
 # Top-k at most this (llama.cpp's default is 40) takes one topk of k + 1 for both top-k and top-p.
 TOP_K_CANDIDATES = 256
 # vLLM's own functions this module replaced in this process, by name (benchmarks and tests compare against them)
@@ -61,6 +66,28 @@ def inverse_cdf_sample(logits: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u).clamp_(max=cdf.shape[1] - 1).view(-1)
 
 
+def _candidate_counts(vocab: int) -> list[int]:
+    """The topk counts tried for top-p over `vocab` tokens: TOP_P_CANDIDATES up to TOP_P_MAX_FRACTION of the
+    vocabulary; a count reaching the vocabulary is the vocabulary itself, which is exact whatever the nucleus."""
+    counts = []
+    for count in TOP_P_CANDIDATES:
+        if count >= vocab:
+            return [*counts, vocab]
+        if count > vocab * TOP_P_MAX_FRACTION:
+            break
+        counts.append(count)
+    return counts
+
+
+def _nucleus_lower_bound(p: torch.Tensor, mass: torch.Tensor, last: torch.Tensor, count: int,
+                         rows: torch.Tensor) -> float:  # fmt: skip
+    """The fewest tokens some row of `rows` may need for its nucleus, from its top `count` (their mass `mass`, the
+    count-th probability `last`): every token below them has probability at most `last`, so reaching p takes at
+    least count + (p - mass) / last tokens. A candidate count below it cannot succeed and is skipped."""
+    need = count + (p - mass).clamp(min=0) / last.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny)
+    return float(need[rows].max())
+
+
 def _top_p_from_candidates(logits: torch.Tensor, p: torch.Tensor, limited: torch.Tensor) -> bool:
     """Mask, in place, the rows `limited` of `logits` to their top-p nucleus from topk candidates; False (and
     `logits` untouched) when some limited row's nucleus may reach past the largest candidate count."""
@@ -68,14 +95,17 @@ def _top_p_from_candidates(logits: torch.Tensor, p: torch.Tensor, limited: torch
     if vocab < 2:
         return True
     probs = logits.softmax(dim=-1, dtype=torch.float32)
-    for count in TOP_P_CANDIDATES:
-        count = min(count, vocab)
+    need = 0.0  # a lower bound on the largest nucleus among the rows not yet held
+    for count in _candidate_counts(vocab):
+        if count < vocab and need > count - 1:
+            continue  # cannot hold it: all but the last candidate would have to reach p
         top_probs, top_idx = probs.topk(count, dim=-1)
         mass = top_probs.cumsum(dim=-1, dtype=torch.float64)
         mass_before = mass - top_probs
         # Exact only if all but the last candidate already reach p (ties with the last cannot enter then).
         reached = mass[:, -2] >= p
         if count < vocab and not bool((reached | ~limited).all()):
+            need = _nucleus_lower_bound(p, mass[:, -1], top_probs[:, -1], count, ~reached & limited)
             continue
         keep = mass_before < p.unsqueeze(1)
         keep[:, 0] = True

@@ -83,6 +83,40 @@ def test_each_candidate_step_is_exercised():
     assert any(512 <= s < 4096 for s in sizes) and max(sizes) > 4096, sizes
 
 
+def test_the_lower_bound_holds_and_only_skips_counts_that_cannot_hold_the_nucleus(monkeypatch):
+    """`_nucleus_lower_bound` never exceeds the true largest nucleus, and skipping by it changes no result: over rows
+    from peaked to flat and several p, the masked logits with the skips equal those without; a flat row goes from
+    the 64-candidate step past the counts its bound rules out."""
+    calls: list[tuple[int, float]] = []
+    original = sampling._nucleus_lower_bound
+
+    def recording(p, mass, last, count, rows):
+        need = original(p, mass, last, count, rows)
+        calls.append((count, need))
+        return need
+
+    def never_skip(*args):
+        return 0.0
+
+    for scale in (0.5, 1.0, 2.0, 3.0, 4.0, 8.0):
+        for p_value in (0.3, 0.8, 0.95, 0.99):
+            logits = _rows(int(scale * 100 + p_value * 10), 4, scale)
+            p = torch.full((4,), p_value, dtype=torch.float64)
+            limited = torch.ones(4, dtype=torch.bool)
+            monkeypatch.setattr(sampling, "_nucleus_lower_bound", never_skip)
+            without = logits.clone()
+            fits = sampling._top_p_from_candidates(without, p, limited)
+            monkeypatch.setattr(sampling, "_nucleus_lower_bound", recording)
+            calls.clear()
+            with_skips = logits.clone()
+            assert sampling._top_p_from_candidates(with_skips, p, limited) is fits
+            assert torch.equal(with_skips, without if fits else logits)
+            largest = int(_exact_nucleus(logits, None, p.float()).sum(dim=1).max())
+            assert all(need <= largest for _, need in calls), (calls, largest)
+            if scale == 0.5 and p_value >= 0.8:  # flat: a nucleus of tens of thousands; 512 and 4096 skipped
+                assert largest > 16384 and [count for count, _ in calls] == [64, 16384], (calls, largest)
+
+
 def test_ties_keep_a_valid_nucleus():
     """bf16-rounded logits tie often; whichever tied tokens are kept, the set is a nucleus: its mass reaches p,
     it is the most likely tokens, and without its least likely member it would not reach p."""
