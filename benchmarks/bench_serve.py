@@ -224,7 +224,7 @@ def decode_rounds(servers: dict[str, tuple], rounds: int, samplings: dict[str, d
     out = {"rounds": rounds, "decode_tok_s": {n: statistics.median(v) for n, v in per.items()}, "each": per,
            "ratio_to": base, "ratios": {}}  # fmt: skip
     for name in names[1:]:
-        ratios = sorted(a / b for a, b in zip(per[name], per[base], strict=True))
+        ratios = [a / b for a, b in zip(per[name], per[base], strict=True)]
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         out["ratios"][name] = {"median": q[1], "q1": q[0], "q3": q[2]}
     return out
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                              "rss_peak_mib": server.sampler.peak_bytes / 2**20, "detail": server.detail, **row})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.rounds:
-            paired = decode_rounds(servers, args.rounds, {k: SAMPLINGS[args.sampling][k] for k in ("edge", "llama")})
+            paired = decode_rounds(servers, args.rounds, SAMPLINGS[args.sampling])
     finally:
         for server, _, _ in servers.values():
             server.stop()

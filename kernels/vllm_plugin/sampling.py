@@ -46,10 +46,11 @@ logger = init_logger("vllm.edge_select.sampling")
 
 _MARK = "_edge_select_sampler"
 # Candidate counts for top-p before falling back to the full sort. Over 49152 entries on one Zen 5 core: topk(64)
-# ~66 us, topk(512) ~90-220 us, topk(4096) ~450-720 us, topk(16384) ~1.4 ms; the full sort ~3.4-3.8 ms. Over
-# 151936: topk(16384) 2.7 ms, topk(65536) under 4.9 ms (topk(32768) 3.7 ms), the sort 11.5 ms.
+# ~66 us, topk(512) ~90-220 us, topk(4096) ~450-720 us, topk(16384) ~1.4 ms, topk(32768) 2.4 ms; the full sort
+# ~3.4-3.8 ms. Over 151936: topk(16384) 2.7 ms, topk(32768) 3.7 ms, the sort 11.5 ms (topk(65536) not timed).
 TOP_P_CANDIDATES = (64, 512, 4096, 16384, 65536)
-# A topk of more than this share of the vocabulary costs about a sort: vLLM's sort runs instead.
+# No count above this share of the vocabulary: past it the vocabulary itself (exact) or vLLM's sort runs. A chosen
+# cutoff, not a measured crossover (topk(32768) of 49152 still beat the sort).
 TOP_P_MAX_FRACTION = 0.5
 # Top-k at most this (llama.cpp's default is 40) takes one topk of k + 1 for both top-k and top-p.
 TOP_K_CANDIDATES = 256
