@@ -12,7 +12,11 @@ per mode and pass, interleaved, with a first unmeasured start of each mode that 
 each mode's median seconds to /readyz 200:
 
     python3 benchmarks/edge_up_times.py --warm [--modes one-process,two-process,three-process] [--passes 3]
-        [--port 8090]
+        [--port 8090] [--early on|off|both]
+
+`--early both` starts each mode with and without the early engine (server/early_engine.py: vLLM imported while
+edge-serve plans; EDGE_EARLY_ENGINE=0 turns it off), interleaved, and reports each variant's median and the
+ratio of the medians.
 """
 
 from __future__ import annotations
@@ -49,10 +53,17 @@ def _complete(port: int) -> str:
         return json.load(response)["choices"][0]["text"]
 
 
-def one_run(workdir: Path | None, port: int, log: Path, timeout_s: float = 3600, mode: str | None = None) -> dict:
+def one_run(
+    workdir: Path | None,
+    port: int,
+    log: Path,
+    timeout_s: float = 3600,
+    mode: str | None = None,
+    env_extra: dict[str, str] | None = None,
+) -> dict:
     """One start of deploy/edge-up (under WORKDIR's venv and cache; None: the current ones), `mode` its serving
     mode (None: the plan's), to /readyz 200 and one completion; then SIGTERM to its process group."""
-    env = dict(os.environ)
+    env = dict(os.environ) | (env_extra or {})
     if workdir is not None:
         env |= {"EDGE_VENV": str(workdir / "venv"), "EDGE_SELECT_CACHE_DIR": str(workdir / "cache")}
     argv = [str(REPO / "deploy" / "edge-up"), "--port", str(port), *(["--serving-mode", mode] if mode else [])]
@@ -75,23 +86,38 @@ def one_run(workdir: Path | None, port: int, log: Path, timeout_s: float = 3600,
     return {"ready_s": round(ready_s, 1), "completion": text}
 
 
-def warm(modes: list[str], passes: int, port: int) -> None:
+EARLY = {"on": {"EDGE_EARLY_ENGINE": "1"}, "off": {"EDGE_EARLY_ENGINE": "0"}}
+
+
+def warm(modes: list[str], passes: int, port: int, early: str = "on") -> None:
     import statistics
     import tempfile
 
     log = Path(tempfile.mkdtemp(prefix="edge-up-times-")) / "edge-up.log"
     for mode in modes:  # fills each mode's compile cache (its environment differs, so does its cache)
         one_run(None, port, log, mode=mode)
-    runs: dict[str, list[float]] = {mode: [] for mode in modes}
+    settings = ["on", "off"] if early == "both" else [early]
+    variants = [(mode, setting) for mode in modes for setting in settings]
+    name = {v: v[0] if early != "both" else f"{v[0]}, early engine {v[1]}" for v in variants}
+    runs: dict[str, list[float]] = {name[v]: [] for v in variants}
     for p in range(passes):
-        for mode in modes:
-            runs[mode].append(one_run(None, port, log, mode=mode)["ready_s"])
-            print(json.dumps({"pass": p + 1, "mode": mode, "ready_s": runs[mode][-1]}), flush=True)
+        order = variants[p % len(variants) :] + variants[: p % len(variants)]  # who goes first rotates
+        for v in order:
+            # an early engine takes the environment of the last engine that became ready: with several modes,
+            # an unmeasured start of its own mode comes first
+            if len(modes) > 1 and v[1] == "on":
+                one_run(None, port, log, mode=v[0], env_extra=EARLY["off"])
+            runs[name[v]].append(one_run(None, port, log, mode=v[0], env_extra=EARLY[v[1]])["ready_s"])
+            print(json.dumps({"pass": p + 1, "variant": name[v], "ready_s": runs[name[v]][-1]}), flush=True)
     sys.path.insert(0, str(REPO))  # run as a script: the repository's own packages
     from edge.cpuinfo import host_model_name
 
     medians = {m: {"median": statistics.median(r), "runs": r} for m, r in runs.items()}
-    print(json.dumps({"cpu": host_model_name(), "log": str(log), "warm_start_s": medians}))
+    out = {"cpu": host_model_name(), "log": str(log), "warm_start_s": medians}
+    if early == "both":
+        out["on_over_off"] = {mode: round(medians[name[(mode, "on")]]["median"]
+                                          / medians[name[(mode, "off")]]["median"], 3) for mode in modes}  # fmt: skip
+    print(json.dumps(out))
 
 
 def main() -> None:
@@ -101,9 +127,11 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="warm starts per serving mode (docstring)")
     parser.add_argument("--modes", default="one-process,two-process,three-process")
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--early", choices=["on", "off", "both"], default="on",
+                        help="with (on), without (off) or both ways: the early engine (docstring)")  # fmt: skip
     args = parser.parse_args()
     if args.warm:
-        warm(args.modes.split(","), args.passes, args.port)
+        warm(args.modes.split(","), args.passes, args.port, args.early)
         return
     if args.workdir is None:
         parser.error("WORKDIR is needed without --warm")

@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from edge.probe import probe
 from edge.quality import cached_records
 from server.app import create_app, weight_path
 from server.calibrations import database_url
+from server.early_engine import EarlyEngine
 from server.settings import Settings, exposure_problem, is_loopback
 from server.supervisor import EngineRefused, EngineSupervisor, short_model_name
 
@@ -71,9 +72,18 @@ def default_model_dir(command: Sequence[str] | None = None) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def convert(plan: Plan, model_dir: Path, command: Sequence[str] | None = None) -> Path:
-    """Run `edge-convert SRC DST --plan PLAN.json`; it skips a conversion that is already up to date."""
+def convert(
+    plan: Plan,
+    model_dir: Path,
+    command: Sequence[str] | None = None,
+    before_converting: Callable[[], None] = lambda: None,
+) -> Path:
+    """Run `edge-convert SRC DST --plan PLAN.json`; it skips a conversion that is already up to date.
+    before_converting() runs first when there is no conversion to reuse (edge-convert's own check finds a stale
+    one out later)."""
     dst = converted_dir(model_dir, plan.quantization_config)
+    if not dst.exists():
+        before_converting()
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", suffix=".plan.json", dir=dst.parent, delete=False) as f:
         f.write(plan.model_dump_json())
@@ -112,8 +122,14 @@ class ExportOnly(Exception):
                 f"build its bundle instead:\n  {' '.join(select)} > PLAN.json\n  {export}")  # fmt: skip
 
 
-def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None) -> Prepared:
-    """Probe, read the model, plan, convert when the plan needs it."""
+def prepare(
+    args: argparse.Namespace,
+    *,
+    converter: Sequence[str] | None = None,
+    before_converting: Callable[[], None] = lambda: None,
+) -> Prepared:
+    """Probe, read the model, plan, convert when the plan needs it (calling before_converting() first when
+    there is no conversion to reuse)."""
     source = resolve_model(args.model) if args.model else default_model_dir()
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
     # A described device (the DaemonSet passes its node's NFD labels) plans for that; otherwise probe this host.
@@ -140,7 +156,7 @@ def prepare(args: argparse.Namespace, *, converter: Sequence[str] | None = None)
         check_block_here(plan, args.device)
     # a GGUF is always converted: vLLM's CPU backend does not load GGUF files (vLLM issues #7291, #8500)
     needs_conversion = plan.quantization_config is not None or is_gguf(source)
-    serve_dir = convert(plan, source, converter) if needs_conversion else source
+    serve_dir = convert(plan, source, converter, before_converting) if needs_conversion else source
     return Prepared(plan=plan, source_dir=source, serve_dir=serve_dir)
 
 
@@ -309,7 +325,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, early: EarlyEngine | None = None) -> int:
+    """edge-serve; `early`: the engine server/edge_serve.py started before this module was imported (killed
+    here unless the supervisor takes it)."""
+    try:
+        return run(argv, early)
+    finally:
+        if early is not None:
+            early.discard()  # unless the supervisor took it
+
+
+def run(argv: list[str] | None, early: EarlyEngine | None) -> int:
     args = parser().parse_args(argv)
     given = (("host", args.host), ("port", args.port), ("calibration_db", args.calibration_db),
              ("served_model_name", args.served_model_name))  # fmt: skip
@@ -332,11 +358,17 @@ def main(argv: list[str] | None = None) -> int:
         print("edge-serve: warning: --report-token is visible to every user of this box (ps); set "
               "EDGE_REPORT_TOKEN or use --report-token-file instead", file=sys.stderr, flush=True)  # fmt: skip
     if args.plan_only:
+        if early is not None:
+            early.discard()  # no engine here
         print(f"planner   {url}/plan  (POST a device and a model; {url}/docs describes every field)", flush=True)
         serve_app(settings, create_app(settings))
         return 0
+    return plan_and_serve(args, settings, url, early)
+
+
+def plan_and_serve(args: argparse.Namespace, settings: Settings, url: str, early: EarlyEngine | None) -> int:
     try:
-        prepared = prepare(args)
+        prepared = prepare(args, before_converting=early.discard if early is not None else lambda: None)
     except ExportOnly as only:
         print(only.message(), flush=True)
         return 0
@@ -352,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             str(prepared.serve_dir),  # the engine listens on a fresh Unix socket for each start
             settings=settings,
             force=args.force,
+            early=early,
         )
     except EngineRefused as error:
         print(f"edge-serve: {error}", file=sys.stderr)
@@ -386,5 +419,5 @@ def serve_app(settings: Settings, app) -> None:
     )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # without the early engine: server/edge_serve.py is edge-serve's entry point
     sys.exit(main())

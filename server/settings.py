@@ -60,6 +60,12 @@ class Settings(BaseSettings):
         "<cache directory>/run. One over 78 bytes (a Unix socket's path holds 107) keeps the pid files, but its "
         "sockets go to a private directory of its own under the temp directory (<tmp>/edge-select-<uid>/<hash>).",
     )
+    early_engine: bool = Field(
+        default=True,
+        description="Start the engine importing vLLM while edge-serve plans, in the environment of the last engine "
+        "that became ready in run_dir, used only if the plan's is the same (server/early_engine.py): ~1-2 s off "
+        "each start. EDGE_EARLY_ENGINE=0: never.",
+    )
     served_model_name: str | None = Field(
         default=None,
         max_length=256,

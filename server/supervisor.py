@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import os
 import random
@@ -33,7 +34,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import httpx
 from pydantic import BaseModel, Field
@@ -114,6 +115,30 @@ class EngineStatus(BaseModel):
         "user's alone), or, when the run directory's path is too long for a socket's, in a private directory of "
         "its own under the temp directory (<tmp>/edge-select-<uid>/<hash>); null before the first start.",
     )
+
+
+class EngineProcess(Protocol):
+    """What the supervisor uses of a started engine's watchdog: asyncio's Process, or an early engine it adopted
+    (server/early_engine.AdoptedProcess)."""
+
+    pid: int
+    stdout: asyncio.StreamReader | None
+    stderr: asyncio.StreamReader | None
+
+    @property
+    def returncode(self) -> int | None: ...
+
+
+class EarlyStart(Protocol):
+    """An engine started before its plan was made (server/early_engine.EarlyEngine), for the first start to take."""
+
+    started_at: float  # time.monotonic()
+
+    async def adopt(
+        self, command: Sequence[str], env: Mapping[str, str], argv: Sequence[str], api_key: str
+    ) -> EngineProcess | None: ...
+
+    def discard(self) -> None: ...
 
 
 def backoff_delay(failures: int, *, initial: float, cap: float, jitter: float = 0.0, rng=random) -> float:
@@ -240,7 +265,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-async def leader_exit(proc: asyncio.subprocess.Process, poll_s: float = 0.05) -> int:
+async def leader_exit(proc: EngineProcess, poll_s: float = 0.05) -> int:
     """The engine leader's exit status, once it has exited.
 
     Not proc.wait(): asyncio's wait() also waits for the child's pipes to close, and a worker orphaned by a
@@ -391,27 +416,63 @@ def default_run_dir() -> Path:
     return cache_dir() / "run"
 
 
+def run_dir_of(settings: Settings) -> Path:
+    return Path(settings.run_dir) if settings.run_dir else default_run_dir()
+
+
 def record_path(run_dir: Path, leader_pid: int) -> Path:
     return run_dir / f"engine-{os.getpid()}-{leader_pid}.json"
 
 
-def write_record(path: Path, record: EngineRecord) -> None:
+def write_private(path: Path, text: str) -> None:
     """Written whole or not at all, never through a link: a fresh file (O_EXCL | O_NOFOLLOW, mode 0600) renamed
-    into place (a rename replaces a link, it does not follow it)."""
+    into place (a rename replaces a link, it does not follow it), in a private directory."""
     private_dir(path.parent)
     partial = path.with_suffix(".partial")
     partial.unlink(missing_ok=True)
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(record.model_dump_json())
+        f.write(text)
     partial.replace(path)
+
+
+def read_private(path: Path) -> str:
+    """A file of the run directory, never read through a link (OSError for one)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return f.read()
+
+
+def write_record(path: Path, record: EngineRecord) -> None:
+    write_private(path, record.model_dump_json())
 
 
 def read_record(path: Path) -> EngineRecord:
     """A pid file, never read through a link (OSError for one)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd) as f:
-        return EngineRecord.model_validate_json(f.read())
+    return EngineRecord.model_validate_json(read_private(path))
+
+
+# What the next start's early engine (server/early_engine.py) is started with: the plan environment of the last
+# vLLM engine of this run directory that became ready. Not engine-*.json: the sweep reads those as pid files.
+EARLY_ENV_RECORD = "early-engine-env.json"
+
+
+def remember_engine_env(run_dir: Path, plan_env: Mapping[str, str]) -> None:
+    try:
+        write_private(run_dir / EARLY_ENV_RECORD, json.dumps({"plan_env": dict(plan_env)}, sort_keys=True))
+    except OSError as exc:  # a read-only cache costs the next start's head start, not this engine
+        log.warning("engine environment not recorded in %s: %s", run_dir, exc)
+
+
+def recalled_engine_env(run_dir: Path) -> dict[str, str] | None:
+    """The plan environment remember_engine_env() recorded here, or None (none, unreadable, or not one)."""
+    try:
+        plan_env = json.loads(read_private(run_dir / EARLY_ENV_RECORD))["plan_env"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(plan_env, dict) or not all(isinstance(v, str) for v in [*plan_env, *plan_env.values()]):
+        return None
+    return plan_env
 
 
 def left_processes(record: EngineRecord) -> list[int]:
@@ -500,15 +561,18 @@ class EngineSupervisor:
         health_path: str = "/health",
         log_prefix: str = "[vllm]",
         served_model_name: str | None = None,
+        early: EarlyStart | None = None,
     ) -> None:
         self.settings = settings or Settings()
         self.command = list(command)  # argv without --uds, which each start chooses
         self.api_key = ""  # a fresh random one for each start, in the engine's environment (VLLM_API_KEY)
-        self.env = engine_environment(os.environ, env or {})
+        self.plan_env = dict(env or {})
+        self.env = engine_environment(os.environ, self.plan_env)
+        self._early = early  # the first start's engine, importing vLLM since before the plan was made
         self.health_path = health_path
         self.log_prefix = log_prefix
         self.served_model_name = served_model_name
-        self.run_dir = Path(self.settings.run_dir) if self.settings.run_dir else default_run_dir()
+        self.run_dir = run_dir_of(self.settings)
         if problem := socket_path_problem(self.run_dir):
             raise EngineRefused(problem)
         self.socket_path: Path | None = None  # a fresh one in socket_dir(run_dir) for each start
@@ -522,7 +586,7 @@ class EngineSupervisor:
         self.swept: list[str] = []  # engines of dead wrappers stopped at start
         self.delays: list[float] = []  # every backoff delay taken, in order
         self.log_tail: deque[str] = deque(maxlen=self.settings.log_tail_lines)
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: EngineProcess | None = None
         self._engine_pid: int | None = None
         self._record: Path | None = None
         self._started_at: float | None = None
@@ -547,13 +611,14 @@ class EngineSupervisor:
         settings: Settings | None = None,
         force: bool = False,
         executable: Sequence[str] | None = None,
+        early: EarlyStart | None = None,
     ) -> EngineSupervisor:
         check_plan_runnable(plan, force=force)
         settings = settings or Settings()
         served = settings.served_model_name or short_model_name(plan, model_dir)
         command = engine_command(plan, model_dir, executable=executable, served_model_name=served)
         env = {name: resolve(value) if name == "VLLM_CACHE_ROOT" else value for name, value in plan.vllm.env.items()}
-        return cls(command, env=env, settings=settings, served_model_name=served)
+        return cls(command, env=env, settings=settings, served_model_name=served, early=early)
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -653,6 +718,8 @@ class EngineSupervisor:
         becomes stopped."""
         self._stopping = True
         self._wake.set()
+        if self._early is not None:  # stopped before its first start
+            self._early.discard()
         if self._proc is not None:
             await self._terminate(self._proc)
         if self._task is not None:
@@ -703,7 +770,7 @@ class EngineSupervisor:
             self.state = "restarting"
         self.state = "stopped"
 
-    async def _spawn(self) -> asyncio.subprocess.Process | None:
+    async def _spawn(self) -> EngineProcess | None:
         """Start the engine on a socket and with a key of its own: a fresh socket path in the private socket
         directory (socket_dir: the run directory, where it fits) and a fresh key each time, the key in its
         environment (an argv is readable by every user, /proc/PID/environ only by this one)."""
@@ -716,6 +783,12 @@ class EngineSupervisor:
         log.info("starting engine: %s", " ".join(self.argv))
         self.log_tail.clear()
         self._engine_pid = None
+        early, self._early = self._early, None
+        if early is not None and (proc := await early.adopt(self.command, self.env, self.argv, self.api_key)):
+            self._proc = proc
+            self._started_at = early.started_at
+            self._write_record(proc.pid)
+            return proc
         try:
             proc = await asyncio.create_subprocess_exec(
                 *watchdog_argv(self.argv, grace_s=self.settings.stop_grace_s),
@@ -755,7 +828,7 @@ class EngineSupervisor:
         except OSError as exc:  # a read-only cache costs the sweep, not the engine
             log.warning("engine pid file %s not written: %s", self._record, exc)
 
-    async def _watch(self, proc: asyncio.subprocess.Process) -> tuple[StopKind, str]:
+    async def _watch(self, proc: EngineProcess) -> tuple[StopKind, str]:
         """Pump the logs, wait for health, then watch liveness until death. Returns why the engine stopped serving
         (a kind and the words)."""
         assert proc.stdout is not None and proc.stderr is not None
@@ -801,7 +874,7 @@ class EngineSupervisor:
         tail = " | ".join(list(self.log_tail)[-5:])
         return kind, f"{why}; last log lines: {tail}" if tail else why
 
-    def _became_ready(self, proc: asyncio.subprocess.Process) -> None:
+    def _became_ready(self, proc: EngineProcess) -> None:
         self.state = "ready"
         self._ready_at = self._last_traffic_at = time.monotonic()
         self._suspect = False
@@ -809,9 +882,11 @@ class EngineSupervisor:
         self.probe_failures = 0
         self._ready.set()
         self._write_record(proc.pid)  # now with vLLM's engine core and workers
+        if self.command[: len(launcher := vllm_launcher())] == launcher:  # vLLM's, not a stand-in
+            remember_engine_env(self.run_dir, self.plan_env)
         log.info("engine ready on %s (pid %d, engine pid %s)", self.socket_path, proc.pid, self.engine_pid)
 
-    async def _wait_healthy(self, proc: asyncio.subprocess.Process, exited: asyncio.Task) -> bool | str:
+    async def _wait_healthy(self, proc: EngineProcess, exited: asyncio.Task) -> bool | str:
         """True once the engine answers its health check and proves to be ours; False when it exited or was not
         ready in time; why, when what answers on its socket is not this engine."""
         assert self.socket_path is not None
@@ -829,7 +904,7 @@ class EngineSupervisor:
                     return False
         return False
 
-    async def _not_ours(self, client: httpx.AsyncClient, proc: asyncio.subprocess.Process) -> str | None:
+    async def _not_ours(self, client: httpx.AsyncClient, proc: EngineProcess) -> str | None:
         """Why what answers on the engine's socket is not the engine this supervisor started, or None when it is.
 
         The socket must be a socket of this user's (then narrowed to 0600), listened on by a process of the
@@ -948,7 +1023,7 @@ class EngineSupervisor:
             self.log_tail.append(line)
             log.info("%s %s", self.log_prefix, line)
 
-    async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
+    async def _terminate(self, proc: EngineProcess) -> None:
         """SIGTERM to the watchdog, which passes it on to the group, and SIGCONT to the group (a stopped process
         acts on SIGTERM only once continued); SIGKILL whatever of it is left after the grace period."""
         pgid = proc.pid
