@@ -1,6 +1,7 @@
 """deploy/edge-up (the README's main command) with the REAL vLLM on the default model: ready, " Paris" through the
 wrapper under the model's short name (and its path), /status naming the path, /metrics with the wrapper's and
-vLLM's series, the vLLM child killed and brought back; and the same under AVX2 dispatch.
+vLLM's series, the vLLM child killed and brought back, the next edge-serve serving from the engine it started
+before planning; and the same under AVX2 dispatch.
 Minutes (each vLLM start here is 60-150 s), hence slow. The other faults: tests/server/test_faults_slow.py."""
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ def stop_wrapper(process: subprocess.Popen) -> None:
 
 @pytest.fixture
 def wrapper(tmp_path: Path):
-    started = start_wrapper(tmp_path)
+    # a run directory of its own: no engine became ready there yet, so the first start has no early engine
+    started = start_wrapper(tmp_path, {"EDGE_RUN_DIR": str(tmp_path / "run")})
     try:
         yield started
     finally:
         stop_wrapper(started[0])
 
 
-def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(wrapper):
+def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(wrapper, tmp_path):
     process, url, log = wrapper
     started = time.monotonic()
     wait_for(lambda: ready(url), process, log)
@@ -150,6 +152,23 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     assert sampled.json()["choices"][0]["text"] == penalized.json()["choices"][0]["text"]
     varied = complete(url, model, temperature=1.0, top_k=40, top_p=0.95, max_tokens=16, repetition_penalty=1.1)
     assert varied.status_code == 200 and varied.json()["usage"]["completion_tokens"] >= 1, varied.text
+
+    # The next edge-serve of this run directory starts its engine importing vLLM before it plans
+    # (server/early_engine.py), in the environment of the engine that became ready here; the plan is the same,
+    # so that engine is the one that serves: its arguments and key came on its input, not its command line.
+    stop_wrapper(process)
+    (tmp_path / "second").mkdir()
+    second, url, second_log = start_wrapper(tmp_path / "second", {"EDGE_RUN_DIR": str(tmp_path / "run")})
+    try:
+        wait_for(lambda: ready(url), second, second_log)
+        assert "it imported vLLM while edge-serve planned" in second_log.read_text()
+        engine_pid = get(f"{url}/status").json()["engine"]["engine_pid"]
+        with open(f"/proc/{engine_pid}/cmdline", "rb") as f:
+            assert "kernels.vllm_plugin.early_start" in f.read().decode().split("\0")
+        early = complete(url, model)
+        assert early.status_code == 200 and early.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    finally:
+        stop_wrapper(second)
 
 
 # How PyTorch runs on an AVX2 box, on any x86 host with AVX2 (docs/FACTS.md): ATen dispatches its AVX2 kernels
