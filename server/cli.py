@@ -12,8 +12,10 @@ or --served-model-name; its full path is accepted too. Other settings come from 
 (server/settings.py), e.g. EDGE_API_TOKEN. An address other than loopback (--host 0.0.0.0) is refused (exit 2)
 unless EDGE_API_TOKEN is set: nothing is served without a token where others can reach it.
 
-The plan ranks from this host's calibration record (what `edge-calibrate` cached) when there is one; --calibrate
-measures a fresh one first. --report-to URL posts that record to a fleet planner's /calibrations (calibrating
+The plan ranks from this host's calibration record (what `edge-calibrate` cached); where none is cached for this
+CPU, edge-serve times the kernels first (1-2 minutes, once: the record is cached), since the plan's decode kernel
+rests on them; EDGE_CALIBRATION=cached plans from the facts table instead, and =off always does. --calibrate
+measures a fresh record first. --report-to URL posts that record to a fleet planner's /calibrations (calibrating
 first when this host has none), so that its /plan for boxes of this CPU ranks from it; a failed report is a
 warning, and the box serves anyway. The report token comes from EDGE_REPORT_TOKEN or --report-token-file (a
 command line is visible to every user of the box); a plain http:// URL to another host would carry it in clear,
@@ -50,7 +52,7 @@ from edge.quality import cached_records
 from server.app import create_app, weight_path
 from server.calibrations import database_url
 from server.early_engine import EarlyEngine
-from server.settings import Settings, exposure_problem, is_loopback
+from server.settings import CalibrationMode, Settings, exposure_problem, is_loopback, load_settings
 from server.supervisor import EngineRefused, EngineSupervisor, short_model_name
 
 TOP_REASONS = 3
@@ -127,29 +129,44 @@ def prepare(
     *,
     converter: Sequence[str] | None = None,
     before_converting: Callable[[], None] = lambda: None,
+    calibration: CalibrationMode = "cached",
+    before_timing: Callable[[], None] = lambda: None,
 ) -> Prepared:
     """Probe, read the model, plan, convert when the plan needs it (calling before_converting() first when
-    there is no conversion to reuse)."""
+    there is no conversion to reuse). `calibration` (Settings.calibration): `auto` times this host's kernels when
+    no record of its CPU is cached and the plan is for this host, calling before_timing() first; the plan is
+    made once before that, and a plan that will be refused (over its budget) times nothing."""
     source = resolve_model(args.model) if args.model else default_model_dir()
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
     # A described device (the DaemonSet passes its node's NFD labels) plans for that; otherwise probe this host.
     device = load_device_file(args.device) if args.device else probe()
     model = read_model(source)
-    plan = make_plan(
-        device,
-        model,
-        priority=args.priority,
-        budget_bytes=budget,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        path=args.path,
-        layout=args.layout,
-        force=args.force,
-        quality=cached_records(),
-        calibration=best_match(cached_calibrations(), device, model.name),
-        serving_mode=getattr(args, "serving_mode", None),
-        threads=getattr(args, "threads", None),
-    )
+
+    def plan_from(record: CalibrationRecord | None) -> Plan:
+        return make_plan(
+            device,
+            model,
+            priority=args.priority,
+            budget_bytes=budget,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            path=args.path,
+            layout=args.layout,
+            force=args.force,
+            quality=cached_records(),
+            calibration=record,
+            serving_mode=getattr(args, "serving_mode", None),
+            threads=getattr(args, "threads", None),
+        )
+
+    record = None if calibration == "off" else best_match(cached_calibrations(), device, model.name)
+    plan = plan_from(record)
+    served = plan.vllm is not None and (plan.memory.fits or args.force)  # else refused (check_plan_runnable)
+    if record is None and calibration == "auto" and not args.device and served:
+        before_timing()
+        record = calibrate_on_start()
+        if record is not None:
+            plan = plan_from(record)
     if plan.vllm is None:
         raise ExportOnly(plan, source, args.device)
     if args.device:
@@ -200,6 +217,18 @@ def calibrate_here(command: Sequence[str] | None = None) -> CalibrationRecord:
     if record is None:
         raise CalibrationFailed(f"{' '.join(argv)} printed no calibration record and cached none for this host")
     return record
+
+
+def calibrate_on_start(command: Sequence[str] | None = None) -> CalibrationRecord | None:
+    """This host's first calibration, before its first plan is served (Settings.calibration `auto`); None, with a
+    warning, when it fails: the plan then ranks from the facts table, as before."""
+    print("edge-serve: no calibration record for this CPU: timing its kernels once, the plan's decode kernel rests "
+          "on them (1-2 minutes; EDGE_CALIBRATION=cached skips this)", flush=True)  # fmt: skip
+    try:
+        return calibrate_here(command)
+    except CalibrationFailed as error:
+        print(f"edge-serve: warning: {error}; planning from the facts table", file=sys.stderr, flush=True)
+        return None
 
 
 def host_calibration(*, fresh: bool = False, command: Sequence[str] | None = None) -> CalibrationRecord:
@@ -339,7 +368,11 @@ def run(argv: list[str] | None, early: EarlyEngine | None) -> int:
     args = parser().parse_args(argv)
     given = (("host", args.host), ("port", args.port), ("calibration_db", args.calibration_db),
              ("served_model_name", args.served_model_name))  # fmt: skip
-    settings = Settings(**{k: v for k, v in given if v is not None})
+    try:
+        settings = load_settings(**{k: v for k, v in given if v is not None})
+    except InputError as error:
+        print(f"edge-serve: {error}", file=sys.stderr)
+        return 2
     url = f"http://{settings.host}:{settings.port}"
     refused = exposure_problem(settings)
     if refused:
@@ -352,6 +385,10 @@ def run(argv: list[str] | None, early: EarlyEngine | None) -> int:
             check_report_to(args.report_to, token)
     except InputError as error:
         print(f"edge-serve: {error}", file=sys.stderr)
+        return 2
+    if args.calibrate and settings.calibration == "off":
+        print("edge-serve: EDGE_CALIBRATION='off': plans from the facts table, so --calibrate would time kernels "
+              "no plan uses; drop one of them", file=sys.stderr)  # fmt: skip
         return 2
     report_and_calibrate(args, settings, token)
     if args.report_token:
@@ -368,7 +405,10 @@ def run(argv: list[str] | None, early: EarlyEngine | None) -> int:
 
 def plan_and_serve(args: argparse.Namespace, settings: Settings, url: str, early: EarlyEngine | None) -> int:
     try:
-        prepared = prepare(args, before_converting=early.discard if early is not None else lambda: None)
+        discard = early.discard if early is not None else lambda: None
+        # an idle import beside the timed kernels would share the box's memory bandwidth with them
+        prepared = prepare(args, before_converting=discard, before_timing=discard,
+                           calibration="cached" if args.dry_run else settings.calibration)  # fmt: skip
     except ExportOnly as only:
         print(only.message(), flush=True)
         return 0
@@ -377,6 +417,9 @@ def plan_and_serve(args: argparse.Namespace, settings: Settings, url: str, early
         return 2
     print(summary(prepared, url, settings.served_model_name), flush=True)
     if args.dry_run:
+        if settings.calibration == "auto" and prepared.plan.calibration is None and not args.device:
+            print("timed     no calibration record for this CPU: serving times its kernels first, and may plan "
+                  "another decode kernel", flush=True)  # fmt: skip
         return 0
     try:
         supervisor = EngineSupervisor.for_plan(

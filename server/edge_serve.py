@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+from pydantic import ValidationError
+
 from server.early_engine import EarlyEngine
 from server.settings import Settings
 from server.supervisor import run_dir_of
@@ -16,9 +18,12 @@ NOT_SERVING = frozenset({"--dry-run", "--plan-only", "-h", "--help"})
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    settings = Settings()  # run_dir, stop_grace_s, early_engine: from the environment alone, as main()'s
+    try:
+        settings = Settings()  # run_dir, stop_grace_s, early_engine: from the environment alone, as main()'s
+    except ValidationError:  # a bad EDGE_ variable: cli.main says which, and exits 2
+        settings = None
     early = None
-    if settings.early_engine and not NOT_SERVING.intersection(args):
+    if settings is not None and settings.early_engine and not NOT_SERVING.intersection(args):
         early = EarlyEngine.start(run_dir_of(settings), grace_s=settings.stop_grace_s)
     from server import cli  # noqa: PLC0415 - after the early engine started: the point of this module
 

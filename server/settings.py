@@ -6,9 +6,12 @@ Every field can be set as EDGE_<NAME>, e.g. EDGE_API_TOKEN, EDGE_MAX_BODY_BYTES,
 from __future__ import annotations
 
 import ipaddress
+from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+CalibrationMode = Literal["auto", "cached", "off"]  # Settings.calibration
 
 
 class Settings(BaseSettings):
@@ -66,6 +69,14 @@ class Settings(BaseSettings):
         "that became ready in run_dir, used only if the plan's is the same (server/early_engine.py): ~1-2 s off "
         "each start. EDGE_EARLY_ENGINE=0: never.",
     )
+    calibration: CalibrationMode = Field(
+        default="auto",
+        description="Which kernel times edge-serve plans from on this host: `auto` (the default) the cached "
+        "calibration record of this CPU, timing one first (edge-calibrate, 1-2 minutes on 2 cores) when there is "
+        "none, since the plan's decode kernel rests on it (served decode 1.17x on the Zen 5 host, 2026-12-03); "
+        "`cached` a cached record when there is one, else the facts table, never timing at start; `off` the "
+        "facts table, whatever is cached. A plan for a described device (--device) never times this host.",
+    )
     served_model_name: str | None = Field(
         default=None,
         max_length=256,
@@ -120,6 +131,21 @@ class Settings(BaseSettings):
     def _blank_is_none(cls, value: str | None) -> str | None:
         """EDGE_API_TOKEN= (as an unset Secret or a template leaves it) is no token, never the empty token."""
         return (value.strip() or None) if value is not None else None
+
+
+def load_settings(**given: object) -> Settings:
+    """Settings from the environment and `given` (the CLI's flags); InputError naming the first bad one (as
+    EDGE_<NAME>, or the flag's field) and its value, instead of pydantic's traceback."""
+    from edge.errors import InputError
+
+    try:
+        return Settings(**given)  # type: ignore[arg-type]
+    except ValidationError as error:
+        first = error.errors()[0]
+        name = str(first["loc"][0]) if first["loc"] else "settings"
+        field = f"--{name.replace('_', '-')}" if name in given else f"EDGE_{name.upper()}"
+        expected = first["msg"].removeprefix("Value error, ").removeprefix("Input should be ")
+        raise InputError(field, first.get("input"), expected) from None
 
 
 def is_loopback(host: str) -> bool:

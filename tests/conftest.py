@@ -1,4 +1,5 @@
-"""Suite-wide: a cache directory of the run's own, unless the caller (CI, a developer) chose one.
+"""Suite-wide: a cache directory of the run's own, unless the caller (CI, a developer) chose one, and edge-serve
+planning from a cached calibration record without timing one at start.
 
 The probe caches the measured tinygemm layout there and the kernels cache the default model; keeping a run's
 cache out of the user's home means a test never passes on what an earlier run left behind.
@@ -10,6 +11,11 @@ import tempfile
 import pytest
 
 os.environ.setdefault("EDGE_SELECT_CACHE_DIR", tempfile.mkdtemp(prefix="edge-select-test-cache-"))
+# edge-serve times this host's kernels (1-2 minutes) on its first start without a calibration record
+# (server.settings.Settings.calibration): no test pays for that by surprise. The tests of that start set `auto`
+# themselves (tests/server/test_calibrations.py, with a stand-in calibrator), and the image test's container, whose
+# environment is the image's own, runs it for real.
+os.environ.setdefault("EDGE_CALIBRATION", "cached")
 
 
 def pytest_report_header(config):

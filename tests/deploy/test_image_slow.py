@@ -33,7 +33,7 @@ SUITE = "bookworm"
 BASE_IMAGE = f"localhost/edge-debian:{SUITE}"
 IMAGE = "localhost/edge-select:test"
 STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-READY_TIMEOUT_S = 900  # first start in the image: probe, plan, convert, vLLM's compile warm-up on 2 cores
+READY_TIMEOUT_S = 1200  # first start in the image: probe, calibrate, plan, convert, vLLM's compile warm-up, 2 cores
 
 pytestmark = [
     pytest.mark.slow,
@@ -207,5 +207,10 @@ def test_the_image_serves_a_completion_through_its_entrypoint(image, container):
         text = completion["choices"][0]["text"]
         print(f"\nimage: ready {ready - started:.0f} s after start; completion {text!r}")
         assert "Paris" in text
+        # A first start with no calibration record times this host's kernels (the image's environment leaves
+        # EDGE_CALIBRATION at its default, auto), and the plan it serves ranks from that record.
+        assert "timing its kernels once" in log.read_text()
+        status, state = _get(f"{base}/status")
+        assert status == 200 and state["plan"]["calibration"] is not None, state
     finally:
         _stop(server, rootfs)
