@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from edge.errors import InputError
+
 CalibrationMode = Literal["auto", "cached", "off"]  # Settings.calibration
 
 
@@ -136,8 +138,6 @@ class Settings(BaseSettings):
 def load_settings(**given: object) -> Settings:
     """Settings from the environment and `given` (the CLI's flags); InputError naming the first bad one (as
     EDGE_<NAME>, or the flag's field) and its value, instead of pydantic's traceback."""
-    from edge.errors import InputError
-
     try:
         return Settings(**given)  # type: ignore[arg-type]
     except ValidationError as error:

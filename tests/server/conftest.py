@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
 import sys
 import threading
@@ -22,6 +23,18 @@ from edge.plan import MemoryItem, MemoryLedger, Plan, VllmConfig
 from server.settings import Settings
 
 STANDIN = str(Path(__file__).with_name("standin_engine.py"))
+
+
+SMOLLM2_CONFIG = Path(__file__).parents[1] / "edge" / "data" / "configs" / "smollm2-135m-instruct.json"
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A model directory holding the default model's config.json alone: enough to plan for, nothing to load."""
+    directory = tmp_path / "SmolLM2-135M-Instruct"
+    directory.mkdir()
+    shutil.copy(SMOLLM2_CONFIG, directory / "config.json")
+    return directory
 
 
 @pytest.fixture

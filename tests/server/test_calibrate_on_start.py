@@ -5,7 +5,6 @@ described device."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -15,16 +14,7 @@ from edge.errors import InputError
 from server import cli
 from tests.server.test_calibrations import cache_record, host_record, stand_in_calibrator
 
-SMOLLM2_CONFIG = Path(__file__).parents[1] / "edge" / "data" / "configs" / "smollm2-135m-instruct.json"
 ZEN5_CPUINFO = Path(__file__).parents[1] / "edge" / "data" / "cpuinfo_epyc_zen5_avx512.txt"
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "SmolLM2-135M-Instruct"
-    directory.mkdir()
-    shutil.copy(SMOLLM2_CONFIG, directory / "config.json")
-    return directory
 
 
 @pytest.fixture

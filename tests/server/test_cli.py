@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -12,8 +11,6 @@ import pytest
 from edge.errors import InputError
 from server import cli
 
-SMOLLM2_CONFIG = Path(__file__).parents[1] / "edge" / "data" / "configs" / "smollm2-135m-instruct.json"
-
 # A stand-in for edge-convert: records what it was given, as edge-convert's caller sees it.
 FAKE_CONVERTER = """
 import json, pathlib, sys
@@ -21,14 +18,6 @@ src, dst, flag, plan = sys.argv[1:5]
 out = pathlib.Path(dst); out.mkdir(parents=True, exist_ok=True)
 (out / "seen.json").write_text(json.dumps({"src": src, "flag": flag, "plan": json.loads(open(plan).read())}))
 """
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "SmolLM2-135M-Instruct"
-    directory.mkdir()
-    shutil.copy(SMOLLM2_CONFIG, directory / "config.json")
-    return directory
 
 
 @pytest.fixture(autouse=True)
