@@ -53,7 +53,7 @@ from server.app import create_app, weight_path
 from server.calibrations import database_url
 from server.early_engine import EarlyEngine
 from server.settings import CalibrationMode, Settings, exposure_problem, is_loopback, load_settings
-from server.supervisor import EngineRefused, EngineSupervisor, short_model_name
+from server.supervisor import EngineRefused, EngineSupervisor, plan_refusal, short_model_name
 
 TOP_REASONS = 3
 REPORT_TIMEOUT_S = 30.0
@@ -142,6 +142,8 @@ def prepare(
     device = load_device_file(args.device) if args.device else probe()
     model = read_model(source)
 
+    quality = cached_records()
+
     def plan_from(record: CalibrationRecord | None) -> Plan:
         return make_plan(
             device,
@@ -153,7 +155,7 @@ def prepare(
             path=args.path,
             layout=args.layout,
             force=args.force,
-            quality=cached_records(),
+            quality=quality,
             calibration=record,
             serving_mode=getattr(args, "serving_mode", None),
             threads=getattr(args, "threads", None),
@@ -161,7 +163,7 @@ def prepare(
 
     record = None if calibration == "off" else best_match(cached_calibrations(), device, model.name)
     plan = plan_from(record)
-    served = plan.vllm is not None and (plan.memory.fits or args.force)  # else refused (check_plan_runnable)
+    served = plan_refusal(plan, force=args.force) is None
     if record is None and calibration == "auto" and not args.device and served:
         before_timing()
         record = calibrate_on_start()

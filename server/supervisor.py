@@ -161,16 +161,25 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def check_plan_runnable(plan: Plan, *, force: bool) -> None:
-    """Refuse a plan the engine cannot or should not run: export-only, or over its budget unless forced."""
+def plan_refusal(plan: Plan, *, force: bool) -> str | None:
+    """Why the engine cannot or should not run this plan (export-only, or over its budget unless forced); None
+    when it runs."""
     if plan.vllm is None:
-        raise EngineRefused(f"plan path {plan.path!r} has no engine configuration: nothing to serve")
+        return f"plan path {plan.path!r} has no engine configuration: nothing to serve"
     if not plan.memory.fits and not force:
-        raise EngineRefused(
+        return (
             f"plan {plan.path} needs peak {plan.memory.peak_bytes} bytes, over the memory budget "
             f"{plan.memory.budget_bytes} bytes; lower max_model_len/max_num_seqs, choose a smaller path, "
             "or force it"
         )
+    return None
+
+
+def check_plan_runnable(plan: Plan, *, force: bool) -> None:
+    """Refuse a plan the engine cannot or should not run (plan_refusal)."""
+    refusal = plan_refusal(plan, force=force)
+    if refusal is not None:
+        raise EngineRefused(refusal)
 
 
 def short_model_name(plan: Plan, model_dir: str) -> str:
