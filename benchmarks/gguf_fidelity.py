@@ -4,7 +4,7 @@ scored against the same reference (issue 22, item 5).
     python -m benchmarks.gguf_fidelity FILE.gguf [FILE.gguf ...] [--tokens 4096] [--chunk 512] [--threads 2]
         [--llama-python .cache/llama-native/bin/python] [--priorities speed,fidelity] [--json OUT.json]
     python -m benchmarks.gguf_fidelity --quantize SRC.gguf DST.gguf --type Q4_K_M   # llama.cpp's own quantizer
-    python -m benchmarks.gguf_fidelity --make-float OUT.gguf                       # a generated F16 Llama (below)
+    python -m benchmarks.gguf_fidelity --make-float OUT.gguf [--shape gemma3]      # a generated F16 model (below)
 
 The reference is the file's own weights, every tensor dequantized by gguf-py (`gguf.quants.dequantize`, through
 kernels.source.gguf_source.dequantized) to float32 and run in float32 by transformers' module for the file's
@@ -27,7 +27,10 @@ need them.
 `--make-float` writes a generated Llama whose hidden (1024) and intermediate (2816) widths are multiples of 256,
 F16 matrices and F32 norms, the default model's tokenizer copied in, and no rope_freqs tensor (llama.cpp would
 apply one; transformers' Llama config does not): the input for llama.cpp's quantizer, so the Q4_K_M it makes holds
-real Q4_K and Q6_K tensors. Its weights are random, so its next-token distributions are not a language model's;
+real Q4_K and Q6_K tensors. `--shape gemma3` writes a Gemma 3 at 1B's widths (hidden 1152, which no K-quant row
+takes, so llama.cpp's Q4_K_M falls back to its other types as for the real file), its 262144-row embedding (the
+tokenizer padded with unused tokens) and sliding window, and 6 of its 26 layers. Their weights are random, so their
+next-token distributions are not a language model's;
 the default model's file and a Q4_K_M llama.cpp makes from it (requantized from its Q4_1) are the real-model rows.
 """
 
@@ -208,24 +211,36 @@ def score_file(gguf: Path, args: argparse.Namespace) -> dict:
     }
 
 
-def make_float(out: Path) -> Path:
-    """The generated Llama of the module docstring, F16 matrices, for llama.cpp's quantizer."""
+def _float_shapes():
+    from benchmarks import make_random_gguf as mk
+
+    return {  # --make-float's architectures: (gguf arch, dims)
+        "llama": ("llama", mk.Dims(layers=8, hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816,
+                                   vocab=49152, context=2048)),
+        # Gemma 3 1B's widths, vocabulary (262144) and sliding window (512), 6 of its 26 layers (one full-attention
+        # layer in its pattern of 6); the default model's tokenizer padded to the vocabulary
+        "gemma3": ("gemma3", mk.Dims(layers=6, hidden=1152, heads=4, kv_heads=1, head_dim=256, intermediate=6912,
+                                     vocab=262144, context=32768, sliding_window=512)),
+    }  # fmt: skip
+
+
+def make_float(out: Path, shape: str = "llama") -> Path:
+    """The generated model of the module docstring, F16 matrices, for llama.cpp's quantizer."""
     import numpy as np
 
     from benchmarks import make_random_gguf as mk
     from kernels.source.default_model import source_gguf
 
-    dims = mk.Dims(layers=8, hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816, vocab=49152,
-                   context=2048)  # fmt: skip
+    arch, dims = _float_shapes()[shape]
     rng = np.random.default_rng(SEED)
     tensors = {}
-    for name, (shape, role) in mk.architecture_shapes("llama", dims).items():
+    for name, (shape_, role) in mk.architecture_shapes(arch, dims).items():
         if role == "matrix":
-            tensors[name] = (mk.weights(rng, *shape).astype(np.float16), mk.Q.F16)
-        elif role == "norm":
-            tensors[name] = ((1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32), mk.Q.F32)
+            tensors[name] = (mk.weights(rng, *shape_).astype(np.float16), mk.Q.F16)
+        elif role == "norm":  # Gemma's hold 1 + w, as llama.cpp writes them: the same values either way
+            tensors[name] = ((1.0 + 0.1 * rng.standard_normal(shape_)).astype(np.float32), mk.Q.F32)
         # rope factors: left out (module docstring)
-    return mk.write_gguf(out, "llama", tensors, dims, tokenizer_from=source_gguf())
+    return mk.write_gguf(out, arch, tensors, dims, tokenizer_from=source_gguf())
 
 
 def _row(label: str, m: dict) -> str:
@@ -265,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantize", nargs=2, type=Path, metavar=("SRC", "DST"))
     parser.add_argument("--type", default="Q4_K_M", help="llama.cpp's ftype for --quantize (default %(default)s)")
     parser.add_argument("--make-float", type=Path, metavar="OUT")
+    parser.add_argument("--shape", choices=("llama", "gemma3"), default="llama", help="--make-float's model")
     args = parser.parse_args(argv)
     if args.make_float:
-        print(make_float(args.make_float))
+        print(make_float(args.make_float, args.shape))
         return 0
     if args.quantize:
         src, dst = (p.resolve() for p in args.quantize)

@@ -33,6 +33,7 @@ class Dims:
     intermediate: int = 512
     vocab: int = 64
     context: int = 128
+    sliding_window: int | None = None  # gemma2/gemma3: llama.cpp requires {arch}.attention.sliding_window
 
 
 DIMS = Dims()
@@ -137,11 +138,13 @@ def write_gguf(
 ) -> Path:
     """A GGUF at `path`: `arch`'s metadata for `dims` (what transformers' loader reads into a config) and `tensors`
     (gguf name -> (data, type)), in that order. `tokenizer_from`: a GGUF whose tokenizer.* fields (vocabulary,
-    merges, special tokens, chat template) are copied, so that the file converts and serves like a real one; its
-    vocabulary size must be `dims.vocab`."""
+    merges, special tokens, chat template) are copied, so that the file converts and serves like a real one; a
+    vocabulary smaller than `dims.vocab` is padded with unused tokens (a Gemma 3-sized table on a smaller one)."""
     writer = gguf.GGUFWriter(str(path), arch)
     if tokenizer_from is not None:
-        _copy_tokenizer(tokenizer_from, writer)
+        _copy_tokenizer(tokenizer_from, writer, dims.vocab)
+    if dims.sliding_window is not None:
+        writer.add_sliding_window(dims.sliding_window)
     writer.add_name(f"tiny {arch}")
     writer.add_context_length(dims.context)
     writer.add_embedding_length(dims.hidden)
@@ -168,12 +171,22 @@ def write_gguf(
     return path
 
 
-def _copy_tokenizer(source: Path, writer: gguf.GGUFWriter) -> None:
+def _copy_tokenizer(source: Path, writer: gguf.GGUFWriter, vocab: int) -> None:
     reader = gguf.GGUFReader(source)
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    if vocab < tokens:
+        raise ValueError(f"vocab {vocab} is smaller than {source.name}'s {tokens} tokens")
+    padding = {  # rows past the tokenizer's own: tokens that no text produces, as a padded embedding table holds
+        "tokenizer.ggml.tokens": [f"<unused{i}>" for i in range(vocab - tokens)],
+        "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * (vocab - tokens),
+        "tokenizer.ggml.scores": [0.0] * (vocab - tokens),
+    }
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         value = field.contents()
+        if key in padding:
+            value = value + padding[key]
         sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
 

@@ -33,7 +33,7 @@ from kernels.ops.int4_ops import (
 )
 from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
-from kernels.scoring.eval_modules import prefix_of, replace_module, submodule
+from kernels.scoring.eval_modules import prefix_of, replace_embedding, replace_module, submodule
 
 __all__ = ["Int4Embedding", "Int4Linear", "Int4Settings", "Int8Embedding", "Int8Linear", "install_cpu_int4"]
 
@@ -204,7 +204,7 @@ def install_cpu_int4(
         if prefix != embedding_prefix:
             replace_module(model, prefix, linear)
             continue
-        replace_module(model, prefix, embedding)
+        replace_embedding(model, prefix, embedding)
         if tied:  # the head reuses the embedding's tensors; int4 in dual mode (kernels.vllm_plugin.cpu_int4)
             head = Int8Linear(*weights, settings) if eight_bit else Int4Linear(*weights, mode=DUAL)
             replace_module(model, head_prefix, head)

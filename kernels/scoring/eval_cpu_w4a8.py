@@ -19,7 +19,7 @@ from torch import nn
 from edge.errors import InputError
 from kernels.scoring.eval_cpu_int4 import Int4Settings, Int8Embedding, Int8Linear
 from kernels.scoring.eval_gptq import gptq_parts
-from kernels.scoring.eval_modules import prefix_of, replace_module, submodule
+from kernels.scoring.eval_modules import prefix_of, replace_embedding, replace_module, submodule
 
 
 class W4A8Linear(nn.Module):
@@ -74,7 +74,7 @@ def install_cpu_w4a8(
         if prefix != embedding_prefix:
             replace_module(model, prefix, Int8Linear(*weights, settings, bias=bias))
             continue
-        replace_module(model, prefix, Int8Embedding(*weights))
+        replace_embedding(model, prefix, Int8Embedding(*weights))
         if tied:
             replace_module(model, head_prefix, Int8Linear(*weights, settings))
             tied_head = "int8, the embedding's tensors"

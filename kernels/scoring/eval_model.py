@@ -14,6 +14,8 @@ calls for it:
               kernels.ops.int4_ops.embedding_impl; a head tied to it shares its tensors and, as in
               kernels.vllm_plugin.cpu_int4 (CpuInt4EmbeddingMethod), runs in dual mode. A layer of the 8-bit set
               (qweight int8 [N, K], scales [N], kernels/ops/int8.py) runs int8_linear_impl / int8_embedding_impl.
+              A quantized embedding keeps the scale the source's module multiplied by (Gemma 3's sqrt(hidden):
+              kernels.scoring.eval_modules.replace_embedding), as vLLM's model applies its normalizer.
     gptq      <prefix>.qweight int32 [K/8, N], .scales [K/g, N]: kernels.scoring.eval_gptq (vLLM's own CPU kernel
     class).
 

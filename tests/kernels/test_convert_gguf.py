@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from benchmarks.make_random_gguf import Dims, architecture_shapes, encoded, write_gguf
+from tests.kernels.dequantized import dequantized_model
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow  # about 25 s a family here: transformers loads each file twice
@@ -72,37 +73,7 @@ def _reference(path: Path):
 def _ours(dst: Path):
     """What the converter wrote, as transformers runs it: its config.json (no quantization_config), its int4 and
     int8 tensors dequantized to float32."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kernels.ops.int4 import dequantize
-    from kernels.ops.int8 import dequantize_int8
-
-    config = json.loads((dst / "config.json").read_text())
-    group = config.pop("quantization_config")["group_size"]
-    (dst.parent / "plain").mkdir(exist_ok=True)
-    (dst.parent / "plain" / "config.json").write_text(json.dumps(config))
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(dst.parent / "plain"), dtype=torch.float32)
-    written = {}
-    for file in sorted(dst.glob("*.safetensors")):
-        written |= load_file(file)
-    state = {}
-    for name, tensor in written.items():
-        if name.endswith((".scales", ".zeros")):
-            continue
-        if name.endswith(".qweight"):
-            prefix = name.removesuffix(".qweight")
-            scales = written[f"{prefix}.scales"]
-            state[f"{prefix}.weight"] = (dequantize_int8(tensor, scales, torch.float32) if tensor.dtype == torch.int8
-                                         else dequantize(tensor, scales, written[f"{prefix}.zeros"], group).float())
-        else:
-            state[name] = tensor.float()
-    loaded = model.load_state_dict(state, strict=False)
-    assert loaded.unexpected_keys == [], loaded.unexpected_keys
-    assert set(loaded.missing_keys) <= {"lm_head.weight"}, loaded.missing_keys  # a tied head is the embedding
-    if config.get("tie_word_embeddings"):
-        model.tie_weights()
-    return model.eval()
+    return dequantized_model(dst, dst.parent / "plain")
 
 
 def _convert(path: Path, dst: Path) -> Path:
