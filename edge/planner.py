@@ -408,8 +408,8 @@ def _lossy_decode(req: Request, gates: dict[WeightPath, Gate],
         return req, None
     trial = replace(req, kernel=replace(kernel, decode_kernel=kernel.lossy_decode))
     probe = Option(TINYGEMM_PATH, PATHS[TINYGEMM_PATH].layouts[0], None, "")  # layout is not in the quality key
-    record = find(records, req.model.name,
-                  quality_key(TINYGEMM_PATH, _qconfig(probe, gates[TINYGEMM_PATH], trial)))  # fmt: skip
+    record = find(records, req.model.name, quality_key(TINYGEMM_PATH, _qconfig(probe, gates[TINYGEMM_PATH], trial)),
+                  req.model.architecture)  # fmt: skip
     if record is None:
         return req, Reason(
             text=f"decode stays on {kernel.decode_kernel}: {kernel.lossy_decode_why}, but no edge-eval record of this "
@@ -497,7 +497,7 @@ def _qconfig(option: Option, gate: Gate, req: Request) -> dict | None:
 def _measured(option: Option, gate: Gate, req: Request, records: list[QualityRecord]) -> QualityRecord | None:
     if not records or not gate.runnable or not PATHS[option.path].served_by_vllm:
         return None
-    return find(records, req.model.name, quality_key(option.path, _qconfig(option, gate, req)))
+    return find(records, req.model.name, quality_key(option.path, _qconfig(option, gate, req)), req.model.architecture)
 
 
 def _plan_quality(chosen: Evaluated) -> PlanQuality:

@@ -26,6 +26,13 @@ from edge.kernel_registry import LOSSY_DECODE_KERNELS
 # llama.cpp users run every day through and stops what is worse (the old g64 re-rounding of the default model
 # kept 62 % of its top-1 tokens).
 DEFAULT_MAX_KLD = 0.08
+# The revision of edge-eval's candidate a record is measured with (QualityRecord.evaluator), and the revision below
+# which a model of an architecture was measured wrong: the planner reads such a record as none (`find`).
+#   2  a quantized embedding keeps the scale its module multiplies by (issue 40). Before, Gemma 3's candidate lost
+#      its sqrt(hidden): a Gemma 3 Q4_K_M's w4a16 plan measured mean KLD 12.55 and top-1 1.9 % while it serves at
+#      top-1 97.3 % (served prompt log-probs against the bf16 plan's), and the speed priority refused it.
+EVALUATOR_REVISION = 2
+STALE_BELOW: dict[str, int] = {"Gemma3ForCausalLM": 2}
 # Settings of a quantization_config that change the weights' values (and so the quality).
 _NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "quantize_embedding",
                  "int8", "int8_group_size", "ignore", "lm_head")  # fmt: skip
@@ -49,6 +56,7 @@ class QualityRecord(BaseModel):
     cpu: str | None = None
     measured_at: str | None = None
     report: str | None = None  # the report file it came from
+    evaluator: int = 1  # EVALUATOR_REVISION of the edge-eval that measured it (records before revision 2 carry none)
 
 
 class PlanQuality(BaseModel):
@@ -73,9 +81,13 @@ def quality_key(path: str, qconfig: Mapping[str, Any] | None) -> dict[str, Any]:
     return key
 
 
-def find(records: list[QualityRecord], model: str, key: Mapping[str, Any]) -> QualityRecord | None:
-    """The record with the most scored tokens for this model and key, or None."""
-    matching = [r for r in records if r.model == model and r.key == dict(key)]
+def find(
+    records: list[QualityRecord], model: str, key: Mapping[str, Any], architecture: str | None = None
+) -> QualityRecord | None:
+    """The record with the most scored tokens for this model and key, or None; a record an older edge-eval measured
+    wrong for this architecture (STALE_BELOW) is not one."""
+    floor = STALE_BELOW.get(architecture or "", 0)
+    matching = [r for r in records if r.model == model and r.key == dict(key) and r.evaluator >= floor]
     return max(matching, key=lambda r: r.tokens, default=None)
 
 

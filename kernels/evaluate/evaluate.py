@@ -143,7 +143,7 @@ def _with_decode_kernel(config: dict[str, Any], method: str, decode_kernel: str)
 def quality_record(report: QualityReport, qconfig: dict[str, Any] | None) -> dict[str, Any]:
     """The report as an edge.quality.QualityRecord: the source's directory name (a GGUF's file name without
     .gguf) is the model's name, as edge.model_reader names the model; the key is quality_key(path, config)."""
-    from edge.quality import QualityRecord, quality_key
+    from edge.quality import EVALUATOR_REVISION, QualityRecord, quality_key
 
     m = report.metrics
     source = Path(report.source)
@@ -155,6 +155,7 @@ def quality_record(report: QualityReport, qconfig: dict[str, Any] | None) -> dic
         ppl_ratio=m["ppl_ratio"]["value"], ppl_ratio_se=m["ppl_ratio"]["se"],
         confident_flip_rate=m["confident_flip_rate"]["value"], confident_flip_rate_se=m["confident_flip_rate"]["se"],
         tokens=report.tokens_scored, cpu=report.host.get("cpu"), measured_at=report.measured_at,
+        evaluator=EVALUATOR_REVISION,
     )  # fmt: skip
     return record.model_dump(exclude={"report"})
 

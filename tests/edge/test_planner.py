@@ -389,6 +389,36 @@ def test_gemma_3_takes_the_8_bit_embedding_and_head(zen5):
     assert {layer.name: layer.format for layer in plan.layers}["embed_tokens"] == "int8"
 
 
+def test_a_gemma_3_record_an_older_edge_eval_measured_is_read_as_none(zen5):
+    """Issue 40: before revision 2 edge-eval's Gemma 3 candidate lost its embedding scale and measured a good
+    4-bit plan as broken (KLD 12.55); such a record, still in a user's cache, must not refuse the path."""
+    from edge.model_reader import read_model_config
+    from edge.quality import EVALUATOR_REVISION, STALE_BELOW
+
+    model = read_model_config({"model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048,
+                              "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
+                              "head_dim": 256, "vocab_size": 262144, "tie_word_embeddings": True},
+                              "gemma-3-270m")  # fmt: skip
+    assert STALE_BELOW[model.architecture] == EVALUATOR_REVISION
+    plan = make_plan(zen5, model, priority="speed", path="w4a16-tinygemm")
+    key = quality_key(plan.path, plan.quantization_config)
+    stale = record(model, key, 12.55)  # no evaluator field: written before revision 2
+    assert stale.evaluator < EVALUATOR_REVISION
+    assert make_plan(zen5, model, priority="speed", path="w4a16-tinygemm", quality=[stale]).quality.status == (
+        "unmeasured"
+    )
+    current = stale.model_copy(update={"evaluator": EVALUATOR_REVISION, "kld_mean": 0.005})
+    measured = make_plan(zen5, model, priority="speed", path="w4a16-tinygemm", quality=[stale, current])
+    assert measured.quality.status == "measured" and measured.quality.record.kld_mean == 0.005
+
+
+def test_an_older_edge_evals_record_of_an_architecture_it_measured_right_still_counts(avx2_host, smollm2):
+    plan = make_plan(avx2_host, smollm2)
+    older = record(smollm2, quality_key(plan.path, plan.quantization_config), 0.004)
+    assert older.evaluator == 1
+    assert make_plan(avx2_host, smollm2, quality=[older]).quality.status == "measured"
+
+
 # --- serving mode (issue 23) ------------------------------------------------------------------------------------
 
 

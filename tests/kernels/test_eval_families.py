@@ -124,3 +124,47 @@ def test_a_gemma_3_candidate_keeps_the_embedding_scale_on_its_quantized_embeddin
     assert isinstance(embedding, ScaledEmbedding)
     expected = torch.tensor(DIMS["hidden_size"] ** 0.5).to(torch.bfloat16)
     assert embedding.embed_scale.to(torch.bfloat16).item() == expected.item()
+
+
+ENGINE_SCRIPT = Path(__file__).with_name("test_evaluate.py")  # its __main__ runs vLLM for prompt log-probs
+
+
+@pytest.mark.slow
+def test_a_gemma_3_candidate_scores_what_the_vllm_engine_serves(tmp_path):
+    """The engine side of issue 40: the tiny Gemma 3's speed-plan checkpoint through edge-eval's candidate and
+    through the real vLLM (its prompt log-probs, the plan's quant_method), against the same pair for the bf16
+    checkpoint (transformers vs vLLM with nothing quantized: the bf16 kernels' own residue). The candidate must be
+    as close to the engine as the bf16 model is; with the embedding scale lost it is tens of nats off."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kernels.scoring.eval_model import load_candidate
+
+    source = _source(tmp_path / "source", "gemma3_text")
+    checkpoints = {label: _checkpoint(source, tmp_path / label, path)
+                   for label, path in (("speed", None), ("bf16", "bf16"))}  # fmt: skip
+    windows = torch.randint(1, VOCAB, (2, 4 * WINDOW * 2 + 1), generator=torch.Generator().manual_seed(2))
+    (tmp_path / "windows.json").write_text(json.dumps(windows.tolist()))
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+    d = {}
+    for label, (chosen, checkpoint) in checkpoints.items():
+        qconfig = json.loads((checkpoint / "config.json").read_text()).get("quantization_config")
+        method = qconfig["quant_method"] if qconfig else None
+        spec = {label: {"model": str(checkpoint), "quantization": method, "skip_tokenizer_init": True}}
+        out = tmp_path / f"vllm-{label}.json"
+        proc = subprocess.run([sys.executable, str(ENGINE_SCRIPT), str(out), json.dumps(spec),
+                               str(tmp_path / "windows.json")], env=env, capture_output=True, text=True,
+                              timeout=1200)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        engine = json.loads(out.read_text())[label]
+        assert engine["quantization"] == method, (label, chosen, engine["quantization"])
+        served = torch.tensor([row[1:] for row in engine["logprobs"]], dtype=torch.float64)  # [2, L]
+        candidate = load_candidate(checkpoint, source).model
+        with torch.inference_mode():
+            logprobs = candidate(windows[:, :-1]).logits.double().log_softmax(-1)
+        ours = logprobs.gather(-1, windows[:, 1:, None])[..., 0]  # [2, L]: log p(token j | tokens < j)
+        d[label] = (ours - served).abs().mean().item()
+    print(json.dumps(d))  # -s shows it
+    assert d["speed"] < 2 * d["bf16"] + 0.05, d

@@ -493,10 +493,13 @@ def vllm_prompt_logprobs(models: dict[str, dict], windows: list[list[int]], out:
     from vllm import LLM, SamplingParams
 
     results = {}
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)  # 0: only the prompt's own token
     for label, spec in models.items():
+        # a model without a tokenizer (spec "skip_tokenizer_init") is scored on token ids alone
+        bare = bool(spec.get("skip_tokenizer_init"))
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=not bare)  # 0: own token
         llm = LLM(model=spec["model"], quantization=spec["quantization"], dtype="bfloat16", enforce_eager=True,
-                  max_model_len=1024, kv_cache_memory_bytes=64 << 20, max_num_seqs=1, seed=0)  # fmt: skip
+                  max_model_len=1024, kv_cache_memory_bytes=64 << 20, max_num_seqs=1, seed=0,
+                  skip_tokenizer_init=bare)  # fmt: skip
         outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
         results[label] = {
             "quantization": llm.llm_engine.vllm_config.model_config.quantization,
