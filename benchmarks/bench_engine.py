@@ -58,8 +58,8 @@ AOT_MARKERS = {
 }
 # bf16 with kernels/vllm_plugin/compile_cache.py's fix switched off: the same cache, so pass 2 compares warm starts.
 NOFIX = "bf16-nofix"
-# The direct checkpoint with each decode kernel (edge.kernel_registry.DECODE_KERNELS), and with the 8-bit set per
-# channel instead of the plan's per group (int8_group_size, a GGUF-built model's): quantization_config edits, a
+# The direct checkpoint with each decode kernel (edge.catalog.kernel_registry.DECODE_KERNELS), and with the 8-bit set
+# per channel instead of the plan's per group (int8_group_size, a GGUF-built model's): quantization_config edits, a
 # None value dropping the key (a tinygemm checkpoint names no decode_kernel).
 DECODE_VARIANTS = {"direct-tinygemm": {"decode_kernel": None}, "direct-avx2": {"decode_kernel": "avx2"},
                    "direct-avx2-w4a8": {"decode_kernel": "avx2-w4a8"},
@@ -125,9 +125,9 @@ def prepare(models: list[str], variants: list[str] | None = None) -> dict[tuple[
     def wanted(variant: str) -> bool:
         return variants is None or variant in variants or variant + ONE_PROCESS in variants
 
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
-    from edge.probe import probe
+    from edge.device.probe import probe
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
     from kernels.convert.convert import convert
 
     sources: dict[str, Path] = {}
@@ -311,7 +311,7 @@ def write_report(stamps: list[str], work: Path, out: Path) -> None:
 
 def host() -> str:
     """This host as the probe sees it: CPU model, ISA class, cores (every published number names its CPU)."""
-    from edge.probe import probe
+    from edge.device.probe import probe
 
     device = probe(measure_layout=False)
     return f"{device.cpu_model.value} ({device.isa_class}, {device.compute_cores} cores)"

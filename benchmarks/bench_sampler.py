@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from edge.cpuinfo import host_model_name
+from edge.device.cpuinfo import host_model_name
 
 SETTINGS = {
     "temperature only": (None, None),

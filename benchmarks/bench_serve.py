@@ -70,7 +70,7 @@ import httpx
 
 from benchmarks.llama_cpp_decode import PROSE  # plain English prose (public domain)
 from benchmarks.rss import TreeSampler
-from edge.cpuinfo import host_model_name
+from edge.device.cpuinfo import host_model_name
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_PYTHON = ROOT / ".cache" / "llama-native" / "bin" / "python"

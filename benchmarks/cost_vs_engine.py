@@ -4,7 +4,7 @@
 
 RAW.json is `benchmarks.bench_engine`'s raw results (its --work folder, one file per run; e.g. `--models default
 --variants direct,bf16 --passes 2`). The calibration is this host's cached record (edge-calibrate) unless given.
-For each variant the cost model's GEMM time for one 512-token prefill and one decode step (edge.cost, with the
+For each variant the cost model's GEMM time for one 512-token prefill and one decode step (edge.measure.cost, with the
 kernel values this host's plan writes) is set beside the engine's measured prefill and decode (median over passes),
 as ms. The engine adds attention, sampling and its own per-step overhead, so absolute times differ; what the
 planner needs is the ordering, and the report says whether it agrees.
@@ -17,12 +17,12 @@ import json
 import statistics
 from pathlib import Path
 
-from edge import calibration
-from edge.cost import engine_linears, request_cost
-from edge.model_reader import default_model, read_model
-from edge.planner import make_plan
-from edge.probe import probe
-from edge.quantized_layers import model_layers, rules_for
+from edge.catalog.quantized_layers import model_layers, rules_for
+from edge.device import calibration
+from edge.device.probe import probe
+from edge.measure.cost import engine_linears, request_cost
+from edge.model.reader import default_model, read_model
+from edge.plan.planner import make_plan
 
 # bench_engine variant -> (path, layout)
 VARIANTS = {"bf16": ("bf16", None), "direct": ("w4a16-tinygemm", "direct"), "dual": ("w4a16-tinygemm", "dual"),
@@ -71,7 +71,7 @@ def main() -> None:
         measured[variant] = (512 / prefill * 1e3, 1e3 / decode)
     model_costs = {v: predicted(record, model, device, v) for v in measured}
     print(f"# Cost model vs engine, {record.describe()}\n")
-    print(f"Engine: {args.engine} (vLLM, {model.name}). Model: GEMM time only (edge.cost).\n")
+    print(f"Engine: {args.engine} (vLLM, {model.name}). Model: GEMM time only (edge.measure.cost).\n")
     print("| variant | model prefill ms | engine prefill ms | model decode step ms | engine decode step ms |")
     print("|---|---|---|---|---|")
     for v, (prefill, step) in measured.items():

@@ -14,7 +14,7 @@ each mode's median seconds to /readyz 200:
     python3 benchmarks/edge_up_times.py --warm [--modes one-process,two-process,three-process] [--passes 3]
         [--port 8090] [--early on|off|both]
 
-`--early both` starts each mode with and without the early engine (server/early_engine.py: vLLM imported while
+`--early both` starts each mode with and without the early engine (server/supervisor/early.py: vLLM imported while
 edge-serve plans; EDGE_EARLY_ENGINE=0 turns it off), interleaved, and reports each variant's median and the
 ratio of the medians.
 """
@@ -110,7 +110,7 @@ def warm(modes: list[str], passes: int, port: int, early: str = "on") -> None:
             runs[name[v]].append(one_run(None, port, log, mode=v[0], env_extra=EARLY[v[1]])["ready_s"])
             print(json.dumps({"pass": p + 1, "variant": name[v], "ready_s": runs[name[v]][-1]}), flush=True)
     sys.path.insert(0, str(REPO))  # run as a script: the repository's own packages
-    from edge.cpuinfo import host_model_name
+    from edge.device.cpuinfo import host_model_name
 
     medians = {m: {"median": statistics.median(r), "runs": r} for m, r in runs.items()}
     out = {"cpu": host_model_name(), "log": str(log), "warm_start_s": medians}

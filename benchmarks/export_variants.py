@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
-    from edge.cpuinfo import host_model_name
+    from edge.device.cpuinfo import host_model_name
     from kernels.export.export import GRAPH, MANIFEST
     from kernels.export.export_verify import speed
     from kernels.source.checkpoint import read_manifest

@@ -196,7 +196,7 @@ def score_file(gguf: Path, args: argparse.Namespace) -> dict:
                     parts[label].append(token_stats(ref, scored_logits(model, inputs, keep), targets))
                 theirs = torch.from_numpy(np.load(Path(tmp) / f"{i}.npy"))
                 parts["llama.cpp"].append(token_stats(ref, theirs, targets))
-    from edge.gguf_metadata import read_header, tensor_types
+    from edge.model.gguf_metadata import read_header, tensor_types
 
     return {
         "file": str(gguf),

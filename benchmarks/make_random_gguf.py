@@ -80,8 +80,8 @@ def architecture_shapes(arch: str, dims: Dims = DIMS) -> dict[str, tuple[tuple[i
 
 def float_model(arch: str, rng: np.random.Generator, dims: Dims = DIMS) -> dict[str, tuple[np.ndarray, Q]]:
     """A tiny `arch` model as llama.cpp's f16 files hold it: F16 matrices, F32 norms, biases and rope factors (all 1:
-    no RoPE scaling; edge.gguf_metadata refuses a rope_freqs.weight that is not Llama 3's form, as random ones are).
-    Gemma's norms are stored as 1 + w, as llama.cpp writes them."""
+    no RoPE scaling; edge.model.gguf_metadata refuses a rope_freqs.weight that is not Llama 3's form, as random ones
+    are). Gemma's norms are stored as 1 + w, as llama.cpp writes them."""
     tensors: dict[str, tuple[np.ndarray, Q]] = {}
     for name, (shape, role) in architecture_shapes(arch, dims).items():
         if role == "matrix":

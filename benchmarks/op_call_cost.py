@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from edge.probe import probe
+    from edge.device.probe import probe
     from kernels.ops import avx2_int4, int4_ops
     from kernels.ops.int4 import quantize_packed
     from kernels.ops.tinygemm import to_tinygemm

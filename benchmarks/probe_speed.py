@@ -28,10 +28,10 @@ def timed(fn: Callable[[], object]) -> float:
 def run(rounds: int, scratch: Path) -> dict[str, list[float]]:
     import cpuinfo  # py-cpuinfo
 
-    from edge import layout_cache
-    from edge.cpuinfo import cpu_flags, parse_cpuinfo
-    from edge.probe import probe
-    from edge.runtime import installed_version
+    from edge.device import layout_cache
+    from edge.device.cpuinfo import cpu_flags, parse_cpuinfo
+    from edge.device.probe import probe
+    from edge.device.runtime import installed_version
 
     torch = installed_version("torch")
     warm_dir = scratch / "warm"
@@ -41,7 +41,7 @@ def run(rounds: int, scratch: Path) -> dict[str, list[float]]:
         sys.exit(f"cannot fill the warm cache: {reason or 'torch is not installed'}")
     layout_cache.store(warm_dir / layout_cache.CACHE_FILE, layout_cache.cache_key(torch[1], flags), record)
     warm_env = {"EDGE_SELECT_CACHE_DIR": str(warm_dir)}
-    fresh_process = [sys.executable, "-c", "from edge.probe import probe; probe()"]
+    fresh_process = [sys.executable, "-c", "from edge.device.probe import probe; probe()"]
 
     variants: dict[str, Callable[[], object]] = {
         "parse /proc/cpuinfo (ours)": lambda: parse_cpuinfo(Path("/proc/cpuinfo").read_text()),

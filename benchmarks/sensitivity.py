@@ -1,7 +1,7 @@
 """Which tensor types hurt most at 4 bits: one group of weights quantized at a time, the rest bf16, by edge-eval.
 
 The groups are what vLLM can serve apart (q/k/v fuse into qkv_proj, gate/up into gate_up_proj:
-edge.quantized_layers), plus the tied embedding and head. Each variant is converted with kernels.convert.convert
+edge.catalog.quantized_layers), plus the tied embedding and head. Each variant is converted with kernels.convert.convert
 (round-to-nearest or the search, `--rounding`; the GGUF's own grid off: this measures a plain bf16 source) and
 scored against the bf16 source by kernels.evaluate.evaluate on the default prose. Prints a markdown table.
 

@@ -15,8 +15,8 @@ import os
 import sys
 
 from edge.errors import InputError
-from edge.plan import LAYOUTS, PRIORITIES, SERVING_MODES, WEIGHT_PATHS, Plan, format_bytes
-from edge.quality import DEFAULT_MAX_KLD, cached_records
+from edge.measure.quality import DEFAULT_MAX_KLD
+from edge.plan.schema import LAYOUTS, PRIORITIES, SERVING_MODES, WEIGHT_PATHS, Plan, format_bytes
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT = 0, 2, 3
 
@@ -65,42 +65,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _device(path: str | None):
     if path is None:
-        from edge.probe import probe
+        from edge.device.probe import probe
 
         return probe()
-    from edge.describe import load_device_file
+    from edge.device.describe import load_device_file
 
     return load_device_file(path)
 
 
 def _model(path: str | None):
-    from edge.model_reader import default_model, read_model
+    from edge.model.reader import default_model, read_model
 
     return default_model() if path is None else read_model(path)
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    from edge.describe import parse_size
-    from edge.planner import make_plan
+    from edge.device.calibration import load_file
+    from edge.device.describe import parse_size
+    from edge.plan.inputs import gather
 
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
     device, model = _device(args.device), _model(args.model)
-    return make_plan(
-        device, model, priority=args.priority, budget_bytes=budget,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, path=args.path,
-        layout=args.layout, force=args.force, quality=cached_records(), max_kld=args.max_kld,
-        calibration=_calibration(args, device, model.name), serving_mode=args.serving_mode, threads=args.threads,
+    # --calibration FILE as given; otherwise the newest cached record of this CPU (edge-calibrate's, or one a fleet
+    # planner stored there), preferring one that timed this model
+    inputs = gather(device, model, calibration=load_file(args.calibration) if args.calibration else None)
+    return inputs.plan(
+        priority=args.priority, budget_bytes=budget, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, path=args.path, layout=args.layout, force=args.force, max_kld=args.max_kld,
+        serving_mode=args.serving_mode, threads=args.threads,
     )  # fmt: skip
-
-
-def _calibration(args: argparse.Namespace, device, model_name: str):
-    """--calibration FILE as given; otherwise the newest cached record of this CPU (edge-calibrate's, or one a
-    fleet planner stored there), preferring one that timed this model."""
-    from edge import calibration
-
-    if args.calibration:
-        return calibration.load_file(args.calibration)
-    return calibration.best_match(calibration.cached_records(), device, model_name)
 
 
 def calibrate(args: argparse.Namespace) -> None:
@@ -207,12 +200,12 @@ def evaluate(args: argparse.Namespace, plan: Plan) -> None:
     import tempfile
     from pathlib import Path
 
-    from edge.quality import quality_key
-    from edge.weight_paths import PATHS
+    from edge.catalog.weight_paths import PATHS
+    from edge.measure.quality import quality_key
 
     if importlib.util.find_spec("torch") is None:
         raise InputError("--evaluate", True, "torch installed (the project's vllm extra): edge-eval runs the kernels")
-    from edge.model_reader import is_gguf, resolve_model
+    from edge.model.reader import is_gguf, resolve_model
 
     if args.model is not None and not (resolve_model(args.model).is_dir() or is_gguf(resolve_model(args.model))):
         raise InputError("--model", args.model, "a model directory with weights, or a .gguf, when --evaluate is given")

@@ -16,6 +16,16 @@ IsaClass = Literal["amx", "avx512", "avx2", "arm", "any"]
 FactSource = Literal["reference", "here", "derived"]
 
 
+class Reason(BaseModel):
+    """Why a plan is what it is, quoting the measured fact it rests on."""
+
+    text: str
+    fact: str | None = None  # key into FACTS
+    value: float | int | str | None = None
+    unit: str | None = None
+    source: str | None = None  # "measured here", "reference study", "derived", ...
+
+
 class MeasuredFact(BaseModel):
     key: str
     value: float

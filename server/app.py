@@ -14,16 +14,16 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 
-from edge.plan import Plan
+from edge.plan.schema import Plan
 from server.calibrations import CalibrationStore
-from server.engine_socket import EngineTransport
 from server.errors import add_exception_handlers
 from server.metrics import ServiceMetrics
 from server.middleware import BearerToken, BodyLimit, ForwardedPaths
 from server.routes import calibrations, engine, proxy
 from server.routes import plan as plan_routes
 from server.settings import Settings
-from server.supervisor import EngineSupervisor
+from server.supervisor.sockets import EngineTransport
+from server.supervisor.supervisor import EngineSupervisor
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 DESCRIPTION = """\

@@ -1,4 +1,4 @@
-"""The fleet's calibration records (edge.calibration): what boxes posted to `POST /calibrations`, kept so that
+"""The fleet's calibration records (edge.device.calibration): what boxes posted to `POST /calibrations`, kept so that
 `/plan` for a device of the same CPU ranks from its measured kernel times instead of the facts table.
 
 SQLite in the cache directory by default (one API process); PostgreSQL given a URL (EDGE_CALIBRATION_DB,
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, SQLAlchemyError
 
-from edge.calibration import CalibrationRecord, measured_time
+from edge.device.calibration import CalibrationRecord, measured_time
 from edge.errors import InputError
 from edge.paths import cache_dir
 from server.schemas import CalibrationSummary
@@ -38,7 +38,7 @@ calibrations = sa.Table(
     metadata,
     sa.Column("digest", sa.String(64), primary_key=True),  # CalibrationRecord.digest: this exact record
     sa.Column("key", sa.String(64), nullable=False, index=True),  # CPU, torch, vLLM, native library
-    sa.Column("cpu_model", sa.Text, nullable=False, index=True),  # stripped, as edge.calibration.matches compares
+    sa.Column("cpu_model", sa.Text, nullable=False, index=True),  # stripped, as edge.device.calibration's matches
     sa.Column("isa_flags", sa.JSON, nullable=False),
     sa.Column("model", sa.Text, nullable=True),
     sa.Column("measured_at", sa.String(64), nullable=False),  # ISO 8601, as the record states it

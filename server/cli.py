@@ -39,21 +39,21 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from edge.calibration import CalibrationRecord, best_match, parse
-from edge.calibration import cached_records as cached_calibrations
-from edge.describe import load_device_file, parse_size
+from edge.device.calibration import CalibrationRecord, best_match, parse
+from edge.device.calibration import cached_records as cached_calibrations
+from edge.device.describe import load_device_file, parse_size
+from edge.device.probe import probe
 from edge.errors import InputError
-from edge.model_reader import is_gguf, read_model, resolve_model
+from edge.model.reader import is_gguf, read_model, resolve_model
 from edge.paths import converted_dir
-from edge.plan import LAYOUTS, PRIORITIES, SERVING_MODES, WEIGHT_PATHS, Plan
-from edge.planner import make_plan
-from edge.probe import probe
-from edge.quality import cached_records
+from edge.plan.inputs import PlanInputs, gather
+from edge.plan.schema import LAYOUTS, PRIORITIES, SERVING_MODES, WEIGHT_PATHS, Plan
 from server.app import create_app, weight_path
 from server.calibrations import database_url
-from server.early_engine import EarlyEngine
 from server.settings import CalibrationMode, Settings, exposure_problem, is_loopback, load_settings
-from server.supervisor import EngineRefused, EngineSupervisor, plan_refusal, short_model_name
+from server.supervisor.command import EngineRefused, plan_refusal, short_model_name
+from server.supervisor.early import EarlyEngine
+from server.supervisor.supervisor import EngineSupervisor
 
 TOP_REASONS = 3
 REPORT_TIMEOUT_S = 30.0
@@ -124,6 +124,45 @@ class ExportOnly(Exception):
                 f"build its bundle instead:\n  {' '.join(select)} > PLAN.json\n  {export}")  # fmt: skip
 
 
+def plan_for_serving(
+    args: argparse.Namespace,
+    *,
+    calibration: CalibrationMode = "cached",
+    before_timing: Callable[[], None] = lambda: None,
+) -> tuple[Plan, Path]:
+    """The plan edge-serve serves (its --dry-run prints it) and the model it is for. `calibration`
+    (Settings.calibration): `auto` times this host's kernels when no record of its CPU is cached and the plan is
+    for this host, calling before_timing() first; the plan is made once before that, and a plan that will be
+    refused (over its budget) times nothing; `off` plans without a calibration record."""
+    source = resolve_model(args.model) if args.model else default_model_dir()
+    budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    # A described device (the DaemonSet passes its node's NFD labels) plans for that; otherwise probe this host.
+    device = load_device_file(args.device) if args.device else probe()
+    inputs = gather(device, read_model(source), calibrations=[] if calibration == "off" else None)
+
+    def plan_from(inputs: PlanInputs) -> Plan:
+        return inputs.plan(
+            priority=args.priority,
+            budget_bytes=budget,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            path=args.path,
+            layout=args.layout,
+            force=args.force,
+            serving_mode=getattr(args, "serving_mode", None),
+            threads=getattr(args, "threads", None),
+        )
+
+    plan = plan_from(inputs)
+    served = plan_refusal(plan, force=args.force) is None
+    if inputs.calibration is None and calibration == "auto" and not args.device and served:
+        before_timing()
+        record = calibrate_on_start()
+        if record is not None:
+            plan = plan_from(inputs.with_calibration(record))
+    return plan, source
+
+
 def prepare(
     args: argparse.Namespace,
     *,
@@ -132,43 +171,9 @@ def prepare(
     calibration: CalibrationMode = "cached",
     before_timing: Callable[[], None] = lambda: None,
 ) -> Prepared:
-    """Probe, read the model, plan, convert when the plan needs it (calling before_converting() first when
-    there is no conversion to reuse). `calibration` (Settings.calibration): `auto` times this host's kernels when
-    no record of its CPU is cached and the plan is for this host, calling before_timing() first; the plan is
-    made once before that, and a plan that will be refused (over its budget) times nothing."""
-    source = resolve_model(args.model) if args.model else default_model_dir()
-    budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
-    # A described device (the DaemonSet passes its node's NFD labels) plans for that; otherwise probe this host.
-    device = load_device_file(args.device) if args.device else probe()
-    model = read_model(source)
-
-    quality = cached_records()
-
-    def plan_from(record: CalibrationRecord | None) -> Plan:
-        return make_plan(
-            device,
-            model,
-            priority=args.priority,
-            budget_bytes=budget,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            path=args.path,
-            layout=args.layout,
-            force=args.force,
-            quality=quality,
-            calibration=record,
-            serving_mode=getattr(args, "serving_mode", None),
-            threads=getattr(args, "threads", None),
-        )
-
-    record = None if calibration == "off" else best_match(cached_calibrations(), device, model.name)
-    plan = plan_from(record)
-    served = plan_refusal(plan, force=args.force) is None
-    if record is None and calibration == "auto" and not args.device and served:
-        before_timing()
-        record = calibrate_on_start()
-        if record is not None:
-            plan = plan_from(record)
+    """Probe, read the model, plan (plan_for_serving), convert when the plan needs it (calling
+    before_converting() first when there is no conversion to reuse)."""
+    plan, source = plan_for_serving(args, calibration=calibration, before_timing=before_timing)
     if plan.vllm is None:
         raise ExportOnly(plan, source, args.device)
     if args.device:

@@ -1,4 +1,4 @@
-"""edge-serve's entry point: the early engine (server/early_engine.py) starts before the rest of edge-serve is
+"""edge-serve's entry point: the early engine (server/supervisor/early.py) starts before the rest of edge-serve is
 imported (server.cli's FastAPI app, the planner, the calibration store: ~0.7 s of a 2-core box's start), then
 server.cli.main runs with it."""
 
@@ -8,9 +8,9 @@ import sys
 
 from pydantic import ValidationError
 
-from server.early_engine import EarlyEngine
 from server.settings import Settings
-from server.supervisor import run_dir_of
+from server.supervisor.early import EarlyEngine
+from server.supervisor.run_dir import run_dir_of
 
 # Ways in that never start an engine (server.cli.main decides; what is started and not used is killed there).
 NOT_SERVING = frozenset({"--dry-run", "--plan-only", "-h", "--help"})

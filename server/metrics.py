@@ -32,7 +32,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from server.supervisor import ENGINE_STATES, EngineSupervisor
+from server.supervisor.status import ENGINE_STATES
+from server.supervisor.supervisor import EngineSupervisor
 
 log = logging.getLogger("edge.metrics")
 

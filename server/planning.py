@@ -8,21 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from edge import calibration
 from edge.bounds import check_finite_numbers
-from edge.calibration import CalibrationRecord, best_match
-from edge.cpuinfo import parse_cpuinfo
-from edge.describe import parse_device_json, parse_size
-from edge.device import DeviceProfile
+from edge.device import calibration
+from edge.device.calibration import CalibrationRecord
+from edge.device.cpuinfo import parse_cpuinfo
+from edge.device.describe import parse_device_json, parse_size
+from edge.device.lscpu import parse_lscpu
+from edge.device.nfd import parse_nfd_labels
+from edge.device.profile import DeviceProfile
 from edge.errors import InputError
-from edge.gguf_metadata import header_from_json
-from edge.lscpu import parse_lscpu
-from edge.model_reader import default_model, read_gguf_header, read_model_config
-from edge.nfd import parse_nfd_labels
-from edge.plan import Plan
-from edge.planner import make_plan
-from edge.quality import QualityRecord, cached_records
-from edge.shapes import ModelShape
+from edge.measure.quality import QualityRecord, cached_records
+from edge.model.gguf_metadata import header_from_json
+from edge.model.reader import default_model, read_gguf_header, read_model_config
+from edge.model.shapes import ModelShape
+from edge.plan.inputs import gather
+from edge.plan.schema import Plan
 from server.calibrations import CalibrationStore
 from server.schemas import (
     ConfigModel,
@@ -119,15 +119,11 @@ def plan_one(
 ) -> Plan:
     """One plan, ranked from the device's calibration record when one of `calibrations` matches it (the facts
     table's otherwise). `quality` and `calibrations` are read once per request, not once per device."""
-    return make_plan(
-        device,
-        model,
+    return gather(device, model, quality=quality, calibrations=calibrations).plan(
         priority=options.priority,
         budget_bytes=budget,
         max_model_len=options.max_model_len,
         max_num_seqs=options.max_num_seqs,
-        quality=quality,
-        calibration=best_match(calibrations, device, model.name),
         serving_mode=options.serving_mode,
         threads=options.threads,
         **pins,

@@ -17,8 +17,8 @@ from pydantic import (
 )
 
 from edge.bounds import MAX_DIMENSIONS, MAX_LABELS, MAX_TENSOR_DIM
-from edge.plan import Layout, Plan, Priority, ServingMode, WeightPath
-from server.supervisor import EngineStatus
+from edge.plan.schema import Layout, Plan, Priority, ServingMode, WeightPath
+from server.supervisor.status import EngineStatus
 
 # Texts and label maps are bounded here as well as by the body limit, so one field cannot take all of it.
 MAX_TEXT_CHARS = 512 * 1024
@@ -138,7 +138,7 @@ class GgufHeaderBody(_Strict):
 
 
 class GgufModel(_Strict):
-    """A model as its GGUF file's header (what `edge.gguf_metadata.read_header` reads; no tensor data)."""
+    """A model as its GGUF file's header (what `edge.model.gguf_metadata.read_header` reads; no tensor data)."""
 
     gguf: GgufHeaderBody = Field(description="{metadata, tensors}: the file's header.")
     name: str | None = Field(default=None, max_length=256, description="The model's name in the plan.")
@@ -252,7 +252,7 @@ class Health(BaseModel):
 
 
 class CalibrationSummary(BaseModel):
-    """One stored calibration record (edge.calibration.CalibrationRecord), without its kernel times."""
+    """One stored calibration record (edge.device.calibration.CalibrationRecord), without its kernel times."""
 
     digest: str = Field(description="Identifies this exact record; a record posted twice is stored once.")
     key: str = Field(description="CPU, torch, vLLM and native library: records with the same key are comparable.")

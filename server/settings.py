@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     early_engine: bool = Field(
         default=True,
         description="Start the engine importing vLLM while edge-serve plans, in the environment of the last engine "
-        "that became ready in run_dir, used only if the plan's is the same (server/early_engine.py): ~1-2 s off "
+        "that became ready in run_dir, used only if the plan's is the same (server/supervisor/early.py): ~1-2 s off "
         "each start. EDGE_EARLY_ENGINE=0: never.",
     )
     calibration: CalibrationMode = Field(

@@ -20,7 +20,7 @@ os.environ.setdefault("EDGE_CALIBRATION", "cached")
 
 def pytest_report_header(config):
     """First lines of every run: which CPU class it ran on, so a CI log says where its results come from."""
-    from edge.probe import probe
+    from edge.device.probe import probe
 
     host = probe(measure_layout=False)
     aten = os.environ.get("ATEN_CPU_CAPABILITY")

@@ -1,5 +1,6 @@
-"""Kernels are data (edge/kernel_registry.py): no module names a kernel but the registry, the kernel's own
-implementation and the timers (kernels/calibrate/calibration_timers.py, one per entry). Everything else asks the
+"""Kernels are data (edge/catalog/kernel_registry.py): no module names a kernel but the registry, the kernel's own
+implementation and its timer (in the torch half of the format it reads, kernels/formats/, one per entry; the
+timing child kernels/calibrate/calibration_timers.py names the torch ops each needs). Everything else asks the
 registry, so a new kernel is one entry, its implementation file, its timer and its tests."""
 
 from __future__ import annotations
@@ -7,15 +8,17 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from edge.kernel_registry import DECODE_KERNELS, KERNELS
-from edge.weight_paths import METHODS, PATHS, QUANTIZED_PATHS, WEIGHT_PATHS, quant_method, quant_methods
+from edge.catalog.kernel_registry import DECODE_KERNELS, KERNELS
+from edge.catalog.weight_paths import METHODS, PATHS, QUANTIZED_PATHS, WEIGHT_PATHS, quant_method, quant_methods
+from kernels.formats import MODULES
 
 REPO = Path(__file__).parents[1]
 # Where a kernel's name may be written: the spec, and the files of the kernels themselves (the timers included).
-SPEC = "edge/kernel_registry.py"
+SPEC = "edge/catalog/kernel_registry.py"
 OWN_FILES = {
     "kernels/calibrate/calibration_timers.py": set(KERNELS),
     "kernels/ops/avx2_int4.py": {"avx2-int4", "avx2-w4a8", "avx2-int8"},
+    **{f"kernels/formats/{module.__name__.rsplit('.', 1)[1]}.py": set(module.TIMERS) for module in MODULES.values()},
 }
 # Names that are also ordinary words of the project (an ISA class, a dtype, PyTorch's kernel) are left out:
 # only the names no other concept spells are checked.
@@ -62,11 +65,11 @@ def test_every_facts_stand_in_of_a_kernel_is_a_key_of_the_facts_table_for_some_c
     assert missing == []
 
 
-# Paths are data too (edge/weight_paths.py): a module branches on a spec's values (its weight format, whether it
+# Paths are data too (edge/catalog/weight_paths.py): a module branches on a spec's values (its weight format, whether it
 # quantizes, whether vLLM serves it), never on a path's name, so a new path is one entry. Its own files may name
 # it: the phone bundle's exporter names the plan it takes.
 # The kernel registry is the other spec: a kernel's entry names the paths it serves.
-PATH_SPECS = {"edge/weight_paths.py", "edge/kernel_registry.py"}
+PATH_SPECS = {"edge/catalog/weight_paths.py", "edge/catalog/kernel_registry.py"}
 PATH_OWN_FILES = {"kernels/export/export.py": {"export-only"}}
 DISTINCT_PATHS = {name for name in WEIGHT_PATHS if "-" in name}
 
@@ -95,8 +98,8 @@ def test_no_module_outside_the_path_specs_and_the_paths_own_files_names_a_path()
 
 
 def test_every_spec_names_a_gate_and_every_method_a_config_and_an_installer():
-    from edge.engine_config import METHOD_CONFIGS
-    from edge.gates import GATES
+    from edge.plan.engine_config import METHOD_CONFIGS
+    from edge.plan.gates import GATES
     from kernels.scoring.eval_model import INSTALLERS
 
     assert sorted(spec.gate for spec in PATHS.values()) == sorted(GATES)
@@ -105,12 +108,12 @@ def test_every_spec_names_a_gate_and_every_method_a_config_and_an_installer():
 
 
 def test_a_paths_config_names_its_own_method_on_either_kind_of_host():
-    """What edge.engine_config writes is the method edge.weight_paths names for the device (AMX or not)."""
-    from edge.engine_config import quantization_config
-    from edge.kernel_params import KernelParams
-    from edge.model_reader import default_model
-    from edge.quantized_layers import model_layers, rules_for
-    from edge.rules import pick_gptq_group_size, pick_group_size
+    """What edge.plan.engine_config writes is the method edge.catalog.weight_paths names for the device (AMX or not)."""
+    from edge.catalog.quantized_layers import model_layers, rules_for
+    from edge.catalog.shape_rules import pick_gptq_group_size, pick_group_size
+    from edge.measure.kernel_params import KernelParams
+    from edge.model.reader import default_model
+    from edge.plan.engine_config import quantization_config
 
     model = default_model()
     for name in QUANTIZED_PATHS:
@@ -125,7 +128,7 @@ def test_a_paths_config_names_its_own_method_on_either_kind_of_host():
 
 
 def test_a_decode_kernel_is_offered_only_on_the_isa_classes_its_spec_names():
-    from edge.kernel_registry import default_decode_kernel, offered_lossy_decode_kernel
+    from edge.catalog.kernel_registry import default_decode_kernel, offered_lossy_decode_kernel
 
     x86 = {name for name, spec in DECODE_KERNELS.items() if "avx2" in spec.isa_classes}
     assert default_decode_kernel("AVX2", "avx2") in x86 - {"tinygemm"}  # this project's AVX2 kernel

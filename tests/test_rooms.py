@@ -106,7 +106,7 @@ def test_each_room_imports_only_what_it_may():
 
 
 # kernels/' sub-packages, lowest first: each imports only those before it (README's layout table says what each holds).
-KERNEL_LAYERS = ("ops", "vllm_plugin", "source", "scoring", "export", "convert", "evaluate", "calibrate")
+KERNEL_LAYERS = ("ops", "vllm_plugin", "source", "formats", "scoring", "export", "convert", "evaluate", "calibrate")
 
 
 def test_kernels_sub_packages_import_only_the_layers_below_them():
@@ -121,3 +121,39 @@ def test_every_kernels_module_lives_in_a_layer():
     loose = [name for name in project_modules()
              if name.startswith("kernels.") and name.split(".")[1] not in KERNEL_LAYERS]  # fmt: skip
     assert loose == []
+
+
+# edge/'s rooms, lowest first (README's layout table says what each holds): each imports only the rooms before it.
+# Below them all, the floor: modules at edge/'s top that every room may use and that import no room; above them
+# all, edge.cli, the command line, which may import any.
+EDGE_ROOMS = ("model", "catalog", "formats", "device", "measure", "plan")
+EDGE_FLOOR = ("edge.errors", "edge.paths", "edge.bounds", "edge.facts", "edge.sizes")
+EDGE_TOP = ("edge.cli",)
+
+
+def edge_rank(module: str) -> int | None:
+    """A module's height in edge/: 0 the floor, then the rooms, the command line on top; None: not in edge/."""
+    parts = module.split(".")
+    if parts[0] != "edge" or module == "edge":
+        return None
+    if module in EDGE_FLOOR:
+        return 0
+    if module in EDGE_TOP:
+        return len(EDGE_ROOMS) + 1
+    return EDGE_ROOMS.index(parts[1]) + 1 if parts[1] in EDGE_ROOMS else -1
+
+
+def test_every_edge_module_lives_in_a_room():
+    loose = [name for name in project_modules() if edge_rank(name) == -1]
+    assert loose == []
+
+
+def test_edge_rooms_import_only_the_rooms_below_them():
+    upward = sorted(f"{a} imports {b}" for a, targets in graph().items() for b in targets
+                    if (ra := edge_rank(a)) is not None and (rb := edge_rank(b)) is not None and rb > ra)  # fmt: skip
+    assert upward == []
+
+
+def test_the_edge_room_check_finds_an_upward_import():
+    assert edge_rank("edge.model.shapes") < edge_rank("edge.plan.planner") < edge_rank("edge.cli")
+    assert edge_rank("edge.errors") == 0 and edge_rank("edge.stray") == -1

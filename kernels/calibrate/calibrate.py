@@ -1,14 +1,14 @@
 """edge-calibrate: time every candidate linear kernel on this CPU and write a calibration record.
 
-Each kernel of edge.kernel_registry runs in a child process of its own (kernels.calibrate.calibration_timers), one at a
-time: a kernel that dies (an illegal instruction: SIGILL) is recorded as crashed and the others still run; one
+Each kernel of edge.catalog.kernel_registry runs in a child process of its own (kernels.calibrate.calibration_timers),
+one at a time: a kernel that dies (an illegal instruction: SIGILL) is recorded as crashed and the others still run; one
 that runs past its time is recorded as failed; one whose op the loaded library lacks, as absent. The shapes are
 every GEMM vLLM runs for the model (the head only at M <= 16: it sees one row per sequence) plus a 4096x4096
 reference, at M = 1, 4, 16, 128, 512 rows, with the model's int4 group size, at --threads Torch threads (vLLM
 serves with one here). Also measured: the read bandwidth, and on boxes of up to 4 cores how one decode step of
 tinygemm and bf16 scales from 1 thread to all cores.
 
-The record (edge.calibration.CalibrationRecord) lands in $EDGE_SELECT_CACHE_DIR/calibration/, where edge-select
+The record (edge.device.calibration.CalibrationRecord) lands in $EDGE_SELECT_CACHE_DIR/calibration/, where edge-select
 reads it, and in --out if given. About a minute and a half for the default model on a 2-core box.
 
 Exit codes: 0 calibrated; 2 bad input (the message names the option and the value).
@@ -28,15 +28,16 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from edge.calibration import CalibrationRecord, KernelResult, ThreadTime, best_match, cached_records, record_path
-from edge.cost import CALIBRATION_ROWS, calibration_shapes
-from edge.device import DeviceProfile
+from edge.catalog.kernel_registry import KERNELS
+from edge.catalog.quantized_layers import model_layers, rules_for
+from edge.catalog.shape_rules import pick_group_size
+from edge.catalog.weight_paths import the_path
+from edge.device.calibration import CalibrationRecord, KernelResult, ThreadTime, best_match, cached_records, record_path
+from edge.device.profile import DeviceProfile
 from edge.errors import InputError
-from edge.kernel_registry import KERNELS
-from edge.quantized_layers import model_layers, rules_for
-from edge.rules import pick_group_size
-from edge.shapes import ModelShape
-from edge.weight_paths import the_path
+from edge.formats.tinygemm import TINYGEMM
+from edge.measure.cost import CALIBRATION_ROWS, calibration_shapes
+from edge.model.shapes import ModelShape
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 REFERENCE_SHAPE = (4096, 4096)  # timed for every model, so records of different models compare and scale
@@ -55,8 +56,9 @@ def _stderr(line: str) -> None:
 
 
 def model_shapes(model: ModelShape, group: int) -> list[tuple[int, int]]:
-    """[N, K] of every GEMM vLLM runs for the model on the tinygemm-format path (edge.cost.calibration_shapes)."""
-    path = the_path(weight_format="tinygemm")
+    """[N, K] of every GEMM vLLM runs for the model on the tinygemm-format path (edge.measure.cost's
+    calibration_shapes)."""
+    path = the_path(weight_format=TINYGEMM.name)
     return calibration_shapes(model_layers(model, rules_for(model, path, group, "speed")))
 
 
@@ -167,7 +169,7 @@ def calibrate(model: ModelShape, threads: int = 1, *, device: DeviceProfile | No
               kernels: Sequence[str] | None = None, shapes: Sequence[tuple[int, int]] | None = None,
               rows: Sequence[int] | None = None, quick: bool = False, scaling: bool = True,
               progress: Progress = _stderr, timeout_s: float | None = None) -> CalibrationRecord:  # fmt: skip
-    """Time `kernels` (default: all of edge.kernel_registry) on this host for `model`'s shapes.
+    """Time `kernels` (default: all of edge.catalog.kernel_registry) on this host for `model`'s shapes.
 
     shapes/rows replace the model's shapes (and the reference) and CALIBRATION_ROWS, e.g. for a quick check;
     scaling=False skips the thread-scaling children."""
@@ -178,7 +180,7 @@ def calibrate(model: ModelShape, threads: int = 1, *, device: DeviceProfile | No
         raise InputError("--kernels", unknown[0], f"kernel names from {', '.join(KERNELS)}")
     started = time.monotonic()
     if device is None:
-        from edge.probe import probe
+        from edge.device.probe import probe
 
         device = probe(measure_layout=False)
     group = group_size(model)
@@ -221,7 +223,7 @@ def calibrate(model: ModelShape, threads: int = 1, *, device: DeviceProfile | No
         isa_class=device.isa_class,
         cores=cores,
         threads=threads,
-        # the probe's versions: edge.calibration.matches compares them with the probe's on the next plan
+        # the probe's versions: edge.device.calibration.matches compares them with the probe's on the next plan
         torch_version=runtime.torch_version.value or host.get("torch_version"),
         vllm_version=runtime.vllm_version.value or host.get("vllm_version"),
         native_library=native,
@@ -267,7 +269,7 @@ def host_record(model_name: str | None = None, *, threads: int | None = None,
     """The newest cached record taken on this kind of host (preferring one of `model_name`'s shapes, and only
     records at `threads` when given); None when there is none."""
     if device is None:
-        from edge.probe import probe
+        from edge.device.probe import probe
 
         device = probe(measure_layout=False)
     records = [r for r in cached_records() if threads is None or r.threads == threads]
@@ -279,8 +281,8 @@ def cached_or_calibrate(model: ModelShape | None = None, threads: int = 1, *, qu
                         ) -> CalibrationRecord:  # fmt: skip
     """This host's record for `model` (default: the embedded default model) at `threads`: from the cache when
     one was taken of this model's shapes, else calibrated now (minutes) and saved."""
-    from edge.model_reader import default_model
-    from edge.probe import probe
+    from edge.device.probe import probe
+    from edge.model.reader import default_model
 
     model = model or default_model()
     device = device or probe(measure_layout=False)
@@ -349,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(value: str) -> ModelShape:
-    from edge.model_reader import default_model, read_model
+    from edge.model.reader import default_model, read_model
 
     if value == "default":
         return default_model()

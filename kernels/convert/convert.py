@@ -4,7 +4,7 @@ SRC is a Hugging Face directory (bf16, fp16 or fp32 safetensors, sharded or not)
 the local Hugging Face cache (never downloaded), or a `.gguf` file. A GGUF is read directly, tensor by tensor
 (kernels.source.gguf_source): 4-bit tensors on a group-32 grid (Q4_0, Q4_1, Q4_K) keep their codes when the plan
 quantizes them at group 32; every other type is dequantized (gguf-py) and takes the plan's format. Its config.json
-comes from the header (edge.gguf_metadata), its tokenizer and chat template from the file (transformers).
+comes from the header (edge.model.gguf_metadata), its tokenizer and chat template from the file (transformers).
 
     bf16            every tensor as bf16 (a bf16 source is copied bit for bit)
     w4a16-tinygemm  the `cpu_int4` format: per quantized linear `<prefix>.qweight` uint8 [N, K/2] (low
@@ -15,7 +15,7 @@ comes from the header (edge.gguf_metadata), its tokenizer and chat template from
                     `quant_method: cpu_w4a8` (kernels/vllm_plugin/cpu_w4a8.py): the 8-bit set as for w4a16, a tied head
                     stays tied to its embedding
 
-Without --plan, the plan is made for this host (edge.planner.make_plan on edge.probe.probe()).
+Without --plan, the plan is made for this host (edge.plan.planner.make_plan on edge.device.probe.probe()).
 
 Tensors are read one at a time (safetensors safe_open) and streamed into shards of at most 1 GiB
 (kernels.source.checkpoint), so memory is bounded by the largest tensor, not the model. DST is built in a temp dir
@@ -40,11 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge.catalog.quantized_layers import EMBEDDING, QuantRules
+from edge.catalog.weight_paths import PATHS as PATH_SPECS
+from edge.catalog.weight_paths import quant_methods
 from edge.errors import InputError
-from edge.quantized_layers import EMBEDDING, QuantRules
-from edge.rules import GPTQ_GROUP_SIZES, TINYGEMM_GROUP_SIZES
-from edge.weight_paths import PATHS as PATH_SPECS
-from edge.weight_paths import quant_methods
+from edge.formats import format_of
+from edge.formats.int8 import INT8
 from kernels.source.checkpoint import (
     INDEX_FILE,
     ShardedWriter,
@@ -81,7 +82,7 @@ Progress = Callable[[int, int, str], None]  # (tensor i of n, 1-based; name)
 class Source:
     """A model's config and where each tensor lives, read without loading any weight: a Hugging Face directory
     (safetensors), or a GGUF file (`gguf`: kernels.source.gguf_source.GgufModel, tensors by their HF names; the
-    config is edge.gguf_metadata's from the file's header)."""
+    config is edge.model.gguf_metadata's from the file's header)."""
 
     directory: Path  # the model directory, or the .gguf file
     config: dict[str, Any]
@@ -159,9 +160,9 @@ def read_source(src: Path) -> Source:
 
 
 def _read_gguf_source(src: Path) -> Source:
-    """A GGUF file as a source: its header's config (edge.gguf_metadata, the planner's own reading of it) and its
+    """A GGUF file as a source: its header's config (edge.model.gguf_metadata, the planner's own reading of it) and its
     tensors under their Hugging Face names; every tensor's type is checked here, before anything is written."""
-    from edge.gguf_metadata import hf_config, read_header
+    from edge.model.gguf_metadata import hf_config, read_header
     from kernels.source.gguf_source import read_gguf
 
     header = read_header(src)
@@ -190,7 +191,7 @@ def _weight_files(src: Path) -> list[str]:
 
 
 def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisions:
-    """Which tensors are quantized, kept in bf16 or dropped, as edge.quantized_layers rules for this config;
+    """Which tensors are quantized, kept in bf16 or dropped, as edge.catalog.quantized_layers rules for this config;
     raises InputError before any work is done."""
     decisions = Decisions()
     if path == "bf16":
@@ -240,10 +241,9 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
 def _read_int8_from_source(source: Source, group: int, decisions: Decisions) -> None:
     """The 8-bit set's tensors the source's GGUF holds on an 8-bit grid whose group `group` divides (INT8_GRIDS)
     take its codes; the rest are rounded per group from the file's float32 values."""
-    from kernels.ops.int8 import check_group
     from kernels.source.gguf_source import INT8_GRIDS
 
-    check_group(group, name="quantization_config.int8_group_size")
+    INT8.check_group(group, name="quantization_config.int8_group_size")
     grid = decisions.grid if decisions.grid is not None else _source_gguf(source)
     if grid is None:
         return  # a Hugging Face source without a GGUF behind it: every int8 tensor rounded per group
@@ -316,23 +316,10 @@ def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
         raise InputError("path", path, f"a path the converter builds (an {path} plan's bundle: edge-export)")
     if path not in PATHS:
         raise InputError("path", path, f"one of {list(PATHS)}")
-    weight_format = PATH_SPECS[path].weight_format
-    if weight_format == "bf16":
-        if qconfig is not None:
-            raise InputError("quantization_config", qconfig, "none for path bf16")
-        return
-    if not isinstance(qconfig, dict) or not isinstance(qconfig.get("group_size"), int):
-        raise InputError("quantization_config", qconfig, f"a dict with an integer group_size for path {path}")
-    methods = quant_methods(path)  # cpu_int4; cpu_w4a8 (the plugin's, every plan) or gptq (vLLM's own)
-    if qconfig.get("quant_method") not in methods:
-        expected = f"'{methods[0]}'" if len(methods) == 1 else f"one of {methods}"
-        raise InputError("quantization_config.quant_method", qconfig.get("quant_method"), expected)
-    # the grids' group sizes from edge.rules, not kernels.ops: importing torch there is most of an up-to-date
-    # check's second, which every edge-serve start waits for
-    assert weight_format in ("tinygemm", "gptq"), (path, weight_format)
-    groups = TINYGEMM_GROUP_SIZES if weight_format == "tinygemm" else GPTQ_GROUP_SIZES
-    if qconfig["group_size"] not in groups:
-        raise InputError("quantization_config.group_size", qconfig["group_size"], f"one of {groups}")
+    # the format's torch-free half (edge.formats), not kernels.formats: importing torch there is most of an
+    # up-to-date check's second, which every edge-serve start waits for. Methods: cpu_int4; cpu_w4a8 (the plugin's,
+    # every plan) or gptq (vLLM's own)
+    format_of(path).check_request(path, qconfig, quant_methods(path))
 
 
 def _fingerprint(source: Source) -> dict[str, list[int]]:
@@ -382,7 +369,7 @@ def convert(
 ) -> Path:
     """Convert SRC into DST for `path`; returns DST. Bad input raises InputError before any writing."""
     log = log or (lambda message: print(message, file=sys.stderr))
-    from edge.model_reader import resolve_model
+    from edge.model.reader import resolve_model
 
     src, dst = resolve_model(src).resolve(), Path(dst).resolve()
     _check_request(path, quantization_config)
@@ -436,7 +423,8 @@ def _write(
         tensor = load()
         writer.add(_convert_tensor(name, tensor, decisions, qconfig, path))
         if name == decisions.head_from_embedding:
-            writer.add(_gptq("lm_head", tensor, qconfig["group_size"]))
+            # the embedding, quantized again as the untied head
+            writer.add(_quantized("lm_head", tensor, qconfig, path, name))
         del tensor  # one source tensor alive at a time
     files = writer.finish()
     return {
@@ -490,53 +478,28 @@ def _numel(shape: list[int]) -> int:
 def _convert_tensor(
     name: str, tensor: torch.Tensor, decisions: Decisions, qconfig: dict[str, Any] | None, path: str
 ) -> dict[str, torch.Tensor]:
-    import torch
+    from kernels.formats import bf16, int8, torch_half  # each format's converter step (torch)
 
-    if name in decisions.exact:
-        from kernels.source.gguf_source import cpu_int4_tensors, gptq_codes
-
-        prefix = decisions.quantize[name]
-        if PATH_SPECS[path].weight_format == "gptq":  # a Q4_0 tensor: its codes and d are uint4b8's
-            from kernels.ops.gptq import gptq_from_codes
-
-            return gptq_from_codes(prefix, *gptq_codes(decisions.grid, name))
-        qweight, scales, zeros = cpu_int4_tensors(decisions.grid, name)  # the source's own codes, group 32
-        return {f"{prefix}.qweight": qweight, f"{prefix}.scales": scales, f"{prefix}.zeros": zeros}
+    if name in decisions.exact:  # the source's own 4-bit codes, group 32
+        return torch_half(format_of(path).name).from_source(decisions.quantize[name], decisions.grid, name)
     if name in decisions.int8:
-        if name in decisions.int8_exact:
-            from kernels.source.gguf_source import int8_tensors
-
-            qweight, scales = int8_tensors(decisions.grid, name, decisions.int8_group)  # the file's codes
-        else:
-            from kernels.ops.int8 import quantize_int8
-
-            qweight, scales = quantize_int8(tensor, name=name, group=decisions.int8_group)
-        # [N, K] int8; scales bf16 [N] per channel, float32 [N, K/g] per group
-        return {f"{decisions.int8[name]}.qweight": qweight, f"{decisions.int8[name]}.scales": scales}
+        prefix = decisions.int8[name]
+        if name in decisions.int8_exact:  # the file's own 8-bit codes
+            return int8.from_source(prefix, decisions.grid, name, decisions.int8_group)
+        return int8.convert(prefix, tensor, decisions.int8_group, name=name)
     prefix = decisions.quantize.get(name)
     if prefix is None:
-        return {name: tensor.to(torch.bfloat16)}  # no copy when already bf16: bit-exact passthrough
-    if PATH_SPECS[path].weight_format == "tinygemm":
-        from kernels.ops.int4 import quantize_packed
-
-        search = qconfig.get("rounding") == "search"  # kernels/ops/asym_search.py; else min/max round-to-nearest
-        parts = [quantize_packed(rows, qconfig["group_size"], name=name, search=search) for rows in _row_chunks(tensor)]
-        return {
-            f"{prefix}.qweight": torch.cat([p[0] for p in parts]),  # [N, K/2] uint8
-            f"{prefix}.scales": torch.cat([p[1] for p in parts]),  # [N, K/g] bf16
-            f"{prefix}.zeros": torch.cat([p[2] for p in parts]),  # [N, K/g] bf16
-        }
-    return _gptq(prefix, tensor, qconfig["group_size"])
+        return bf16.convert(name, tensor)
+    return _quantized(prefix, tensor, qconfig, path, name)
 
 
-def _gptq(prefix: str, tensor: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
-    import torch
+def _quantized(
+    prefix: str, tensor: torch.Tensor, qconfig: dict[str, Any], path: str, name: str
+) -> dict[str, torch.Tensor]:
+    """The path's format's 4-bit step, a chunk of output channels at a time (`name`: the source tensor's)."""
+    from kernels.formats import torch_half
 
-    from kernels.ops.gptq import gptq_tensors
-
-    parts = [gptq_tensors(prefix, rows, group) for rows in _row_chunks(tensor)]
-    # GPTQ tensors are [K/8, N], [K/g, N], [K/g, N/8]: output channels run along dim 1
-    return {key: torch.cat([part[key] for part in parts], dim=1) for key in parts[0]}
+    return torch_half(format_of(path).name).convert(prefix, _row_chunks(tensor), qconfig, name=name)
 
 
 def _row_chunks(w: torch.Tensor) -> list[torch.Tensor]:
@@ -638,13 +601,15 @@ class StderrProgress:
             self.bar.close()
 
 
-def _plan_for_this_host(src: Path):
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
-    from edge.probe import probe
+def plan_for_this_host(src: Path):
+    """The plan edge-select makes for this host and SRC (edge.plan.inputs: the same quality and calibration
+    records)."""
+    from edge.device.probe import probe
+    from edge.model.reader import read_model
+    from edge.plan.inputs import gather
 
     model = read_model(src)  # first: a wrong SRC is named before the host is probed
-    return make_plan(probe(), model)
+    return gather(probe(), model).plan()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -658,9 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="replace a DST holding another conversion")
     args = parser.parse_args(argv)
     try:
-        from edge.plan_file import load_plan
+        from edge.plan.plan_file import load_plan
 
-        plan = load_plan(args.plan) if args.plan else _plan_for_this_host(args.src)
+        plan = load_plan(args.plan) if args.plan else plan_for_this_host(args.src)
         if not PATH_SPECS[plan.path].served_by_vllm:  # a phone's plan: the deliverable is the exported bundle
             from kernels.export.export import export
 

@@ -22,7 +22,7 @@ the numbers; the speed plan reads that record before it decodes with them).
 Results are cached under $EDGE_SELECT_CACHE_DIR/quality/, keyed by the source and candidate files, the
 candidate's quantization_config, the text, the token count and chunk length (and the torch build, the CPU
 capability torch dispatches to and this project's kernel code, which decide the arithmetic); a repeated run
-answers from the cache and says so. A report on the default text carries a `record` (edge.quality.QualityRecord)
+answers from the cache and says so. A report on the default text carries a `record` (edge.measure.quality.QualityRecord)
 that the planner reads to weigh quality.
 
 Exit codes: 0 measured (or cached), 2 bad input (the message names the field and the value).
@@ -41,8 +41,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from edge.catalog.weight_paths import path_of_method
 from edge.errors import InputError
-from edge.weight_paths import path_of_method
 from kernels.scoring import eval_text
 from kernels.scoring.eval_cache import cache_key, load_cached, store
 from kernels.scoring.eval_config import check_same_shapes, quant_method, read_config
@@ -70,7 +70,7 @@ class QualityReport:
     key: str
     cached: bool = False
     measured_at: str | None = None  # UTC, ISO 8601
-    record: dict[str, Any] | None = None  # edge.quality.QualityRecord for the planner (default text only)
+    record: dict[str, Any] | None = None  # edge.measure.quality.QualityRecord for the planner (default text only)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,7 +128,7 @@ def evaluate(
 
 
 def _with_decode_kernel(config: dict[str, Any], method: str, decode_kernel: str) -> dict[str, Any]:
-    from edge.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
+    from edge.catalog.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL
 
     if decode_kernel not in DECODE_KERNELS:
         raise InputError("--decode-kernel", decode_kernel, f"one of {', '.join(DECODE_KERNELS)}")
@@ -136,14 +136,14 @@ def _with_decode_kernel(config: dict[str, Any], method: str, decode_kernel: str)
         raise InputError("--decode-kernel", decode_kernel, f"a cpu_int4 candidate (this one is {method})")
     qconfig = {**config["quantization_config"], "decode_kernel": decode_kernel}
     if decode_kernel == DEFAULT_DECODE_KERNEL:
-        del qconfig["decode_kernel"]  # the default, as edge.engine_config writes it
+        del qconfig["decode_kernel"]  # the default, as edge.plan.engine_config writes it
     return {**config, "quantization_config": qconfig}
 
 
 def quality_record(report: QualityReport, qconfig: dict[str, Any] | None) -> dict[str, Any]:
-    """The report as an edge.quality.QualityRecord: the source's directory name (a GGUF's file name without
-    .gguf) is the model's name, as edge.model_reader names the model; the key is quality_key(path, config)."""
-    from edge.quality import EVALUATOR_REVISION, QualityRecord, quality_key
+    """The report as an edge.measure.quality.QualityRecord: the source's directory name (a GGUF's file name without
+    .gguf) is the model's name, as edge.model.reader names the model; the key is quality_key(path, config)."""
+    from edge.measure.quality import EVALUATOR_REVISION, QualityRecord, quality_key
 
     m = report.metrics
     source = Path(report.source)
@@ -266,7 +266,7 @@ def gguf_reference(source: Path) -> Path:
     """The reference a candidate is scored against: SOURCE itself, or for a GGUF its weights dequantized from the
     file to bf16 (edge-convert's bf16 path, into the cache's converted/), as the default model's bf16 directory is
     its GGUF's weights dequantized."""
-    from edge.model_reader import is_gguf
+    from edge.model.reader import is_gguf
 
     if not is_gguf(source):
         return source
@@ -280,7 +280,7 @@ def apply_plan(source: Path, plan_file: Path) -> Path:
     """The checkpoint a plan makes of SOURCE: converted by kernels.convert.convert into the cache's converted/ (the
     place edge-serve uses, edge.paths.converted_dir), or SOURCE itself for a bf16 plan."""
     from edge.paths import converted_dir
-    from edge.plan_file import load_plan
+    from edge.plan.plan_file import load_plan
     from kernels.convert.convert import convert
 
     plan = load_plan(plan_file)

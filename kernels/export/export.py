@@ -40,9 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge.cpuinfo import host_model_name
+from edge.device.cpuinfo import host_model_name
 from edge.errors import InputError
-from edge.export_plan import FORMAT, RUNTIME, WEIGHT_BITS, WEIGHT_BLOCK
+from edge.formats.export import FORMAT, RUNTIME, WEIGHT_BITS, WEIGHT_BLOCK
 from kernels.source.checkpoint import make_readable, read_manifest, sha256_file, write_manifest
 
 EXPORTER_VERSION = "2"  # 2: genai_config.json, the families, float16 activations
@@ -59,8 +59,8 @@ def resolve_model(model: str) -> Path:
     """MODEL as a directory; `default` or the default model's name builds/finds the embedded model; a Hugging Face
     repo id is its snapshot in the local cache; a .gguf is its bf16 dequantization, which edge-convert writes
     into the cache's converted/ (reused while up to date), as edge-serve and edge-eval make it."""
-    from edge.model_reader import is_gguf
-    from edge.model_reader import resolve_model as resolve_source
+    from edge.model.reader import is_gguf
+    from edge.model.reader import resolve_model as resolve_source
     from kernels.source.default_model import MODEL_NAME, ensure_default_model
 
     if model in ("default", MODEL_NAME) and not Path(model).is_dir():
@@ -255,7 +255,7 @@ def _verify(src: Path, bundle: Path, tokens: int, threads: int | None, log, acti
 
 
 def main(argv: list[str] | None = None) -> int:
-    from edge.plan_file import load_plan
+    from edge.plan.plan_file import load_plan
 
     parser = argparse.ArgumentParser(
         prog="edge-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

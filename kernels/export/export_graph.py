@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from edge.export_plan import WEIGHT_BLOCK
+from edge.formats.export import WEIGHT_BLOCK
 
 BLOCK_SIZE = WEIGHT_BLOCK  # 64: divides SmolLM2's K = 576 and 1536
 OPSET = 17  # the TorchScript exporter's graph; converted to QDQ_OPSET when quantized

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from edge.kernel_registry import KERNELS
+from edge.catalog.kernel_registry import KERNELS
+from edge.formats.tinygemm import TINYGEMM
 from edge.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,7 @@ EXTENSION = "edge_avx2_int4"
 OP_NAMESPACE = "edge_avx2"
 GROUP_SIZES = (32, 64, 128)
 # activation bits -> the op, from the registry's AVX2 int4 kernels (edge_avx2::w4a16_linear, edge_avx2::w4a8_linear)
-ACT_BITS = {spec.activation_bits: spec.op.split("::")[1] for spec in KERNELS.values()
-            if spec.weight_format == "int4-rowmajor"}  # fmt: skip
+ACT_BITS = {spec.activation_bits: spec.op.split("::")[1] for spec in TINYGEMM.row_major_kernels()}
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # -fopenmp: at::parallel_for's OpenMP backend
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch has already loaded

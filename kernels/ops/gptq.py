@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from edge.catalog.shape_rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
 from edge.errors import InputError
-from edge.rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
 from kernels.ops.scale_search import absmax_scales, quantize_groups, search_scales
 
-GROUP_SIZES = GPTQ_GROUP_SIZES  # vLLM marlin_utils.MARLIN_SUPPORTED_GROUP_SIZES, also used on CPU (edge.rules)
+GROUP_SIZES = GPTQ_GROUP_SIZES  # vLLM marlin_utils.MARLIN_SUPPORTED_GROUP_SIZES, also on CPU (edge.catalog)
 SIZE_MULTIPLE = GPTQ_PARTITION_MULTIPLE  # vLLM CPUWNA16LinearKernel.can_implement: partition sizes % 32 == 0
 PACK = 8  # 4-bit codes per int32
 STORED_ZERO = 7  # classic GPTQ stores zero - 1; the type's zero is 8 (uint4b8)

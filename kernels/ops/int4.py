@@ -23,10 +23,10 @@ import sys
 
 import torch
 
+from edge.catalog.shape_rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
 from edge.errors import InputError
-from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
 
-# What tinygemm accepts: group sizes and N's multiple (edge.rules owns them: the planner asks the same).
+# What tinygemm accepts: group sizes and N's multiple (edge.catalog.shape_rules owns them: the planner asks the same).
 GROUP_SIZES = TINYGEMM_GROUP_SIZES
 N_MULTIPLE = PACK_N_MULTIPLE
 ZERO_CODE = 8  # the code that dequantizes to `zero`

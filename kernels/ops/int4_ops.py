@@ -47,7 +47,7 @@ def int4_linear_impl(
     qweight uint8 [N, K/2] row-major + scales, zeros [N, K/g] in DUAL mode or with avx2_rows > 0, else empty.
 
     fp32_prefill: the wide-batch GEMM runs in fp32 instead of bf16 (the plan's prefill_dtype,
-    edge.kernel_params; a keyword with a default so the op's schema stays readable).
+    edge.measure.kernel_params; a keyword with a default so the op's schema stays readable).
     avx2_rows: batches of up to this many rows run the AVX2 int4 kernel on the row-major copy
     (quantization_config's decode_kernel "avx2" or "avx2-w4a8", kernels/ops/avx2_int4.py); 0: never.
     avx2_bits: that kernel's activations, 16 (int16) or 8 (int8)."""

@@ -26,22 +26,12 @@ from __future__ import annotations
 import torch
 
 from edge.errors import InputError
+from edge.formats.int8 import INT8
 
 MAX_CODE = 127
 CHUNK_ROWS = 4096  # quantize in slices of output channels: the fp32 temporaries stay per chunk
-# Per-group int8's group sizes: a GGUF's Q8_0 / Q5_0 / Q4_0 blocks (32) and Q6_K's sub-blocks (16); the AVX2 int8
-# kernel rounds activations in groups of 32, which either divides (kernels/ops/avx2_int4.cpp).
-GROUP_SIZES = (16, 32)
-
-
-def check_group(group: int | None, k: int | None = None, *, name: str = "int8_group_size") -> None:
-    """None (per channel) or one of GROUP_SIZES, dividing K when K is given."""
-    if group is None:
-        return
-    if group not in GROUP_SIZES:
-        raise InputError(name, group, f"one of {GROUP_SIZES} (or absent: one scale per output channel)")
-    if k is not None and k % group:
-        raise InputError(name, group, f"a divisor of K={k}")
+GROUP_SIZES = INT8.group_sizes  # the format's (edge.formats.int8)
+check_group = INT8.check_group
 
 
 def quantize_int8(w: torch.Tensor, *, name: str = "w", group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ transient = VmHWM growth beyond the returned tensors, glibc forced to mmap every
     whole               543     236     119.8              1280     424     190.8
 
 Time does not depend on the chunk here (CPU within 229-255 and 412-434 ms, noise), the transient grows with
-it, so the default is the smallest chunk without a per-call cost: 512 rows (edge.kernel_params). The reference
+it, so the default is the smallest chunk without a per-call cost: 512 rows (edge.measure.kernel_params). The reference
 study (AMX, 24-32 threads, docs/FACTS.md) found 2048 fastest (79 vs 208 ms whole): with many threads a chunk
 must hold enough blocks for torch's parallel_for over them, so AMX hosts take 2048.
 """
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from edge import kernel_params
 from edge.errors import InputError
+from edge.measure import kernel_params
 from kernels.ops.int4 import apply_scales, check_group, check_params, unpack_nibbles
 from kernels.ops.layout import TinygemmLayout, host_layout, unpack_codes
 
@@ -65,7 +65,7 @@ def to_tinygemm(
     n, half_k = qweight.shape
     check_params((n, 2 * half_k), scales, zeros, group, name)
     block = host_layout().block
-    if chunk_rows is None:  # edge.kernel_params owns the default (a checkpoint's config names its own)
+    if chunk_rows is None:  # edge.measure.kernel_params owns the default (a checkpoint's config names its own)
         chunk_rows = kernel_params.repack_chunk_rows(amx=torch.cpu._is_amx_tile_supported(), block=block)
     if chunk_rows <= 0 or chunk_rows % block:
         raise InputError("chunk_rows", chunk_rows, f"a positive multiple of this host's tinygemm block {block}")

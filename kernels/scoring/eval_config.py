@@ -9,13 +9,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from edge.catalog.weight_paths import METHODS
 from edge.errors import InputError
-from edge.weight_paths import METHODS
 
 # config.json fields that fix the tensor shapes; a candidate must match its source on each it has.
 SHAPE_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size")  # fmt: skip
-QUANT_METHODS = tuple(METHODS)  # every checkpoint method (edge.weight_paths), each with its installer
+QUANT_METHODS = tuple(METHODS)  # every checkpoint method (edge.catalog.weight_paths), each with its installer
 
 
 def read_config(directory: Path, field_name: str) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.errors import InputError
-from edge.kernel_registry import DEFAULT_DECODE_KERNEL
 from kernels.ops import avx2_int4
 from kernels.ops.int4_ops import (
     DIRECT,

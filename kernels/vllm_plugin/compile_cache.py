@@ -83,8 +83,8 @@ def install() -> bool:
 
 # Environment variables vLLM 0.28 hashes into its compile-cache key (envs.compile_factors: every known variable
 # but an ignore list) that cannot change a compiled graph. The supervisor gives each engine start a fresh random
-# VLLM_API_KEY (server/supervisor.py), so with it in the key every start recompiled (67 s for the default model on
-# the Zen 5 host, 2026-12-01, instead of loading the cache).
+# VLLM_API_KEY (server/supervisor/supervisor.py), so with it in the key every start recompiled (67 s for the default
+# model on the Zen 5 host, 2026-12-01, instead of loading the cache).
 NOT_COMPILE_FACTORS = ("VLLM_API_KEY",)
 _FACTORS_MARK = "_edge_select_factors_fix"
 

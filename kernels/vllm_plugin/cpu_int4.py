@@ -16,7 +16,7 @@ Layouts:
 The 8-bit set (`int8`: the embedding and the head in every plan, kernels/ops/int8.py) loads `<prefix>.qweight` int8
 [N, K] and `.scales`: bf16 [N] (PyTorch's int8 weight-only GEMM), or with `int8_group_size` g float32 [N, K/g] (a
 GGUF's own 8-bit grids, on the AVX2 int8 kernel; PyTorch's takes one scale per channel only). Which weights are
-int4, int8 or bf16 is asked of edge.quantized_layers, as the plan's ledger and the converter ask it.
+int4, int8 or bf16 is asked of edge.catalog.quantized_layers, as the plan's ledger and the converter ask it.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
-from edge import kernel_params
+from edge.catalog.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL, decode_rows
+from edge.catalog.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
+from edge.catalog.shape_rules import PACK_N_MULTIPLE
+from edge.catalog.weight_paths import METHODS
 from edge.errors import InputError
-from edge.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL, decode_rows, reads_row_major
-from edge.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
-from edge.rules import PACK_N_MULTIPLE, TINYGEMM_GROUP_SIZES
-from edge.weight_paths import METHODS
+from edge.formats.tinygemm import TINYGEMM
+from edge.measure import kernel_params
 from kernels.ops.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear, int8_embedding, int8_linear
 from kernels.ops.int8 import check_group as check_int8_group
 from kernels.ops.layout import host_layout
@@ -54,7 +55,7 @@ LAYOUTS: dict[str, dict[str, bool]] = {
 
 
 def host_params() -> kernel_params.KernelParams:
-    """edge.kernel_params' answer for the torch running here (used where a checkpoint does not say)."""
+    """edge.measure.kernel_params' answer for the torch running here (used where a checkpoint does not say)."""
     amx = torch.cpu._is_amx_tile_supported()
     return kernel_params.params(
         capability=torch.backends.cpu.get_cpu_capability(),
@@ -124,7 +125,7 @@ def empty_param(dtype: torch.dtype) -> Parameter:
 
 class PluginConfig(QuantizationConfig):
     """What the plugin's configs share: bf16 activations, the config in config.json, the layer rules of
-    edge.quantized_layers for their path, and the method each weight's format gets. A subclass names its PATH
+    edge.catalog.quantized_layers for their path, and the method each weight's format gets. A subclass names its PATH
     and its methods per format (`_methods`: "linear" and "embedding", keyed by int4/int8; bf16 is vLLM's own)."""
 
     PATH = ""
@@ -149,7 +150,8 @@ class PluginConfig(QuantizationConfig):
 
     @property
     def rules(self) -> QuantRules:
-        """edge.quantized_layers' rules for this config: the same answer the plan's ledger and the converter got."""
+        """edge.catalog.quantized_layers' rules for this config: the same answer the plan's ledger and the converter
+        got."""
         return QuantRules.from_config(self.PATH, self.to_dict(), tied=self.tied_embeddings)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
@@ -196,11 +198,8 @@ class CpuInt4Config(PluginConfig):
         int8_group_size: int | None = None,
     ) -> None:
         super().__init__()
-        check_int8_group(int8_group_size, name="int8_group_size")
-        if group_size not in TINYGEMM_GROUP_SIZES:
-            raise InputError("group_size", group_size, f"one of {TINYGEMM_GROUP_SIZES} (tinygemm's group sizes)")
-        if dequant_threshold is not None and dequant_threshold < 1:
-            raise InputError("dequant_threshold", dequant_threshold, "a row count >= 1")
+        TINYGEMM.check_method_config(group_size=group_size, dequant_threshold=dequant_threshold,
+                                     int8_group_size=int8_group_size)  # fmt: skip
         if prefill_dtype is not None and prefill_dtype not in kernel_params.PREFILL_DTYPES:
             raise InputError("prefill_dtype", prefill_dtype, f"one of {kernel_params.PREFILL_DTYPES}")
         if decode_kernel not in DECODE_KERNELS:
@@ -228,7 +227,7 @@ class CpuInt4Config(PluginConfig):
         self.decode_kernel = decode_kernel
         # Rows that take the AVX2 kernel; 0 (tinygemm) when it was not asked for or cannot run here (no compiler,
         # no AVX2/FMA: kernels/avx2_int4.available() logs why).
-        avx2 = reads_row_major(decode_kernel) and _avx2_available()
+        avx2 = TINYGEMM.reads_row_major(decode_kernel) and _avx2_available()
         self.avx2_rows = decode_rows(decode_kernel) if avx2 else 0
         self.avx2_bits = DECODE_KERNELS[decode_kernel].activation_bits or 16  # its activations: int16 or int8
         self.int8_group_size = int8_group_size
@@ -297,7 +296,7 @@ class CpuInt4Config(PluginConfig):
     def get_name(self) -> str:
         return NAME
 
-    PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.weight_paths)
+    PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.catalog.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
         return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod},

@@ -14,8 +14,8 @@ Reads the symmetric GPTQ checkpoint kernels/convert/convert.py writes for `w4a8-
 repacked along N in AWQ's order, a zero point of 8 for every group (the checkpoint's qzeros are not read), then
 `convert_weight_packed_scale_zp` into the op's blocked layout (32 output channels a block). The 8-bit set
 (`int8`: the embedding and the head) runs kernels.vllm_plugin.cpu_int4's int8 methods; which weights are int4, int8 or
-bf16 is asked of edge.quantized_layers, as the plan's ledger and the converter ask it. Every field comes from the
-checkpoint's `quantization_config`, which vLLM hashes into its compile-cache key.
+bf16 is asked of edge.catalog.quantized_layers, as the plan's ledger and the converter ask it. Every field comes from
+the checkpoint's `quantization_config`, which vLLM hashes into its compile-cache key.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization import register_quantization_config
 
+from edge.catalog.quantized_layers import EIGHT_BIT_SET
+from edge.catalog.shape_rules import GPTQ_PARTITION_MULTIPLE
+from edge.catalog.weight_paths import METHODS
 from edge.errors import InputError
-from edge.quantized_layers import EIGHT_BIT_SET
-from edge.rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
-from edge.weight_paths import METHODS
-from kernels.ops.int8 import check_group as check_int8_group
+from edge.formats.gptq import GPTQ
 from kernels.vllm_plugin.cpu_int4 import (
     CpuInt8EmbeddingMethod,
     CpuInt8LinearMethod,
@@ -126,7 +126,7 @@ def quantization_config(
     *, group_size: int = 64, int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
     ignore: list[str] | None = None, dequant_threshold: int | None = None, int8_group_size: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The `quantization_config` a plan writes for w4a8-gptq (edge.engine_config), for tests and
+    """The `quantization_config` a plan writes for w4a8-gptq (edge.plan.engine_config), for tests and
     benchmarks; `int8=()` leaves the embedding and the head bf16."""
     return {
         "quant_method": NAME,
@@ -156,11 +156,8 @@ class CpuW4A8Config(PluginConfig):
         int8_group_size: int | None = None,
     ) -> None:
         super().__init__()
-        check_int8_group(int8_group_size, name="int8_group_size")
-        if group_size not in GPTQ_GROUP_SIZES:
-            raise InputError("group_size", group_size, f"one of {GPTQ_GROUP_SIZES} (vLLM 0.28 GPTQ on CPU)")
-        if dequant_threshold is not None and dequant_threshold < 1:
-            raise InputError("dequant_threshold", dequant_threshold, "a row count >= 1")
+        GPTQ.check_method_config(group_size=group_size, dequant_threshold=dequant_threshold,
+                                 int8_group_size=int8_group_size)  # fmt: skip
         self.group_size = group_size
         # the 8-bit set's switch from PyTorch's int8 GEMM to dequantize + bf16 (kernels.ops.int4_ops.cpu_int8_linear)
         self.dequant_threshold = host_params().dequant_threshold if dequant_threshold is None else dequant_threshold
@@ -195,10 +192,10 @@ class CpuW4A8Config(PluginConfig):
     def get_name(self) -> str:
         return NAME
 
-    PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.weight_paths)
+    PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.catalog.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
-        # the embedding and the head stay int8 or bf16 (edge.quantized_layers: never 4-bit on this path)
+        # the embedding and the head stay int8 or bf16 (edge.catalog.quantized_layers: never 4-bit on this path)
         return {"linear": {"int4": CpuW4A8LinearMethod, "int8": CpuInt8LinearMethod},
                 "embedding": {"int8": CpuInt8EmbeddingMethod}}  # fmt: skip
 

@@ -4,7 +4,7 @@ arguments are known.
 A warm start of the default model spends ~8 s of its ~14 s importing vLLM's OpenAI server
 (`python -X importtime`, 2026-12-03, 2 cores of an AMD EPYC Zen 5), and edge-serve needs ~1.8 s of its own
 (imports, probe, plan, the converter's up-to-date check) before it knows the engine's command. edge-serve starts
-this module first (server/early_engine.py), in the environment the engine will have, and plans while it imports.
+this module first (server/supervisor/early.py), in the environment the engine will have, and plans while it imports.
 
 Then it reads one JSON line on its standard input, {"argv": [...], "env": {...}}: the server's arguments (the
 model, the socket) and what the environment lacked at import (the engine's per-start key). It runs the server

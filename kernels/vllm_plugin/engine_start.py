@@ -4,10 +4,11 @@ this plugin) instead of importing them again, about 9 s of each start on a 2-cor
 vLLM 0.28's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn unconditionally in
 `CpuPlatform.check_and_update_config` (platforms/cpu.py), for its `mp` executor's workers, which bind OpenMP threads
 to cores and must not inherit a parent's OpenMP state. In two-process mode there is no such worker: the engine core
-runs the model itself (uni executor) with the thread count the plan gives it (OMP_NUM_THREADS, edge/engine_config.py).
-vLLM's default start method elsewhere is fork, and its engine core is built to be forked from the API server.
+runs the model itself (uni executor) with the thread count the plan gives it (OMP_NUM_THREADS,
+edge/plan/engine_config.py). vLLM's default start method elsewhere is fork, and its engine core is built to be forked
+from the API server.
 
-Asked for by EDGE_ENGINE_CORE_START=fork (edge/engine_config.py sets it for every two-process engine); without it
+Asked for by EDGE_ENGINE_CORE_START=fork (edge/plan/engine_config.py sets it for every two-process engine); without it
 this changes nothing. After the platform's check, the wrapper puts `fork` back; vLLM's own reasons to force spawn
 (`_maybe_force_spawn`: CUDA or XPU initialized, Ray, WSL, --numa-bind) still override it when the core starts.
 

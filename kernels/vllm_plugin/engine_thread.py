@@ -5,7 +5,7 @@ vLLM 0.28's OpenAI server runs `AsyncLLM`, and `AsyncLLM` always starts its engi
 `AsyncLLM.__init__` calls `make_async_mp_client` directly). That process imports torch and vLLM a second time
 (or shares the API server's pages copy-on-write after a fork), and every step's outputs cross ZMQ as msgpack.
 
-Asked for by EDGE_ENGINE_CORE_START=thread (edge/engine_config.py, serving mode `one-process`), the plugin replaces
+Asked for by EDGE_ENGINE_CORE_START=thread (edge/plan/engine_config.py, serving mode `one-process`), the plugin replaces
 `make_async_mp_client` with `ThreadEngineClient`: vLLM's own `EngineCore` (the class its offline `LLM` runs
 in-process through `InprocClient`, and `EngineCoreProc` extends) built and stepped in one thread of this process.
 Requests reach it through a queue; its outputs come back to the event loop through `call_soon_threadsafe`. Everything

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from edge.calibration import parse
+from edge.device.calibration import parse
 from edge.errors import InputError
 from server.planning import LocatedInputError
 from server.schemas import CalibrationStored, CalibrationSummary
@@ -40,7 +40,7 @@ def post_calibration(
     body: Annotated[
         dict[str, Any],
         Body(
-            description="A calibration record as `edge-calibrate --json` prints it (edge.calibration."
+            description="A calibration record as `edge-calibrate --json` prints it (edge.device.calibration."
             "CalibrationRecord). /plan for a device of its CPU then ranks from its kernel times."
         ),
     ],
@@ -94,6 +94,6 @@ def delete_calibration(
 
 
 def _record_loc(field: str) -> list[str | int]:
-    """'calibration.kernels.0.status' (edge.calibration.parse's field) -> ['body', 'kernels', 0, 'status']."""
+    """'calibration.kernels.0.status' (edge.device.calibration.parse's field) -> ['body', 'kernels', 0, 'status']."""
     parts = field.split(".")[1:]
     return ["body", *(int(part) if part.isdigit() else part for part in parts)]

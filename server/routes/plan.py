@@ -13,14 +13,13 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from edge.calibration import best_match
-from edge.device import DeviceProfile
+from edge.device.probe import probe
+from edge.device.profile import DeviceProfile
 from edge.errors import InputError
-from edge.model_reader import default_model
-from edge.plan import Plan, Priority
-from edge.planner import make_plan
-from edge.probe import probe
-from edge.quality import cached_records
+from edge.measure.quality import cached_records
+from edge.model.reader import default_model
+from edge.plan.inputs import gather
+from edge.plan.schema import Plan, Priority
 from server import planning
 from server.calibrations import CalibrationStore
 from server.errors import input_error_response
@@ -62,8 +61,8 @@ def get_plan(
         return state.plan
     with state.metrics.planning("GET /plan"):
         device, model = probe(), default_model()
-        calibration = best_match(planning.calibration_records(state.calibrations, [device]), device, model.name)
-        return make_plan(device, model, priority=priority, quality=cached_records(), calibration=calibration)
+        calibrations = planning.calibration_records(state.calibrations, [device])
+        return gather(device, model, calibrations=calibrations).plan(priority=priority)
 
 
 @probe_router.get("/probe", response_model=DeviceProfile, tags=["plan"], summary="This host's device profile")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from edge.describe import load_device, parse_size
+from edge.device.describe import load_device, parse_size
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
 

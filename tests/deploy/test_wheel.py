@@ -40,8 +40,8 @@ PROBE = """
 import json, sys
 import torch
 import edge, kernels.ops.avx2_int4 as avx2
-from edge.model_reader import default_model
-from edge.quality import shipped_records
+from edge.model.reader import default_model
+from edge.measure.quality import shipped_records
 from kernels.ops.int4 import dequantize, quantize_packed
 
 n, k, group, m = map(int, sys.argv[1:])

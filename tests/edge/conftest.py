@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from edge.cpuinfo import parse_cpuinfo
-from edge.device import DeviceProfile
-from edge.model_reader import default_model, read_model
-from edge.shapes import ModelShape
+from edge.device.cpuinfo import parse_cpuinfo
+from edge.device.profile import DeviceProfile
+from edge.model.reader import default_model, read_model
+from edge.model.shapes import ModelShape
 
 DATA = Path(__file__).parent / "data"
 GIB = 2**30

@@ -18,12 +18,12 @@ import pytest
 
 from edge import sizes
 from edge.bounds import MAX_DIMENSIONS, MAX_LABELS, MAX_LINE_CHARS, MAX_LSCPU_ENTRIES, check_finite_numbers
-from edge.cpuinfo import parse_cpuinfo, parse_meminfo
+from edge.device.cpuinfo import parse_cpuinfo, parse_meminfo
+from edge.device.lscpu import parse_lscpu
+from edge.device.nfd import parse_nfd_labels
 from edge.errors import InputError
-from edge.gguf_metadata import header_from_json
-from edge.lscpu import parse_lscpu
-from edge.model_reader import read_gguf_header, read_model_config
-from edge.nfd import parse_nfd_labels
+from edge.model.gguf_metadata import header_from_json
+from edge.model.reader import read_gguf_header, read_model_config
 from edge.sizes import parse_size
 from tests.edge.conftest import DATA
 
@@ -190,7 +190,7 @@ def test_a_capacity_of_a_million_cpus_is_refused_naming_it():
 
 
 def test_a_million_layers_is_refused_naming_the_field_before_any_per_layer_list_is_built():
-    """10^6 layers took 28 s per plan (a per-layer KV list in edge.rules)."""
+    """10^6 layers took 28 s per plan (a per-layer KV list in edge.catalog.shape_rules)."""
     with pytest.raises(InputError) as refused:
         read_model_config({**SMOLLM2, "num_hidden_layers": 10**6}, "huge")
     assert refused.value.field == "config.json: num_hidden_layers" and refused.value.value == 10**6
@@ -282,7 +282,7 @@ def test_a_size_past_one_exbibyte_is_refused_naming_the_field(size):
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_a_device_file_with_a_non_finite_number_is_an_input_error_naming_it(tmp_path, number):
     """edge-select --device FILE: Python's json reads these; the CLI path refuses them as the server does."""
-    from edge.describe import load_device_file
+    from edge.device.describe import load_device_file
 
     path = tmp_path / "device.json"
     path.write_text('{"cpu_model": "x", "cores": 2, "memory_bytes": NUMBER}'.replace("NUMBER", number))

@@ -1,5 +1,5 @@
-"""The AVX2 int4 decode kernels as a plan's choice: edge.cost.faster_decode, the quantization_config field
-edge.kernel_params owns (`decode_kernel`), the ledger's row-major copies the kernels read, and the speed plan's
+"""The AVX2 int4 decode kernels as a plan's choice: edge.measure.cost.faster_decode, the quantization_config field
+edge.measure.kernel_params owns (`decode_kernel`), the ledger's row-major copies the kernels read, and the speed plan's
 int8-activation kernel, taken only where an edge-eval record of the model shows the quality floor holds."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from edge.calibration import CalibrationRecord, KernelResult, KernelTime
-from edge.cost import faster_decode
-from edge.planner import make_plan
-from edge.quality import QualityRecord, quality_key
+from edge.device.calibration import CalibrationRecord, KernelResult, KernelTime
+from edge.measure.cost import faster_decode
+from edge.measure.quality import QualityRecord, quality_key
+from edge.plan.planner import make_plan
 
 DATA = Path(__file__).parent / "data"
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -69,7 +69,7 @@ def test_the_cost_model_counts_decode_steps_at_the_avx2_kernels_times_when_the_p
 def test_with_an_avx2_decode_kernel_the_8_bit_head_decodes_on_the_avx2_int8_kernel():
     """The head (int8 per channel, K % 32 == 0) at its timed AVX2 times; a record without that kernel counts it at
     PyTorch's int8 times and says so; tinygemm decode keeps PyTorch's kernel."""
-    from edge.cost import HEAD, EngineLinear, request_cost
+    from edge.measure.cost import HEAD, EngineLinear, request_cost
 
     linears = [EngineLinear("model.layers.0.mlp.down_proj", 576, 1536, 30, "int4"),
                EngineLinear(HEAD, 49152, 576, 1, "int8")]

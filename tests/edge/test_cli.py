@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.plan import Plan
+from edge.plan.schema import Plan
 
 DATA = Path(__file__).parent / "data"
 
@@ -138,7 +138,7 @@ def test_a_quality_record_in_the_cache_reaches_the_plan(tmp_path, device):
     """edge-eval writes records under the cache's quality/ (kernels/evaluate/evaluate.py); edge-select reads them. A
     record over the floor moves the plan off the measured configuration: to another path or layout, or, on an AVX2 CPU,
     to another decode kernel (`avx2-w4a8` -> `avx2`), whichever this device's ranking offers next."""
-    from edge.quality import QualityRecord, quality_key
+    from edge.measure.quality import QualityRecord, quality_key
 
     plan = Plan.model_validate_json(edge_select("--json", *device).stdout)
     record = QualityRecord(

@@ -1,4 +1,4 @@
-"""The cost model (edge.cost), the kernel registry and calibration records, against hand-computed cases.
+"""The cost model (edge.measure.cost), the kernel registry and calibration records, against hand-computed cases.
 
 `data/calibration_epyc_avx2.json` holds the AVX2 host's measured GEMM medians (benchmarks/dequant_paths.py's
 table, 2026-11-29: 2-core AMD EPYC, AVX2 only, torch 2.13.0, 1 thread, the mean of two runs) as a record.
@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from edge.calibration import (
+from edge.catalog.kernel_registry import KERNELS, kernels_for
+from edge.catalog.quantized_layers import model_layers, rules_for
+from edge.device.calibration import (
     CalibrationRecord,
     KernelResult,
     KernelTime,
@@ -21,7 +23,8 @@ from edge.calibration import (
     parse,
     record_path,
 )
-from edge.cost import (
+from edge.errors import InputError
+from edge.measure.cost import (
     NEW_TOKENS,
     EngineLinear,
     Unmeasured,
@@ -30,10 +33,7 @@ from edge.cost import (
     measured_threshold,
     request_cost,
 )
-from edge.errors import InputError
-from edge.kernel_registry import KERNELS, kernels_for
-from edge.planner import make_plan
-from edge.quantized_layers import model_layers, rules_for
+from edge.plan.planner import make_plan
 
 DATA = Path(__file__).parent / "data"
 
@@ -225,8 +225,8 @@ def test_the_avx2_record_has_no_w4a8_kernel_and_no_plan_ranks_it(avx2_record, av
 
 
 def test_a_records_thread_scaling_keeps_one_thread_unless_all_cores_pay_for_the_front_ends_core(zen5_record):
-    from edge.calibration import ThreadTime
-    from edge.cost import thread_choice
+    from edge.device.calibration import ThreadTime
+    from edge.measure.cost import thread_choice
 
     assert thread_choice(zen5_record, "tinygemm", 2).threads == 1  # 2 threads were slower on the shared box
     fast = zen5_record.model_copy(update={"thread_scaling": [ThreadTime(threads=1, kernel="tinygemm", ms=4.0),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.cpuinfo import cpu_flags, parse_cpuinfo, parse_meminfo
+from edge.device.cpuinfo import cpu_flags, parse_cpuinfo, parse_meminfo
 from edge.errors import InputError
 
 DATA = Path(__file__).parent / "data"

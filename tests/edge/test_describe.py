@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from edge.describe import load_device, parse_device_json, parse_size
-from edge.device import DeviceProfile
+from edge.device.describe import load_device, parse_device_json, parse_size
+from edge.device.profile import DeviceProfile
 from edge.errors import InputError
 
 DATA = Path(__file__).parent / "data"

@@ -1,4 +1,4 @@
-"""A GGUF header as the model's config (edge.gguf_metadata), the model reader's other inputs (a .gguf file, a repo
+"""A GGUF header as the model's config (edge.model.gguf_metadata), the model reader's other inputs (a .gguf file, a repo
 id in the local Hugging Face cache, a Gemma 3 config without `architectures`), checked against the real default
 model's GGUF and its real config.json, and against transformers' own GGUF loader where it is installed."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from edge.errors import InputError
-from edge.gguf_metadata import header_from_json, hf_config, read_header, source_grid, tensor_types
-from edge.model_reader import default_model, read_model, read_model_config, resolve_model
+from edge.model.gguf_metadata import header_from_json, hf_config, read_header, source_grid, tensor_types
+from edge.model.reader import default_model, read_model, read_model_config, resolve_model
 
 
 def default_gguf():
@@ -191,9 +191,9 @@ def _mixed_header(layers: int, types: dict[str, list[str]], default: str = "Q4_K
 
 
 def _mixed_plan(body: dict, priority: str = "speed"):
-    from edge.describe import load_device_file
-    from edge.model_reader import read_gguf_header
-    from edge.planner import make_plan
+    from edge.device.describe import load_device_file
+    from edge.model.reader import read_gguf_header
+    from edge.plan.planner import make_plan
 
     device = load_device_file(str(Path(__file__).parent / "data" / "cpuinfo_host_epyc_avx2.txt"))
     model = read_gguf_header(header_from_json(body), "qwen3-q4km")
@@ -209,7 +209,7 @@ def _int8_bytes(n: int, k: int) -> int:
 
 
 def test_the_file_says_which_layers_of_a_kind_hold_which_type():
-    from edge.gguf_metadata import source_layers, source_types
+    from edge.model.gguf_metadata import source_layers, source_types
 
     header = header_from_json(_mixed_header(4, {"attn_v": ["Q6_K", "Q4_K", "Q4_K", "Q4_K"]}))
     assert source_types(header)["v_proj"] == {"Q4_K": 3, "Q6_K": 1}
@@ -222,7 +222,7 @@ def test_a_layer_index_that_is_no_layer_of_the_model_is_refused_naming_the_tenso
     body = _mixed_header(4, {})
     body["tensors"].append({"name": f"blk.{index}.attn_v.weight", "type": "Q4_K", "shape": [1024, 1024]})
     with pytest.raises(InputError) as refused:
-        from edge.model_reader import read_gguf_header
+        from edge.model.reader import read_gguf_header
 
         read_gguf_header(header_from_json(body), "odd")
     assert refused.value.field == f"gguf tensor blk.{index}.attn_v.weight"
@@ -296,8 +296,8 @@ def test_the_8_bit_set_is_per_group_only_where_the_weights_come_from_a_gguf_and_
     scale per 32 weights (the default model's embedding is Q8_0); a Hugging Face checkpoint has no grid to keep
     and stays per channel, as does an ARM board, where no kernel runs per-group int8 (each decode step would
     dequantize the head)."""
-    from edge.describe import load_device_file
-    from edge.planner import make_plan
+    from edge.device.describe import load_device_file
+    from edge.plan.planner import make_plan
 
     data = Path(__file__).parent / "data"
     zen5 = load_device_file(str(data / "cpuinfo_epyc_zen5_avx512.txt"))

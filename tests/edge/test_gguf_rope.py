@@ -1,4 +1,4 @@
-"""A GGUF's RoPE scaling in the config edge-select writes from its header (edge.gguf_metadata.hf_config), checked
+"""A GGUF's RoPE scaling in the config edge-select writes from its header (edge.model.gguf_metadata.hf_config), checked
 against transformers' own RoPE functions: Llama 3's rope_freqs.weight, Phi-3's LongRoPE factors, the linear and
 YaRN metadata keys. The files are tiny (one layer) but carry the real models' rotary shapes and frequencies."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from edge.errors import InputError
-from edge.gguf_metadata import header_from_json, hf_config, read_header
-from edge.model_reader import read_model_config
+from edge.model.gguf_metadata import header_from_json, hf_config, read_header
+from edge.model.reader import read_model_config
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")

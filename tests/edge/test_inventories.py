@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from edge.describe import load_device, parse_device_json
+from edge.device.describe import load_device, parse_device_json
 from edge.errors import InputError
-from edge.model_reader import default_model
-from edge.planner import make_plan
+from edge.model.reader import default_model
+from edge.plan.planner import make_plan
 from tests.edge.conftest import DATA
 
 HOST = "inventory_host_epyc_zen5.json"

@@ -1,4 +1,4 @@
-"""edge.ledger: an itemized memory estimate whose numbers come from shapes."""
+"""edge.measure.ledger: an itemized memory estimate whose numbers come from shapes."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from edge import rules
-from edge.kernel_params import KernelParams
-from edge.ledger import estimate
-from edge.model_reader import default_model, read_model
-from edge.quantized_layers import QuantRules, rules_for
-from edge.shapes import LinearShape, ModelShape
+from edge.catalog import shape_rules as rules
+from edge.catalog.quantized_layers import QuantRules, rules_for
+from edge.measure.kernel_params import KernelParams
+from edge.measure.ledger import estimate
+from edge.model.reader import default_model, read_model
+from edge.model.shapes import LinearShape, ModelShape
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 BASELINE = 500 * 2**20
@@ -286,10 +286,10 @@ def test_a_tied_head_dequantizes_even_in_kernel_only_once_enough_sequences_decod
 
 
 def test_repack_retention_counts_the_bf16_linears_glibc_keeps_and_nothing_else():
-    """With a class's share (edge.planner.bf16_repack_retention), a bf16 plan books that share of its bf16 linears
+    """With a class's share (edge.plan.planner.bf16_repack_retention), a bf16 plan books that share of its bf16 linears
     of at most 32 MiB a tensor (glibc's largest mmap threshold: a bigger block is unmapped when freed); the
     embedding (a lookup, not repacked) and a quantized plan's int4/int8 weights are not counted; share 0 books none."""
-    from edge.ledger import MMAP_THRESHOLD_MAX
+    from edge.measure.ledger import MMAP_THRESHOLD_MAX
 
     small, big = default_model(), read_model(CONFIGS / "mistral-7b-v0.3.json")
 

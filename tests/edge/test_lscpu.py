@@ -20,11 +20,11 @@ import json
 
 import pytest
 
-from edge.describe import load_device
+from edge.device.describe import load_device
+from edge.device.lscpu import looks_like_lscpu, parse_lscpu
 from edge.errors import InputError
-from edge.lscpu import looks_like_lscpu, parse_lscpu
-from edge.model_reader import default_model
-from edge.planner import make_plan
+from edge.model.reader import default_model
+from edge.plan.planner import make_plan
 from tests.edge.conftest import DATA
 
 SAMPLES = [

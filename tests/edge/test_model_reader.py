@@ -1,4 +1,4 @@
-"""edge.model_reader: real config.json files in, every linear's (N, K) out."""
+"""edge.model.reader: real config.json files in, every linear's (N, K) out."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from edge.errors import InputError
-from edge.model_reader import DEFAULT_MODEL_NAME, default_model, read_model, read_model_config
+from edge.model.reader import DEFAULT_MODEL_NAME, default_model, read_model, read_model_config
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -224,7 +224,7 @@ def test_invalid_json_is_refused(tmp_path):
 
 def test_edge_modules_import_without_torch_or_vllm():
     code = (
-        "import sys, edge.model_reader, edge.rules, edge.ledger; "
+        "import sys, edge.model.reader, edge.catalog.shape_rules, edge.measure.ledger; "
         "bad = [m for m in ('torch', 'vllm', 'fastapi', 'server', 'kernels') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from edge.device.nfd import NFD_PREFIX, parse_nfd_labels
 from edge.errors import InputError
-from edge.nfd import NFD_PREFIX, parse_nfd_labels
 
 DATA = Path(__file__).parent / "data"
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from edge.calibration import CalibrationRecord, best_match
-from edge.describe import load_device_file
+from edge.device.calibration import CalibrationRecord, best_match
+from edge.device.describe import load_device_file
 from edge.errors import InputError
-from edge.model_reader import default_model, read_model
-from edge.planner import make_plan
-from edge.quality import shipped_records
+from edge.measure.quality import shipped_records
+from edge.model.reader import default_model, read_model
+from edge.plan.planner import make_plan
 
 DATA = Path(__file__).parent / "data"
 SNAPSHOTS = DATA / "plan_snapshots.json"

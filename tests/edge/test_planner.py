@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from edge.errors import InputError
-from edge.gates import all_gates
-from edge.kernel_params import for_device
-from edge.model_reader import read_model
-from edge.plan import SERVING_MODES, Plan
-from edge.planner import PlanRefused, make_plan
-from edge.quality import QualityRecord, quality_key
-from edge.rank import RankInput, rank, speed_options
+from edge.measure.kernel_params import for_device
+from edge.measure.quality import QualityRecord, quality_key
+from edge.measure.rank import RankInput, rank, speed_options
+from edge.model.reader import read_model
+from edge.plan.gates import all_gates
+from edge.plan.planner import PlanRefused, make_plan
+from edge.plan.schema import SERVING_MODES, Plan
 from tests.edge.conftest import DATA
 
 
@@ -57,7 +57,7 @@ def test_amx_speed_without_quality_records_takes_w4a8_through_the_plugins_cpu_w4
 def test_amx_w4a8_takes_the_weights_a_cpu_w4a8_record_measured_elsewhere(sapphire_rapids, zen5, smollm2):
     """The same config on AMX as on the AVX-512 host, so the record of one is the record of the other: the default
     model's shipped cpu_w4a8 record (mean KLD 0.40, measured on the Zen 5) keeps the AMX speed plan on w4a16."""
-    from edge.quality import quality_key, shipped_records
+    from edge.measure.quality import quality_key, shipped_records
 
     amx, avx512 = (make_plan(d, smollm2, path="w4a8-gptq") for d in (sapphire_rapids, zen5))
     def weights(config: dict) -> dict:  # the dequant threshold only moves time (timed per host)
@@ -252,7 +252,7 @@ def test_verified_only_where_measured_on_the_isa_class(graviton, smollm2, avx2_h
 
 
 def test_fidelity_on_4_bits_keeps_qkv_at_8_bits_for_a_plain_bf16_source(avx2_host, llama_1b):
-    """Measured: q/k/v are the most sensitive weights at 4 bits (edge.quantized_layers.SENSITIVE_SET)."""
+    """Measured: q/k/v are the most sensitive weights at 4 bits (edge.catalog.quantized_layers.SENSITIVE_SET)."""
     plain = llama_1b
     formats = {layer.name: layer.format for layer in make_plan(avx2_host, plain, priority="fidelity",
                                                                 path="w4a16-tinygemm").layers}  # fmt: skip
@@ -272,7 +272,7 @@ def test_an_avx512_bf16_host_is_ranked_on_its_own_measurements(zen5, smollm2):
     """Facts table: W4A8 (vLLM's int4_scaled_mm_cpu through cpu_w4a8) is fastest there, but the default model's
     shipped quality record (mean KLD 0.40) is over the speed floor, so the plan is w4a16 direct; without quality
     records it is W4A8."""
-    from edge.quality import shipped_records
+    from edge.measure.quality import shipped_records
 
     assert make_plan(zen5, smollm2).path == "w4a8-gptq"
     plan = make_plan(zen5, smollm2, quality=shipped_records())
@@ -296,7 +296,7 @@ def test_an_avx512_host_without_bf16_is_ranked_on_avx2s_fp32_numbers_and_says_so
 
 def _w4a8_record(device, status: str, reason: str | None = None):
     """A calibration record of `device` in which vLLM's W4A8 kernel has the given status."""
-    from edge.calibration import CalibrationRecord, KernelResult, KernelTime
+    from edge.device.calibration import CalibrationRecord, KernelResult, KernelTime
 
     times = [KernelTime(n=576, k=1536, m=1, ms=0.012)] if status == "ok" else []
     return CalibrationRecord(
@@ -379,7 +379,7 @@ def test_gemma_and_gemma_2_keep_the_embedding_and_head_bf16_which_vllms_classes_
 
 
 def test_gemma_3_takes_the_8_bit_embedding_and_head(zen5):
-    from edge.model_reader import read_model_config
+    from edge.model.reader import read_model_config
 
     model = read_model_config({"model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048,
                               "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -392,8 +392,8 @@ def test_gemma_3_takes_the_8_bit_embedding_and_head(zen5):
 def test_a_gemma_3_record_an_older_edge_eval_measured_is_read_as_none(zen5):
     """Issue 40: before revision 2 edge-eval's Gemma 3 candidate lost its embedding scale and measured a good
     4-bit plan as broken (KLD 12.55); such a record, still in a user's cache, must not refuse the path."""
-    from edge.model_reader import read_model_config
-    from edge.quality import EVALUATOR_REVISION, STALE_BELOW
+    from edge.measure.quality import EVALUATOR_REVISION, STALE_BELOW
+    from edge.model.reader import read_model_config
 
     model = read_model_config({"model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048,
                               "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
@@ -584,8 +584,8 @@ def test_a_q4_k_m_whose_rows_fall_back_keeps_its_q4_k_codes_and_takes_the_rest_a
     """Re-rounding this file's Q5_0 linears to 4 bits measured mean KLD 0.235 against the file, and with those
     int8 but down_proj's Q4_K rows re-rounded at group 64, 0.063, where llama.cpp serving the file measured 0.0044
     (docs/reports/2026-12-01-gguf-models.md): the plan keeps the file's own mixed grid, group 32 where it is Q4_K."""
-    from edge.gguf_metadata import header_from_json
-    from edge.model_reader import read_gguf_header
+    from edge.model.gguf_metadata import header_from_json
+    from edge.model.reader import read_gguf_header
 
     body, more_bits = _smollm2_q4_k_m()
     plan = make_plan(zen5, read_gguf_header(header_from_json(body), "smollm2-Q4_K_M"), path="w4a16-tinygemm")

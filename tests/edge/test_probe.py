@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from edge import layout_cache, runtime
-from edge.auxv import AT_HWCAP, AT_HWCAP2, arm64_features, read_auxv
-from edge.cgroup import cpu_quota, memory_limit
-from edge.cpuinfo import cpu_flags, parse_cpuinfo
-from edge.device import Fact
-from edge.probe import probe
+from edge.device import layout_cache, runtime
+from edge.device.auxv import AT_HWCAP, AT_HWCAP2, arm64_features, read_auxv
+from edge.device.cgroup import cpu_quota, memory_limit
+from edge.device.cpuinfo import cpu_flags, parse_cpuinfo
+from edge.device.probe import probe
+from edge.device.profile import Fact
 
 DATA = Path(__file__).parent / "data"
 HOST_TORCH = importlib.metadata.version("torch")
@@ -164,8 +164,8 @@ def _aten_override() -> dict[str, str]:
 
 def test_edge_never_imports_torch_or_vllm():
     code = (
-        "import sys, edge.probe, edge.describe, edge.nfd, edge.cpuinfo;"
-        "edge.probe.probe(measure_layout=False);"
+        "import sys, edge.device.probe, edge.device.describe, edge.device.nfd, edge.device.cpuinfo;"
+        "edge.device.probe.probe(measure_layout=False);"
         "print(sorted(m for m in ('torch', 'vllm', 'fastapi', 'server', 'kernels') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""edge.rules: the quantization and sizing rules, on real model shapes."""
+"""edge.catalog.shape_rules: the quantization and sizing rules, on real model shapes."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from edge import rules
+from edge.catalog import shape_rules as rules
 from edge.errors import InputError
-from edge.model_reader import default_model, read_model
-from edge.shapes import LinearShape
+from edge.model.reader import default_model, read_model
+from edge.model.shapes import LinearShape
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 

@@ -4,9 +4,9 @@ pinned, and a path the device cannot run is one line naming its layouts, not one
 from __future__ import annotations
 
 from edge.cli import render
-from edge.describe import load_device
-from edge.model_reader import default_model
-from edge.planner import make_plan
+from edge.device.describe import load_device
+from edge.model.reader import default_model
+from edge.plan.planner import make_plan
 from tests.edge.conftest import DATA
 
 

@@ -227,8 +227,8 @@ def test_the_c_plus_plus_front_op_has_a_fake_implementation():
 
 @needs_kernel
 def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name_is_refused():
+    from edge.catalog.kernel_registry import decode_rows
     from edge.errors import InputError
-    from edge.kernel_registry import decode_rows
     from kernels.vllm_plugin.cpu_int4 import CpuInt4Config, quantization_config
 
     config = CpuInt4Config.from_config(quantization_config("direct", decode_kernel="avx2"))

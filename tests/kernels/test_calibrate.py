@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from edge.calibration import CalibrationRecord
-from edge.kernel_registry import KERNELS
-from edge.model_reader import default_model
+from edge.catalog.kernel_registry import KERNELS
+from edge.device.calibration import CalibrationRecord
+from edge.model.reader import default_model
 from kernels.calibrate import calibrate as cal
 from kernels.calibrate.calibration_timers import TEST_CRASH_HOOK, TIMERS, check
 

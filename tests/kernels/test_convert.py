@@ -322,9 +322,9 @@ def test_gptq_path_unties_the_head_and_quantizes_it_from_the_embedding(tmp_path,
 
 
 def test_cli_converts_with_a_plan_file(smol_shaped, tmp_path, capsys):
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
-    from edge.probe import probe
+    from edge.device.probe import probe
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
 
     plan = make_plan(probe(measure_layout=False), read_model(smol_shaped), path="w4a16-tinygemm")
     (tmp_path / "plan.json").write_text(plan.model_dump_json())

@@ -66,8 +66,8 @@ def test_a_full_disk_during_conversion_leaves_the_previous_conversion_intact(con
 
 def _plan_file(dst: Path, other_group: bool = False) -> str:
     """A plan JSON whose quantization_config is W4A16 (or, with other_group, group 32), as edge-convert reads."""
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
 
     plan = make_plan(_any_device(), read_model(dst.parent / "src"), path="w4a16-tinygemm", layout="direct")
     qconfig = {**W4A16, "group_size": 32} if other_group else W4A16
@@ -77,7 +77,7 @@ def _plan_file(dst: Path, other_group: bool = False) -> str:
 
 
 def _any_device():
-    from edge.cpuinfo import parse_cpuinfo
+    from edge.device.cpuinfo import parse_cpuinfo
 
     data = Path(__file__).parents[1] / "edge" / "data" / "cpuinfo_epyc_zen5_avx512.txt"
     return parse_cpuinfo(data.read_text())

@@ -5,7 +5,7 @@ transformers from what the converter wrote (its config.json, its weights dequant
 GGUF loader on the same file (the file's weights dequantized, float32): the same logits up to the bf16 rounding of
 the 4-bit scales and the int8 embedding and head the plan asks for.
 
-This checks, per family, what no unit test of one piece can: the config the header becomes (edge.gguf_metadata),
+This checks, per family, what no unit test of one piece can: the config the header becomes (edge.model.gguf_metadata),
 the tensor names and row orders (kernels.source.gguf_source), the 4-bit codes copied and the wider types at 8 bits,
 Gemma's norm offset, and the plan's layer rules, against the library vLLM's model code mirrors."""
 
@@ -77,9 +77,9 @@ def _ours(dst: Path):
 
 
 def _convert(path: Path, dst: Path) -> Path:
-    from edge.describe import load_device_file
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
+    from edge.device.describe import load_device_file
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
     from kernels.convert.convert import convert
 
     plan = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
@@ -125,8 +125,8 @@ def test_the_tensors_wider_than_4_bits_go_to_the_8_bit_set_and_said_so(tmp_path,
     """A Q4_K_M's fallbacks (an attn_v at Q6_K, an ffn_down at Q5_0) under a group-32 plan: int8 per channel from the
     file's float values, with attn_v's vLLM siblings (q/k of that layer, loaded into one qkv_proj); every other Q4_K
     tensor's codes copied as before (the plan's layers say which)."""
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
 
     path = tiny_gguf(tmp_path / "src", "llama", tokenizer_source, mixed=True)
     dst = _convert(path, tmp_path / "dst")
@@ -139,13 +139,13 @@ def test_the_tensors_wider_than_4_bits_go_to_the_8_bit_set_and_said_so(tmp_path,
     # 1.3e-2 of the Q5_0 one (weight-like values with a few 4x outliers, which widen a row's step; Zen 5, 2026-12-01)
     assert all(errors[name] < 1e-2 for name in errors if name not in wide | siblings), errors
     assert all(errors[name] < 2e-2 for name in wide | siblings), {name: errors[name] for name in wide | siblings}
-    from edge.describe import load_device_file
+    from edge.device.describe import load_device_file
 
     plan = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
                      path="w4a16-tinygemm")  # fmt: skip
     layers = {(layer.name, layer.format): layer for layer in plan.layers}
     # Q6_K's and Q5_0's grids are int8 grids the 8-bit kernel runs (group 16 and 32): the plan copies their codes
-    # (edge.gguf_metadata.INT8_GRIDS)
+    # (edge.model.gguf_metadata.INT8_GRIDS)
     assert layers["v_proj", "int8"].why.endswith("the file's codes copied (Q6_K x1)")
     assert layers["v_proj", "int8"].indices == [0]
     assert layers["down_proj", "int8"].why.endswith("the file's codes copied (Q5_0 x1)")

@@ -445,8 +445,8 @@ def test_compile_cache_fix_can_be_switched_off(monkeypatch):
 
 
 def test_the_engines_fresh_api_key_is_not_a_compile_cache_factor(monkeypatch):
-    """Each engine start gets a random VLLM_API_KEY (server/supervisor.py); vLLM 0.28 hashes it into the compile
-    cache's key unless the plugin drops it, and every start then recompiled."""
+    """Each engine start gets a random VLLM_API_KEY (server/supervisor/supervisor.py); vLLM 0.28 hashes it into the
+    compile cache's key unless the plugin drops it, and every start then recompiled."""
     from vllm import envs
 
     from kernels.vllm_plugin.compile_cache import install_factors_fix

@@ -27,11 +27,11 @@ from vllm.model_executor.layers.linear import (  # noqa: E402
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
 
+from edge.device.probe import probe  # noqa: E402
 from edge.errors import InputError  # noqa: E402
-from edge.gates import gate_w4a8  # noqa: E402
-from edge.model_reader import default_model, read_model_config  # noqa: E402
-from edge.planner import PlanRefused, make_plan  # noqa: E402
-from edge.probe import probe  # noqa: E402
+from edge.model.reader import default_model, read_model_config  # noqa: E402
+from edge.plan.gates import gate_w4a8  # noqa: E402
+from edge.plan.planner import PlanRefused, make_plan  # noqa: E402
 from kernels.convert.convert import Source, decide  # noqa: E402
 from kernels.ops.gptq import dequantize_gptq, gptq_tensors  # noqa: E402
 from kernels.vllm_plugin import cpu_w4a8  # noqa: E402

@@ -130,7 +130,7 @@ def test_startup_threads_are_the_cpus_unless_asked_and_never_fewer_than_serving(
 def test_the_two_process_plan_asks_for_it_and_vllms_platform_still_forces_spawn():
     """The plan's two-process environment is what installs the wrapper; and the installed vLLM's CPU platform still
     sets spawn in check_and_update_config (when a vLLM upgrade stops doing so, the wrapper has nothing to undo)."""
-    from edge.engine_config import FORK_START_ENV, SERVING_MODE_ENV
+    from edge.plan.engine_config import FORK_START_ENV, SERVING_MODE_ENV
 
     got = probe({**SERVING_MODE_ENV["two-process"], **FORK_START_ENV, "OMP_NUM_THREADS": "1"})
     assert got["wrapped"] is True and got["method"] == "fork"

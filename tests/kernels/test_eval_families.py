@@ -77,9 +77,9 @@ def family_source(request, tmp_path_factory) -> tuple[str, Path]:
 
 def _checkpoint(source: Path, dst: Path, path: str | None) -> tuple[str, Path]:
     """The plan's conversion: the speed plan for this host (path None), or the speed plan at that path."""
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
-    from edge.probe import probe
+    from edge.device.probe import probe
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
     from kernels.convert.convert import convert
 
     if path == "bf16":

@@ -337,7 +337,7 @@ def test_a_second_call_returns_the_cached_result(tiny, tmp_path, cache):
 
 
 def test_the_cached_report_is_a_quality_record_the_planner_reads(tiny, tmp_path, cache):
-    from edge.quality import load_records, quality_key
+    from edge.measure.quality import load_records, quality_key
     from kernels.vllm_plugin.cpu_int4 import quantization_config
 
     qconfig = quantization_config("direct", group_size=32)
@@ -466,9 +466,9 @@ def _cached_conversion(source: Path, name: str, qconfig: dict | None, path: str)
 @pytest.mark.slow
 def test_default_model_quality_under_this_hosts_plan_is_in_a_sane_range(default_source):
     """The conversion a user gets here (edge-convert without --plan): clearly not broken, and honest about it."""
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
-    from edge.probe import probe
+    from edge.device.probe import probe
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
     from kernels.evaluate.evaluate import evaluate
 
     plan = make_plan(probe(), read_model(default_source))
@@ -582,10 +582,10 @@ if __name__ == "__main__":  # the vLLM side of test_candidate_logprobs_match_the
 
 def test_cli_applies_a_plan_converting_into_the_cache_and_evaluating_that(tiny, tmp_path, cache):
     """edge-eval SOURCE --plan PLAN.json: the checkpoint the plan makes (converted where edge-serve converts)."""
-    from edge.model_reader import read_model
+    from edge.device.probe import probe
+    from edge.model.reader import read_model
     from edge.paths import converted_dir
-    from edge.planner import make_plan
-    from edge.probe import probe
+    from edge.plan.planner import make_plan
 
     plan = make_plan(probe(), read_model(tiny), path="w4a16-tinygemm")
     plan_file = tmp_path / "plan.json"

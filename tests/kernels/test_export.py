@@ -95,8 +95,8 @@ def test_another_export_into_the_same_out_needs_force(tiny, bundle):
 
 
 def test_a_plan_that_is_not_export_only_is_refused(tiny, tmp_path):
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
     from tests.edge.conftest import cpuinfo_device
 
     plan = make_plan(cpuinfo_device("host_epyc_avx2", memory_gib=24), read_model(tiny))

@@ -12,7 +12,7 @@ from transformers import LlamaConfig  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
 
-from edge.gguf_metadata import hf_config, read_header  # noqa: E402
+from edge.model.gguf_metadata import hf_config, read_header  # noqa: E402
 from tests.edge.test_gguf_rope import LLAMA3_CASES, _base_inv_freq, _llama3_divisors, _write  # noqa: E402
 
 POSITIONS = 4096

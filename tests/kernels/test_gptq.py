@@ -366,12 +366,13 @@ def test_vllm_cpu_repack_of_the_loaded_layer_keeps_our_codes(vllm_tp1, exported)
 
 
 def test_the_plan_for_an_amx_host_asks_for_the_plugins_cpu_w4a8_config():
-    """AMX hosts run W4A8 through the plugin's cpu_w4a8 as every host does (edge.weight_paths): the same config."""
+    """AMX hosts run W4A8 through the plugin's cpu_w4a8 as every host does (edge.catalog.weight_paths): the same
+    config."""
     from pathlib import Path
 
-    from edge.cpuinfo import parse_cpuinfo
-    from edge.model_reader import default_model
-    from edge.planner import make_plan
+    from edge.device.cpuinfo import parse_cpuinfo
+    from edge.model.reader import default_model
+    from edge.plan.planner import make_plan
 
     cpuinfo = (Path(__file__).parents[1] / "edge" / "data" / "cpuinfo_spr_8480c.txt").read_text()
     device = parse_cpuinfo(cpuinfo, "MemTotal: 67108864 kB\nMemAvailable: 67108864 kB\n")

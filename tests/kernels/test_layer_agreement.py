@@ -1,10 +1,10 @@
 """The planner's ledger, the converter and the vLLM `cpu_int4` method agree on which weights are quantized.
 
 For every fixture model (and one built to have a layer tinygemm cannot pack), the plan's per-layer list
-(edge.quantized_layers through the planner), the converter's per-tensor decisions (kernels.convert.convert.decide on
-the model's real tensor names and shapes) and the method vLLM gets for each real vLLM layer (built on the meta
-device: no weights allocated) must say the same for every layer. A module that decided on its own would fail
-here on the first model where its rule differs.
+(edge.catalog.quantized_layers through the planner), the converter's per-tensor decisions
+(kernels.convert.convert.decide on the model's real tensor names and shapes) and the method vLLM gets for each real vLLM
+layer (built on the meta device: no weights allocated) must say the same for every layer. A module that decided on its
+own would fail here on the first model where its rule differs.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from vllm.model_executor.layers.linear import (  # noqa: E402
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
 
-from edge.device import DeviceProfile  # noqa: E402
-from edge.model_reader import read_model_config  # noqa: E402
-from edge.planner import make_plan  # noqa: E402
+from edge.device.profile import DeviceProfile  # noqa: E402
+from edge.model.reader import read_model_config  # noqa: E402
+from edge.plan.planner import make_plan  # noqa: E402
 from kernels.convert.convert import Source, decide  # noqa: E402
 from kernels.vllm_plugin.cpu_int4 import (  # noqa: E402
     CpuInt4Config,
@@ -159,7 +159,7 @@ def test_plan_converter_and_vllm_method_agree_layer_by_layer_on_a_mixed_grid_ggu
     the converter's decision for each tensor and the method vLLM gets for each layer's own (fused) module agree
     for every layer, and the 8-bit ones are the file's wide tensors and their vLLM siblings."""
     pytest.importorskip("gguf")
-    from edge.model_reader import read_model
+    from edge.model.reader import read_model
     from tests.kernels.test_mixed_grid import LAYERS, expected_int8, mixed_gguf
 
     model = read_model(mixed_gguf(tmp_path))

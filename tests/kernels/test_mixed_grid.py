@@ -89,9 +89,9 @@ def mixed_gguf(directory: Path, tokenizer: Path | None = None) -> Path:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory, tokenizer_source):
     """(the file, its w4a16 speed plan on the AVX2 host's recorded cpuinfo)."""
-    from edge.describe import load_device_file
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
+    from edge.device.describe import load_device_file
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
 
     path = mixed_gguf(tmp_path_factory.mktemp("mixed"), tokenizer_source)
     plan = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),

@@ -39,9 +39,9 @@ def q4_0_gguf(directory: Path, tokenizer: Path | None, linear: Q = Q.Q4_0) -> Pa
 
 
 def _w4a8_plan(path: Path):
-    from edge.describe import load_device_file
-    from edge.model_reader import read_model
-    from edge.planner import make_plan
+    from edge.device.describe import load_device_file
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
 
     zen5 = load_device_file(str(DATA / "cpuinfo_epyc_zen5_avx512.txt"))  # no AMX: the plugin's cpu_w4a8
     return make_plan(zen5, read_model(path), path="w4a8-gptq")

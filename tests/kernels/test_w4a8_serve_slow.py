@@ -33,9 +33,9 @@ ROW_AGREEMENT_FLOOR = 0.1  # measured 0.163
 
 
 def _skip_reason() -> str | None:
-    from edge.gates import gate_w4a8
-    from edge.model_reader import default_model
-    from edge.probe import probe
+    from edge.device.probe import probe
+    from edge.model.reader import default_model
+    from edge.plan.gates import gate_w4a8
     from kernels.vllm_plugin.cpu_w4a8 import op_available
 
     if op_available():

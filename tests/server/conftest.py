@@ -17,9 +17,9 @@ import httpx
 import pytest
 import uvicorn
 
-from edge.device import DeviceProfile, Fact
-from edge.model_reader import default_model
-from edge.plan import MemoryItem, MemoryLedger, Plan, VllmConfig
+from edge.device.profile import DeviceProfile, Fact
+from edge.model.reader import default_model
+from edge.plan.schema import MemoryItem, MemoryLedger, Plan, VllmConfig
 from server.settings import Settings
 
 STANDIN = str(Path(__file__).with_name("standin_engine.py"))

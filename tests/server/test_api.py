@@ -12,12 +12,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from edge.cpuinfo import parse_cpuinfo
-from edge.describe import parse_device_json
-from edge.model_reader import default_model, read_model_config
-from edge.nfd import parse_nfd_labels
-from edge.planner import make_plan
-from edge.quality import cached_records
+from edge.device.cpuinfo import parse_cpuinfo
+from edge.device.describe import parse_device_json
+from edge.device.nfd import parse_nfd_labels
+from edge.measure.quality import cached_records
+from edge.model.reader import default_model, read_model_config
+from edge.plan.planner import make_plan
 from server.app import create_app, weight_path
 from server.settings import Settings
 from tests.server.conftest import smollm2_plan
@@ -88,8 +88,8 @@ def test_plan_for_a_gguf_header_equals_the_plan_for_the_file_itself(client):
     """POST /plan with the default model's GGUF header as JSON (what a fleet tool reads from the file with
     gguf-py, no tensor data) gives the plan `edge-select --model FILE.gguf` makes for that device."""
     pytest.importorskip("gguf")
-    from edge.gguf_metadata import read_header
-    from edge.model_reader import read_model
+    from edge.model.gguf_metadata import read_header
+    from edge.model.reader import read_model
     from kernels.source.default_model import source_gguf
 
     gguf = source_gguf()
@@ -110,8 +110,8 @@ def test_plan_for_a_mixed_grid_gguf_header_decides_each_tensor_as_the_file_does(
     ffn_gate at Q8_0 but on one): its header as JSON gives the file's per-layer types and the plan's per-tensor 8-bit
     set, the ones `edge-select --model FILE.gguf` gives."""
     pytest.importorskip("gguf")
-    from edge.gguf_metadata import read_header
-    from edge.model_reader import read_model
+    from edge.model.gguf_metadata import read_header
+    from edge.model.reader import read_model
     from tests.kernels.test_mixed_grid import expected_int8, mixed_gguf
 
     path = mixed_gguf(tmp_path)

@@ -15,11 +15,11 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from edge.calibration import MAX_KERNELS, CalibrationRecord, KernelResult, KernelTime, record_path
-from edge.cpuinfo import parse_cpuinfo
-from edge.device import DeviceProfile
-from edge.model_reader import default_model
-from edge.probe import probe
+from edge.device.calibration import MAX_KERNELS, CalibrationRecord, KernelResult, KernelTime, record_path
+from edge.device.cpuinfo import parse_cpuinfo
+from edge.device.probe import probe
+from edge.device.profile import DeviceProfile
+from edge.model.reader import default_model
 from server import cli
 from server.app import create_app
 from server.calibrations import KEEP_PER_KEY, CalibrationStore
@@ -277,7 +277,7 @@ def host_record(**fields) -> CalibrationRecord:
     assert here.cpu_model.value, "the probe names this host's CPU model"
     runtime = here.runtime
     # Every runtime fact the probe states, so the record matches this host whatever torch dispatches to here
-    # (AVX2 on a Zen 3, AVX512 on a Zen 5; edge.calibration.matches compares each one the device states).
+    # (AVX2 on a Zen 3, AVX512 on a Zen 5; edge.device.calibration.matches compares each one the device states).
     values = dict(measured_at="2026-11-29T12:00:00+00:00", torch_version=runtime.torch_version.value,
                   vllm_version=runtime.vllm_version.value, native_library=runtime.vllm_native_library.value,
                   torch_capability=runtime.torch_cpu_capability.value)
@@ -373,7 +373,7 @@ def stand_in_calibrator(record: CalibrationRecord, tmp_path: Path, *, prints: bo
     """Instead of `python -m kernels.calibrate.calibrate --json`: caches the record (and prints it, as --json does)."""
     source = tmp_path / "measured.json"
     source.write_text(record.model_dump_json())
-    script = ("import os, pathlib, shutil, sys; from edge.calibration import load_file, record_path;"
+    script = ("import os, pathlib, shutil, sys; from edge.device.calibration import load_file, record_path;"
               "r = load_file(pathlib.Path(sys.argv[1])); p = record_path(r); p.parent.mkdir(parents=True, "
               "exist_ok=True); shutil.copy(sys.argv[1], p); print('timing kernels...', file=sys.stderr);"
               + ("print(r.model_dump_json())" if prints else "print('done')"))  # fmt: skip

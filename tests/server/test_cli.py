@@ -98,7 +98,7 @@ def test_a_described_device_whose_tinygemm_block_differs_from_this_hosts_is_refu
 ):
     """An AVX2 description served on an AVX-512 host (or the reverse) would load a checkpoint the engine must
     refuse, in a restart loop; edge-serve exits 2 first, naming both blocks."""
-    from edge.probe import probe
+    from edge.device.probe import probe
 
     here = probe().runtime.tinygemm_block.value
     other = {32: 64, 64: 32}[here]

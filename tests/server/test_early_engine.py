@@ -1,4 +1,4 @@
-"""The early engine (server/early_engine.py): started before the plan is made, taken by the supervisor only when
+"""The early engine (server/supervisor/early.py): started before the plan is made, taken by the supervisor only when
 the plan's environment is the one it was started in. Run against the STAND-IN engine (tests/server/
 standin_engine.py) through kernels/vllm_plugin/early_start.py, the module that runs vLLM's server the same way."""
 
@@ -12,15 +12,11 @@ from pathlib import Path
 import pytest
 
 from server import cli
-from server.early_engine import EarlyEngine, early_argv
-from server.supervisor import (
-    EARLY_ENV_RECORD,
-    EngineSupervisor,
-    group_members,
-    recalled_engine_env,
-    remember_engine_env,
-    vllm_launcher,
-)
+from server.supervisor.command import vllm_launcher
+from server.supervisor.early import EarlyEngine, early_argv
+from server.supervisor.processes import group_members
+from server.supervisor.run_dir import EARLY_ENV_RECORD, recalled_engine_env, remember_engine_env
+from server.supervisor.supervisor import EngineSupervisor
 from tests.server.conftest import engine_request, fast_settings, smollm2_plan, standin
 from tests.server.test_supervisor import alive
 

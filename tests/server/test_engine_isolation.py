@@ -24,7 +24,7 @@ import pytest
 
 from server.app import create_app
 from server.proxy import UnsafePath, engine_path
-from server.supervisor import EngineSupervisor
+from server.supervisor.supervisor import EngineSupervisor
 from tests.server.conftest import (
     STANDIN,
     engine_request,

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from server.cli import tool
-from server.supervisor import group_members, process_start_time
+from server.supervisor.processes import group_members, process_start_time
 from tests.server.conftest import free_port
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from server.app import create_app
-from server.supervisor import EngineSupervisor
+from server.supervisor.supervisor import EngineSupervisor
 from tests.server.conftest import eventually, fast_settings, smollm2_plan, standin, uvicorn_on_loopback
 
 MODEL_DIR = "/models/SmolLM2-135M-Instruct"

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.app import create_app
 from server.metrics import CONTENT_TYPE
 from server.settings import Settings
-from server.supervisor import EngineSupervisor
+from server.supervisor.supervisor import EngineSupervisor
 from tests.server.conftest import fast_settings, smollm2_plan, standin, uvicorn_on_loopback
 
 DATA = Path(__file__).parents[1] / "edge" / "data"

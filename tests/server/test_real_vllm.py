@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.supervisor import group_members
+from server.supervisor.processes import group_members
 from tests.server.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -154,7 +154,7 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     assert varied.status_code == 200 and varied.json()["usage"]["completion_tokens"] >= 1, varied.text
 
     # The next edge-serve of this run directory starts its engine importing vLLM before it plans
-    # (server/early_engine.py), in the environment of the engine that became ready here; the plan is the same,
+    # (server/supervisor/early.py), in the environment of the engine that became ready here; the plan is the same,
     # so that engine is the one that serves: its arguments and key came on its input, not its command line.
     stop_wrapper(process)
     (tmp_path / "second").mkdir()
@@ -242,7 +242,7 @@ def test_edge_up_serves_a_generated_gguf_of_the_family(arch, tmp_path):
     model's tokenizer; tests/kernels/test_convert_gguf.py checks its conversion against transformers) planned,
     converted and served by the real vLLM. Its weights are random, so only that it generates is asserted. The
     generated Gemma 3 has 2 layers, fewer than its sliding-window pattern of 6, so every layer slides: the plan's
-    --block-size 16 is what lets vLLM 0.28's CPU attention serve it (edge.engine_config.attention_block_size)."""
+    --block-size 16 is what lets vLLM 0.28's CPU attention serve it (edge.plan.engine_config.attention_block_size)."""
     from kernels.source.default_model import source_gguf
     from tests.kernels.test_convert_gguf import tiny_gguf
 

@@ -11,7 +11,8 @@ import httpx
 
 from server.app import create_app
 from server.proxy import WEIGHT_PATH_HEADER
-from server.supervisor import EngineSupervisor, group_members
+from server.supervisor.processes import group_members
+from server.supervisor.supervisor import EngineSupervisor
 from tests.server.conftest import engine_request, fast_settings, smollm2_plan, standin, uvicorn_on_loopback
 
 TOKEN = {"Authorization": "Bearer s3cret"}

@@ -17,20 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from server.engine_socket import LONGEST_SOCKET_NAME, MAX_SOCKET_PATH_BYTES, socket_dir
-from server.supervisor import (
-    EngineRecord,
-    EngineRefused,
-    EngineSupervisor,
-    backoff_delay,
-    describe_exit,
-    engine_argv,
-    group_members,
-    process_cmdline,
-    process_start_time,
-    vllm_launcher,
-    write_record,
-)
+from server.supervisor.command import EngineRefused, engine_argv, vllm_launcher
+from server.supervisor.processes import describe_exit, group_members, process_cmdline, process_start_time
+from server.supervisor.run_dir import EngineRecord, write_record
+from server.supervisor.sockets import LONGEST_SOCKET_NAME, MAX_SOCKET_PATH_BYTES, socket_dir
+from server.supervisor.supervisor import EngineSupervisor, backoff_delay
 from tests.server.conftest import eventually, fast_settings, smollm2_plan, standin
 
 REPO = Path(__file__).parents[2]
@@ -249,7 +240,7 @@ async def test_dead_engine_is_crashed_during_its_backoff_and_stop_cuts_the_wait_
 
 WRAPPER = """
 import asyncio, json, sys
-from server.supervisor import EngineSupervisor
+from server.supervisor.supervisor import EngineSupervisor
 from tests.server.conftest import fast_settings, smollm2_plan, standin
 
 async def main():

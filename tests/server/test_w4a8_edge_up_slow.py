@@ -24,9 +24,9 @@ pytestmark = pytest.mark.slow
 
 
 def _refusal() -> str | None:
-    from edge.gates import gate_w4a8
-    from edge.model_reader import default_model
-    from edge.probe import probe
+    from edge.device.probe import probe
+    from edge.model.reader import default_model
+    from edge.plan.gates import gate_w4a8
 
     gate = gate_w4a8(probe(measure_layout=False), default_model())
     return "; ".join(gate.refusals) or None

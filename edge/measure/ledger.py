@@ -1,0 +1,183 @@
+"""The memory ledger: every byte a plan costs, named, computed from shapes, with the arithmetic shown.
+
+Peak model: peak_bytes = resident_bytes + the largest single transient. Transients are not summed: the loader
+converts one tensor (or one chunk of one tensor) at a time, and a w4a16 batch dequantizes one layer at a time.
+That run-time working set is filed under phase "run-transient". Memory means RssAnon summed over the vLLM
+process tree (docs/FACTS.md), which is what engine_baseline_bytes was measured as; the allocator's retention is
+inside that measurement, so it is not an item of its own (it was, as a 150 MiB reference figure, until
+benchmarks/ledger_vs_rss.py showed the ledger 16-20 % above the two-process engine, 2026-12-01).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from edge.catalog import shape_rules as rules
+from edge.catalog.quantized_layers import LayerDecision, QuantRules, by_kind, model_layers, rules_for
+from edge.catalog.weight_paths import Layout, WeightPath
+from edge.formats import format_of
+from edge.formats.base import (
+    BF16,
+    MemoryItem,
+    head,
+    layer_linears,
+    mib,
+    resident,
+)
+from edge.measure.kernel_params import KernelParams
+from edge.model.shapes import ModelShape
+
+
+class MemoryLedger(BaseModel):
+    resident_bytes: int  # sum of resident items
+    peak_bytes: int  # resident + the largest transient (load or run)
+    budget_bytes: int | None
+    fits: bool  # peak within budget (True when no budget is known)
+    items: list[MemoryItem]
+
+
+def estimate(
+    model: ModelShape,
+    path: WeightPath,
+    layout: Layout | None,
+    group_size: int | None,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    kernel: KernelParams,
+    budget_bytes: int | None,
+    engine_baseline_bytes: int,
+    quant: QuantRules | None = None,
+    layers: list[LayerDecision] | None = None,
+    bf16_repack_retention: float = 0.0,
+) -> MemoryLedger:
+    """Itemized resident footprint and load-time peak of running `model` on `path`.
+
+    kernel: the w4a16 kernel's parameters for the device (edge.measure.kernel_params), the same values the plan writes
+    into the checkpoint's quantization_config: block, dequant threshold, prefill dtype, repack chunk.
+    Which weights are quantized is asked of edge.catalog.quantized_layers, as the converter and the vLLM method do:
+    `quant`, by default the rules a plan writes (rules_for).
+    bf16_repack_retention: the share of the bf16 linears' bytes the engine's allocator keeps after vLLM repacks
+    them for oneDNN and frees the originals, where the engine baseline was measured on a quantized plan (which
+    repacks nothing); 0 where it was measured on bf16 and so holds it (edge.plan.planner.engine_baseline).
+    """
+    quant = quant or rules_for(model, path, group_size)
+    # a kind split by format (a GGUF's mixed grid): parts; `layers`, when given, are model_layers(model, quant)
+    parts = by_kind(layers if layers is not None else model_layers(model, quant))
+    fmt = format_of(path)  # which weight items, edge.formats
+    items = fmt.weight_items(model, parts, layout, group_size, block=kernel.block, decode_kernel=kernel.decode_kernel)
+    if not fmt.runs_in_engine:
+        items.append(_norms(model))
+    else:
+        items += [
+            _norms(model),
+            *_biases(model),
+            _rope(model, max_model_len),
+            _kv_cache(model, max_model_len, max_num_seqs),
+            resident(
+                "engine-baseline",
+                "engine baseline",
+                engine_baseline_bytes,
+                "the vLLM process tree's RssAnon without weights and KV cache (measured, passed in)",
+            ),
+            *fmt.load_transients(model, parts, repack_chunk_rows=kernel.repack_chunk_rows),
+        ]
+        if bf16_repack_retention > 0:
+            items += _repack_retention(model, items, bf16_repack_retention)
+        items += fmt.run_transients(model, parts, layout, dequant_threshold=kernel.dequant_threshold,
+                                    prefill_dtype=kernel.prefill_dtype, max_model_len=max_model_len,
+                                    max_num_seqs=max_num_seqs)  # fmt: skip
+    resident_bytes = sum(item.bytes for item in items if item.phase == "resident")
+    transient = max((item.bytes for item in items if item.phase != "resident"), default=0)
+    peak = resident_bytes + transient
+    return MemoryLedger(
+        resident_bytes=resident_bytes,
+        peak_bytes=peak,
+        budget_bytes=budget_bytes,
+        fits=budget_bytes is None or peak <= budget_bytes,
+        items=items,
+    )
+
+
+# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, malloc(3) M_MMAP_THRESHOLD): a block
+# above it is always mmapped, so freeing it returns it to the system
+MMAP_THRESHOLD_MAX = 32 << 20
+
+
+def _repack_retention(model: ModelShape, items: list[MemoryItem], share: float) -> list[MemoryItem]:
+    """vLLM's CPU linear repacks each bf16 weight for oneDNN and frees the original; glibc keeps most of those freed
+    blocks in its heap (RssAnon), but not a tensor above MMAP_THRESHOLD_MAX (mmapped, unmapped when freed: a 7B
+    model's linears). Not the embedding: a lookup table is not repacked."""
+    shapes = {lin.name: lin for lin in [*layer_linears(model), head(model)]}
+    kept = [i for i in items if i.kind == "bf16-weights" and i.layer in shapes
+            and BF16 * shapes[i.layer].n * shapes[i.layer].k <= MMAP_THRESHOLD_MAX]  # fmt: skip
+    linears = sum(i.bytes for i in kept)
+    if not linears:
+        return []
+    detail = (f"{share:.2f} x {mib(linears)} of bf16 linears of at most {mib(MMAP_THRESHOLD_MAX)} a tensor "
+              "(measured: benchmarks/ledger_vs_rss.py, bf16 against the speed plan)")  # fmt: skip
+    return [resident("repack-retention", "bf16 originals kept by the allocator after repacking",
+                      round(share * linears), detail)]  # fmt: skip
+
+
+# --- everything else the engine holds ------------------------------------------------------------------
+
+
+def _norms(model: ModelShape) -> MemoryItem:
+    """RMSNorm weights: two per layer and a final one; Gemma2 has four per layer; Qwen3 adds q_norm/k_norm."""
+    per_layer = 4 if model.model_type == "gemma2" else 2
+    params = (per_layer * model.num_layers + 1) * model.hidden_size
+    detail = f"({per_layer} x {model.num_layers} + 1) x {model.hidden_size}"
+    if model.model_type == "qwen3":
+        params += 2 * model.num_layers * model.head_dim
+        detail += f" + 2 x {model.num_layers} x {model.head_dim} (q_norm, k_norm)"
+    return resident("norms", "norms (bf16)", params * BF16, f"{detail} x 2 B = {mib(params * BF16)}")
+
+
+def _biases(model: ModelShape) -> list[MemoryItem]:
+    """Qwen2 carries q/k/v biases (vLLM qwen2.py builds QKVParallelLinear with bias=True)."""
+    if model.model_type != "qwen2":
+        return []
+    n = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    size = model.num_layers * n * BF16
+    return [resident("biases", "q/k/v biases (bf16)", size, f"{model.num_layers} x {n} x 2 B = {mib(size)}")]
+
+
+def _rope(model: ModelShape, max_model_len: int) -> MemoryItem:
+    """The rotary cos/sin table, as vLLM 0.28 builds it (model_executor/layers/rotary_embedding/).
+
+    One table per distinct rope (__init__.py:83 caches by key). Rows = max_position_embeddings (docs/FACTS.md:
+    Llama passes max_position_embeddings, not max_model_len); columns = rotary_dim, the cos half and the sin
+    half (base.py:94-103, computed in fp32); then cast to get_rope's dtype (base.py:59-61), which defaults
+    to torch.get_default_dtype() (__init__.py:41-42), set to the model dtype while the model is built
+    (model_loader/base_loader.py:53): bf16 resident.
+    """
+    rows, cols = model.max_position_embeddings, model.rotary_dim
+    row_bytes = cols * BF16
+    avoidable = max(0, rows - max_model_len) * row_bytes
+    return resident(
+        "rope",
+        "RoPE cos/sin table",
+        rows * row_bytes,
+        f"{rows} positions x {cols} (cos + sin halves) x 2 B bf16 = {mib(rows * row_bytes)}; capping "
+        f"the table at max_model_len={max_model_len} would save {mib(avoidable)}. Built in fp32 at "
+        f"model construction (~10 x {rows} x {cols} B of intermediates, before any weight loads)",
+        avoidable_bytes=avoidable,
+    )
+
+
+def _kv_cache(model: ModelShape, max_model_len: int, max_num_seqs: int) -> MemoryItem:
+    tokens = rules.kv_tokens_per_layer(model, max_model_len)
+    counts: dict[int, int] = {}
+    for t in tokens:
+        counts[t] = counts.get(t, 0) + 1
+    layers = " + ".join(f"{n} layers x {t} tokens" for t, n in sorted(counts.items(), reverse=True))
+    size = rules.kv_cache_bytes(model, max_model_len, max_num_seqs)
+    return resident(
+        "kv-cache",
+        "KV cache",
+        size,
+        f"2 (K, V) x {model.num_kv_heads} kv heads x {model.head_dim} x 2 B x ({layers}) x "
+        f"{max_num_seqs} seqs = {mib(size)}; sliding layers hold min(window, max_model_len); "
+        "given to vLLM as --kv-cache-memory-bytes",
+    )

@@ -1,0 +1,244 @@
+"""What the converter writes (quantization_config) and how vLLM is started (args, env) for a chosen option."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
+from edge.catalog.quantized_layers import LayerDecision, eight_bit_group_size, eight_bit_set, kept_bf16
+from edge.catalog.shape_rules import copied_grid
+from edge.catalog.weight_paths import METHODS, PATHS, quant_method
+from edge.device.profile import DeviceProfile
+from edge.measure.kernel_params import KernelParams
+from edge.model.shapes import ModelShape
+from edge.plan.schema import Layout, ServingMode, VllmConfig, WeightPath
+
+# vLLM reserves one core for its front end on x86 by default (docs/FACTS.md: on a 2-core box it then runs one
+# compute thread). On boxes this small, the GEMMs get every core instead.
+SMALL_BOX_CORES = 4
+
+
+def quantization_config(
+    model: ModelShape,
+    path: WeightPath,
+    layout: Layout | None,
+    group_size: int | None,
+    layers: list[LayerDecision],
+    kernel: KernelParams,
+    *,
+    amx: bool = True,
+) -> dict[str, Any] | None:
+    """What the converter writes into config.json and the engine reads back: the plan's decisions, never
+    recomputed downstream (the layers from edge.catalog.quantized_layers, the kernel values from
+    edge.measure.kernel_params).
+
+    amx: whether the device has AMX tiles, which decides who serves w4a8-gptq (edge.catalog.weight_paths.quant_method):
+    vLLM's own GPTQ method there, the plugin's cpu_w4a8 elsewhere; the layers must come from rules_for with the
+    same flag."""
+    method = quant_method(path, amx=amx)
+    if method is None:
+        return None
+    assert group_size is not None
+    return METHOD_CONFIGS[method](model, layout, group_size, layers, kernel)
+
+
+def _cpu_int4(
+    model: ModelShape, layout: Layout | None, group_size: int, layers: list[LayerDecision], kernel: KernelParams
+) -> dict[str, Any]:
+    assert layout is not None
+    return {
+        "quant_method": "cpu_int4",
+        "bits": 4,
+        "group_size": group_size,
+        # Part of the checkpoint's config so it reaches vLLM's compile-cache key (docs/FACTS.md: an env-var
+        # toggle against a warm cache loaded the wrong graph).
+        "direct_dequant": layout == "direct",
+        "prefill_dequant": layout != "kernel-only",
+        "dequant_threshold": kernel.dequant_threshold,
+        "prefill_dtype": kernel.prefill_dtype,
+        # The engine refuses to load a checkpoint planned for another block (kernels/vllm_plugin/cpu_int4.py): the
+        # ledger's direct/dual accounting rests on it.
+        "tinygemm_block": kernel.block,
+        "repack_chunk_rows": kernel.repack_chunk_rows,
+        # only where a record timed the AVX2 kernel faster: a tinygemm plan's config stays as it was
+        **({"decode_kernel": kernel.decode_kernel} if kernel.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
+        "quantize_embedding": model.tie_word_embeddings,
+        # the converter takes the 4-bit codes from the source's own grid (edge-source.json), not re-rounding
+        "codes_from_source": model.source_grid == group_size,
+        # weights not on a source grid: the scale-and-minimum search (kernels/ops/asym_search.py), measured to
+        # cut the squared error 26 % at group 64 on the default model's weights (docs/reports/)
+        "rounding": "search",
+        "int8": eight_bit_set(layers),
+        **_int8_group(layers),
+        "ignore": kept_bf16(layers),
+    }
+
+
+def _int8_group(layers: list[LayerDecision]) -> dict[str, int]:
+    """The 8-bit set's group where it is per group (a GGUF's own grid: edge.catalog.quantized_layers.eight_bit_group); a
+    per-channel set writes nothing, so its config, compile-cache key and quality records stay as they were."""
+    group = eight_bit_group_size(layers)
+    return {"int8_group_size": group} if group else {}
+
+
+def _cpu_w4a8(
+    model: ModelShape, layout: Layout | None, group_size: int, layers: list[LayerDecision], kernel: KernelParams
+) -> dict[str, Any]:
+    return {
+        "quant_method": "cpu_w4a8",
+        "bits": 4,
+        "group_size": group_size,
+        "sym": True,  # int4_scaled_mm_cpu with the zero point pinned at 8, as vLLM runs GPTQ (uint4b8)
+        "desc_act": False,
+        "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/ops/gptq.py)
+        # a Q4_0 source's codes go to the GPTQ tensors unchanged (its grid is uint4b8's); written only then, so
+        # other checkpoints' configs and quality records stay as they were
+        **({"codes_from_source": True} if copied_grid(model, METHODS["cpu_w4a8"].source_codes) == group_size else {}),
+        # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/ops/int4_ops.py)
+        "dequant_threshold": kernel.dequant_threshold,
+        "int8": eight_bit_set(layers),
+        **_int8_group(layers),
+        "ignore": kept_bf16(layers),
+    }
+
+
+def _gptq(
+    model: ModelShape, layout: Layout | None, group_size: int, layers: list[LayerDecision], kernel: KernelParams
+) -> dict[str, Any]:
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "sym": True,  # vLLM's W4A8 kernel pins the zero point at 8 (uint4b8)
+        "desc_act": False,  # act-order (g_idx) sends vLLM to cpu_gemm_wna16 instead of W4A8
+        "lm_head": True,  # an unquantized head costs more per step than the 4-bit saving (docs/FACTS.md)
+        "checkpoint_format": "gptq",
+    }
+
+
+# Each checkpoint method's quantization_config (edge.catalog.weight_paths.METHODS names them).
+METHOD_CONFIGS = {"cpu_int4": _cpu_int4, "cpu_w4a8": _cpu_w4a8, "gptq": _gptq}
+# What vLLM's environment needs for a method: its own GPTQ method takes W4A8 only with this (and AMX tiles).
+METHOD_ENV: dict[str, dict[str, str]] = {"gptq": {"VLLM_CPU_INT4_W4A8": "1"}}
+
+
+# vLLM 0.28's CPU attention fails the first request of a model whose every layer attends through a sliding window
+# (Mistral v0.1, Phi-3 mini 4k: a model-level sliding_window; a Gemma 3 with fewer layers than its pattern) at a
+# KV block of 32 or more: "cpu_attn.cpp:244 Check failed: input.block_size % attn_impl::BlockSizeAlignment == 0
+# (16 vs. 0)"; at 16 it serves (seen 2026-12-01 on the Zen 5 host, docs/FACTS.md). A model with at least one full
+# attention layer (Gemma 2, a real Gemma 3) serves at the default block size.
+ALL_SLIDING_BLOCK_SIZE = 16
+
+
+# Where none is asked for, the serving mode follows the device's cores (serving_mode_for):
+#   one-process on a box of at most ONE_PROCESS_MAX_CORES: the engine core is a thread of the API server's process
+#     (kernels/vllm_plugin/engine_thread.py): one Python process with torch and vLLM instead of two, measured on
+#     the default model by benchmarks/bench_serve.py with the same decode and a third less RssAnon (facts
+#     avx512.one_process.*). On such a box there is no core to give the API server of its own anyway.
+#   two-process above it: vLLM 0.28's CPU platform turns its `uni` executor into `mp` ("OMP requires the MP
+#     executor", platforms/cpu.py) unless VLLM_ENABLE_V1_MULTIPROCESSING=0, and then the engine core waits on a
+#     worker process through the shared-memory broadcast, spinning a core of its own. The CPU backend runs without
+#     async scheduling, so the engine core has nothing else to do meanwhile: a plan of one engine (no tensor
+#     parallelism, which no plan uses) loses nothing by running the worker in the engine core. With cores to spare
+#     the API server keeps its own process and GIL: one-process is not measured on more than 2 cores.
+# three-process (vLLM's own layout) is there when asked for.
+ONE_PROCESS_MAX_CORES = 2
+DEFAULT_SERVING_MODE: ServingMode = "two-process"  # a device whose cores are unknown
+
+
+def serving_mode_for(device: DeviceProfile, threads: int | None = None) -> ServingMode:
+    """The serving mode of a plan that asks for none (edge.plan.schema.ServingMode); `threads`: the engine threads asked
+    for. One-process computes on one thread: its event loop shares the process with the engine's OpenMP team, and a
+    second thread cut its served decode to 0.44x (fact avx512.one_process.second_thread.decode_ratio), where
+    two-process lost 9 %."""
+    cores = device.compute_cores
+    if cores is not None and cores <= ONE_PROCESS_MAX_CORES and (threads or 1) == 1:
+        return "one-process"
+    return DEFAULT_SERVING_MODE
+
+
+# vLLM binds OpenMP only for a worker process it spawns (utils/ompmultiprocessing.py sets OMP_NUM_THREADS and
+# OMP_PROC_BIND/OMP_PLACES in that process's environment, all cores less the reserved ones). An engine core running
+# the worker itself inherits the API server's environment, so the plan sets its thread count (OMP_NUM_THREADS)
+# and no binding: OMP_PROC_BIND there would pin the API server's thread to the engine's first core as well.
+SERVING_MODE_ENV: dict[ServingMode, dict[str, str]] = {
+    "one-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "EDGE_ENGINE_CORE_START": "thread"},
+    "two-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    "three-process": {},
+}
+# A two-process engine starts its core by fork, not the spawn vLLM's CPU platform forces
+# (kernels/vllm_plugin/engine_start.py): the core inherits the API server's imports, 8-12 s off a warm start here.
+# libgomp's thread pool does not survive a fork (seen 2026-12-02, AMD EPYC Zen 5, OMP_NUM_THREADS=2: the forked core
+# hung for good in its first parallel region), so for an engine of more than one thread the plugin keeps the API
+# server on one thread and gives the forked core its OMP_NUM_THREADS back.
+FORK_START_ENV = {"EDGE_ENGINE_CORE_START": "fork"}
+
+
+def engine_threads(cores: int | None) -> int:
+    """The compute threads of a two-process engine without a calibration's choice: every core but one, which the
+    API server, the wrapper and the engine core's own scheduling share (vLLM's mp mode reserves one the same way
+    on bigger boxes); one on a one- or two-core box."""
+    return max(1, (cores or 1) - 1)
+
+
+def attention_block_size(model: ModelShape) -> int | None:
+    """The KV block size vLLM must be started with for this model, or None for its default."""
+    types = model.layer_types
+    if types and all(t == "sliding_attention" for t in types):
+        return ALL_SLIDING_BLOCK_SIZE
+    return None
+
+
+def _cache_key(model: ModelShape, path: WeightPath, qconfig: dict[str, Any] | None) -> str:
+    blob = json.dumps({"model": model.name, "path": path, "quantization_config": qconfig}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def vllm_config(
+    device: DeviceProfile,
+    model: ModelShape,
+    path: WeightPath,
+    qconfig: dict[str, Any] | None,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    kv_cache_bytes: int,
+    mode: ServingMode | None = None,
+) -> VllmConfig | None:
+    """mode: the serving mode asked for (edge-select/edge-serve --serving-mode), else serving_mode_for(device)."""
+    if not PATHS[path].served_by_vllm:
+        return None
+    args = [
+        "--dtype", "bfloat16",
+        "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(max_num_seqs),
+        # Exact bytes; VLLM_CPU_KVCACHE_SPACE only takes whole GiB, and without either vLLM's CPU worker
+        # reserves 92% of the node's memory.
+        "--kv-cache-memory-bytes", str(kv_cache_bytes),
+    ]  # fmt: skip
+    if (block := attention_block_size(model)) is not None:
+        args += ["--block-size", str(block)]
+    if PATHS[path].quantizes_weights:
+        assert qconfig is not None
+        args += ["--quantization", qconfig["quant_method"]]  # cpu_int4, gptq or cpu_w4a8: the checkpoint's method
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "auto",
+        # Plans that build different graphs get different compile caches (docs/FACTS.md, compile-cache key).
+        "VLLM_CACHE_ROOT": f"~/.cache/edge-select/vllm/{_cache_key(model, path, qconfig)}",
+    }
+    cores = device.compute_cores
+    if cores is not None and cores <= SMALL_BOX_CORES:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    if qconfig is not None:
+        env |= METHOD_ENV.get(qconfig["quant_method"], {})
+    mode = mode or serving_mode_for(device)
+    env |= SERVING_MODE_ENV[mode]
+    if mode != "three-process":
+        threads = engine_threads(cores)
+        env["OMP_NUM_THREADS"] = str(threads)
+        if mode == "two-process":
+            env |= FORK_START_ENV
+        env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)  # read only by vLLM's mp executor
+    return VllmConfig(args=args, env=env, mode=mode)

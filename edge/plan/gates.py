@@ -1,0 +1,150 @@
+"""Gates: can a weight path run on this device for this model at all? Each refusal carries its reason.
+
+Pure functions of the DeviceProfile and ModelShape (and, for kernels it timed, the device's calibration record);
+no ranking here (edge.measure.rank) and no memory (edge.measure.ledger).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from edge.catalog import shape_rules as rules
+from edge.catalog.kernel_registry import kernels_for
+from edge.catalog.weight_paths import PATHS, the_path
+from edge.device.calibration import CalibrationRecord
+from edge.device.profile import DeviceProfile
+from edge.model.shapes import ModelShape
+from edge.plan.schema import WeightPath
+
+
+@dataclass
+class Gate:
+    """The verdict for one weight path: runnable or not, and why; the group size it would use."""
+
+    path: WeightPath
+    refusals: list[str] = field(default_factory=list)
+    group_size: int | None = None
+    notes: list[str] = field(default_factory=list)  # runnable, but worth saying (unverified, extrapolated)
+
+    @property
+    def runnable(self) -> bool:
+        return not self.refusals
+
+
+def _gated(gate_fn: Callable[..., Gate]) -> WeightPath:
+    """The path whose spec names this gate (edge.catalog.weight_paths)."""
+    return the_path(gate=gate_fn.__name__)
+
+
+def gate_export_only(device: DeviceProfile, model: ModelShape | None = None,
+                     calibration: CalibrationRecord | None = None) -> Gate:
+    gate = Gate(_gated(gate_export_only))
+    if not device.is_phone:
+        gate.refusals.append(f"{gate.path} is for phones and NPU devices; this device runs vLLM's CPU backend")
+    return gate
+
+
+def _phone_refusal(device: DeviceProfile) -> str | None:
+    if device.is_phone:
+        return "vLLM has no phone/NPU backend: the deliverable on a phone is an exported graph (docs/FACTS.md)"
+    return None
+
+
+def gate_bf16(device: DeviceProfile, model: ModelShape | None = None,
+              calibration: CalibrationRecord | None = None) -> Gate:
+    gate = Gate(_gated(gate_bf16))
+    if refusal := _phone_refusal(device):
+        gate.refusals.append(refusal)
+    return gate
+
+
+def gate_w4a16(device: DeviceProfile, model: ModelShape, calibration: CalibrationRecord | None = None) -> Gate:
+    gate = Gate(_gated(gate_w4a16))
+    if refusal := _phone_refusal(device):
+        gate.refusals.append(refusal)
+    group = rules.pick_group_size(model)
+    if group is None:
+        ks = sorted({lin.k for lin in model.linears})
+        gate.refusals.append(f"no group size of {rules.GROUP_SIZES} divides every K ({ks})")
+    gate.group_size = group
+    if device.arch.value == "aarch64" or device.isa_class == "arm":
+        gate.notes.append("PyTorch's CPU tinygemm kernel on ARM has not been run by this project (unverified)")
+    return gate
+
+
+# vLLM's W4A8 kernel (docs/FACTS.md): int4_scaled_mm_cpu lives in `_C`, the library vLLM loads where AVX-512 comes
+# with AVX512-BF16, and is built for AVX512-BF16 + AVX512-VNNI; `_C_AVX512` and `_C_AVX2` have no such op.
+W4A8_OP = "int4_scaled_mm_cpu"
+# its edge.catalog.kernel_registry entry, as records name it
+W4A8_KERNEL = kernels_for(the_path(gate="gate_w4a8"), None, "all")[0]
+DERIVED_NOTE = "derived from ISA flags; no calibration record confirms the op runs"
+
+
+def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: CalibrationRecord | None = None) -> Gate:
+    """W4A8 = vLLM's int4_scaled_mm_cpu with int8 activations: runnable where the native library vLLM loads
+    registers the op. `calibration` (this device's record, edge.device.calibration.best_match) settles it when it timed
+    the op (ok) or found it missing or crashing; without one the ISA flags and the known library decide, and the
+    gate says so. Every host runs it through the plugin's cpu_w4a8 (AMX ones too: edge.catalog.weight_paths)."""
+    gate = Gate(_gated(gate_w4a8))
+    if refusal := _phone_refusal(device):
+        gate.refusals.append(refusal)
+    result = calibration.kernel(W4A8_KERNEL) if calibration is not None else None
+    if result is not None and result.status != "ok":
+        why = f": {result.reason}" if result.reason else ""
+        gate.refusals.append(f"the calibration record found {W4A8_OP} {result.status} on this CPU{why} "
+                             f"({calibration.describe()})")  # fmt: skip
+    elif result is None:
+        gate.refusals += _w4a8_isa_refusals(device)
+    capability = device.runtime.torch_cpu_capability.value
+    if capability is not None and capability != "AVX512" and not device.has_amx:
+        # ATEN_CPU_CAPABILITY/ONEDNN_MAX_CPU_ISA held to AVX2 on an AVX-512 CPU: the op's oneDNN int8 brgemm then
+        # fails from 16 rows ("I8 Brgemm is only supported ... amx", edge-calibrate on the Zen 5 host, 2026-11-30)
+        gate.refusals.append(f"torch runs its {capability} kernels here (ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA "
+                             f"set), under which {W4A8_OP} fails from 16 rows")  # fmt: skip
+    group = rules.pick_gptq_group_size(model)
+    if group is None:
+        bad = [f"{lin.name} {lin.n}x{lin.k}" for lin in model.linears if not rules.gptq_compatible(lin, 32)]
+        gate.refusals.append(f"vLLM's CPU GPTQ needs N and K multiples of 32 and a group dividing K: {bad}")
+    gate.group_size = group
+    if gate.runnable and result is None:
+        gate.notes.append(DERIVED_NOTE)
+    if gate.runnable and device.has_amx:
+        gate.notes.append(
+            f"the reference study measured W4A8 on AMX through vLLM's own GPTQ method; the plugin's cpu_w4a8 "
+            f"calls the same {W4A8_OP} with an 8-bit head and embedding, but has never run on AMX here "
+            "(unverified end to end)"
+        )
+    return gate
+
+
+def _w4a8_isa_refusals(device: DeviceProfile) -> list[str]:
+    """Why the device's vLLM library has no int4_scaled_mm_cpu, judged from its flags and its known library."""
+    native = device.runtime.vllm_native_library.value
+    if native is not None and native != "_C":
+        return [f"vLLM loads {native} on this CPU; only _C has {W4A8_OP} (W4A8 needs AVX-512 with AVX512-BF16 "
+                "and AVX512-VNNI, or AMX)"]  # fmt: skip
+    if device.has_amx:
+        return []
+    if device.arch.value == "aarch64" or device.isa_class == "arm":
+        return [f"vLLM 0.28 runs {W4A8_OP} on x86 (AVX512-BF16 and AVX512-VNNI, or AMX tiles) and RISC-V; no ARM "
+                "build of it is known here"]  # fmt: skip
+    if not device.has("avx512f"):
+        return [f"vLLM's AVX2 build (_C_AVX2) has no 4-bit GEMM at all, so no {W4A8_OP}; W4A8 needs AVX-512 with "
+                "AVX512-BF16 and AVX512-VNNI, or AMX tiles"]  # fmt: skip
+    if not device.has("avx512_bf16"):
+        return [f"AVX-512 without AVX512-BF16: vLLM loads _C_AVX512, which has no {W4A8_OP} (W4A8 needs "
+                "AVX512-BF16 and AVX512-VNNI, or AMX tiles)"]  # fmt: skip
+    if not device.has("avx512_vnni"):
+        return [f"{W4A8_OP} is built for AVX512-VNNI, which this CPU lacks (and it has no AMX tiles)"]
+    return []
+
+
+def all_gates(
+    device: DeviceProfile, model: ModelShape, calibration: CalibrationRecord | None = None
+) -> dict[WeightPath, Gate]:
+    """Every path's gate, as its spec names it (edge.catalog.weight_paths), in the spec's order."""
+    return {name: GATES[spec.gate](device, model, calibration) for name, spec in PATHS.items()}  # type: ignore[misc]
+
+
+GATES: dict[str, Callable[..., Gate]] = {fn.__name__: fn for fn in (gate_w4a8, gate_w4a16, gate_bf16, gate_export_only)}
