@@ -129,8 +129,9 @@ def wide_source_weights(model: ModelShape) -> tuple[str, ...]:
     return source_weights(model, lambda type_name: type_name in WIDE_SOURCE_TYPES)
 
 
-# When vLLM fuses weights of different formats into one layer, all take the widest.
-_WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
+# When vLLM fuses weights of different formats into one layer, all take the widest (the cost model counts such a
+# layer so too).
+FORMAT_WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
 # vLLM's fused layers and the checkpoint weights they load (Llama's packed_modules_mapping).
 SHARDS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -315,7 +316,7 @@ class QuantRules:
             return Decision("bf16", "listed in quantization_config.ignore")
         base = prefix.removesuffix(kind(prefix))
         decided = [(shard, self.weight(base + shard, n, k)) for shard, n in shards]
-        shard, widest = max(decided, key=lambda pair: _WIDTH[pair[1].format])
+        shard, widest = max(decided, key=lambda pair: FORMAT_WIDTH[pair[1].format])
         if all(d.format == widest.format for _, d in decided):
             return widest
         return Decision(widest.format, f"fused with {shard}, which is {widest.format} ({widest.why})")
@@ -330,7 +331,7 @@ class QuantRules:
             base = prefix.removesuffix(kind(prefix))
             for sibling in SHARDS[fused]:
                 other = decided.get(base + sibling)
-                if other is not None and _WIDTH[other.format] < _WIDTH[decision.format]:
+                if other is not None and FORMAT_WIDTH[other.format] < FORMAT_WIDTH[decision.format]:
                     decided[base + sibling] = Decision(
                         decision.format,
                         f"fused with {kind(prefix)} in vLLM's {fused}, which is {decision.format} ({decision.why})",

@@ -32,6 +32,7 @@ from edge.catalog.kernel_registry import (
 )
 from edge.catalog.quantized_layers import (
     EMBEDDING,
+    FORMAT_WIDTH,
     FUSED,
     HEAD,
     SHARDS,
@@ -47,7 +48,6 @@ from edge.formats import format_of
 PROMPT_TOKENS = 512
 NEW_TOKENS = 128
 CALIBRATION_ROWS = (1, 4, 16, 64, 128, 512)  # M edge-calibrate times: decode, batched decode, prefill sizes
-_WIDTH = {"int4": 0, "int8": 1, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def engine_linears(layers: list[LayerDecision]) -> list[EngineLinear]:
         counts = [format_counts(shard) for shard in shards]
         if any(c != counts[0] for c in counts):  # shards decided apart, not by the plan's rules: the widest
             assert all(len(c) == 1 for c in counts), counts
-            counts = [{max((next(iter(c)) for c in counts), key=_WIDTH.__getitem__): parts[0].count}]
+            counts = [{max((next(iter(c)) for c in counts), key=FORMAT_WIDTH.__getitem__): parts[0].count}]
         n = sum(shard[0].n for shard in shards)
         out += [gemm(fused, n, parts[0].k, count, fmt) for fmt, count in counts[0].items()]
     return out
