@@ -9,8 +9,8 @@ Each linear runs the kernel its format and the option say (edge.catalog.kernel_r
 kernels (below the dequant threshold the decode kernel, from it the prefill kernel), int8 layers the int8 kernel
 (per group: the AVX2 one) below the threshold and a dequantize + bf16 GEMM from it, bf16 layers the bf16 GEMM.
 Times come from the record at the exact shape and M when measured; between measured M they are interpolated
-linearly; a shape the record lacks is scaled from the measured shape of nearest size by weight count (said so in
-the result). Pure: no torch, no I/O.
+linearly; a shape the record lacks is priced from the measured shape of nearest size timed at as many rows, scaled
+by weight count (said so in the result, with how far). Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -119,22 +119,50 @@ def _interpolate(points: dict[int, float], m: int) -> float:
     return points[lo] + (points[hi] - points[lo]) * (m - lo) / (hi - lo)
 
 
+@dataclass(frozen=True)
+class Scaled:
+    """A shape the record did not time, priced from another that it did."""
+
+    shape: tuple[int, int]
+    source: tuple[int, int]
+
+    @property
+    def factor(self) -> float:
+        """How far the price was extrapolated: the shape's weights over the source's."""
+        return self.shape[0] * self.shape[1] / (self.source[0] * self.source[1])
+
+    def describe(self) -> str:
+        (n, k), (sn, sk) = self.shape, self.source
+        return f"{n}x{k} from {sn}x{sk} ({self.factor:.2g}x its weights)"
+
+
 @dataclass
 class KernelTimes:
     """A record's times for one kernel, with the shape fallback stated."""
 
     result: KernelResult
-    scaled: set[tuple[int, int]] = field(default_factory=set)  # shapes scaled from another measured shape
+    scaled: set[Scaled] = field(default_factory=set)  # shapes priced from another measured shape
 
     def ms(self, n: int, k: int, m: int) -> float:
         points = self.result.at(n, k)
-        if not points:
-            shapes = {(t.n, t.k) for t in self.result.times}
-            assert shapes, "timed results carry times"
-            near_n, near_k = min(shapes, key=lambda s: abs(s[0] * s[1] - n * k))
-            self.scaled.add((n, k))
-            return _interpolate(self.result.at(near_n, near_k), m) * (n * k) / (near_n * near_k)
-        return _interpolate(points, m)
+        if points:
+            return _interpolate(points, m)
+        source = self.source(n, k, m)
+        self.scaled.add(Scaled((n, k), source))
+        return _interpolate(self.result.at(*source), m) * (n * k) / (source[0] * source[1])
+
+    def source(self, n: int, k: int, m: int) -> tuple[int, int]:
+        """The timed shape an untimed [N, K] at M rows is priced from: the nearest in weight count (by ratio) among
+        those timed at M rows or more, so that a prompt's price is never stretched in rows from a shape timed only
+        for decode (the head, at up to 16 rows: a dequantizing kernel's fixed cost would be counted 32 times over
+        at 512). At the same M a call's bytes and its multiply-adds both grow with the weight count, so the price
+        scales by it (tested against timed shapes held out of the record: tests/edge/test_cost.py)."""
+        reach: dict[tuple[int, int], int] = {}
+        for t in self.result.times:
+            reach[(t.n, t.k)] = max(reach.get((t.n, t.k), 0), t.m)
+        assert reach, "timed results carry times"
+        covering = [shape for shape, rows in reach.items() if rows >= m] or list(reach)
+        return min(covering, key=lambda s: (abs(math.log(s[0] * s[1] / (n * k))), s))
 
 
 def kernel_times(record: CalibrationRecord, name: str) -> KernelTimes:
@@ -210,7 +238,7 @@ class RequestCost:
     prefill_ms: float
     decode_step_ms: float  # one decode step for one sequence (the batch's step / batch)
     kernels: dict[str, float]  # ms of the request spent in each kernel
-    scaled_shapes: list[str]  # shapes not in the record, scaled from another
+    scaled_shapes: list[str]  # shapes not in the record, each with the shape it was priced from and how far
     substituted: list[str]  # kernels the record lacks, counted at another's times
 
 
@@ -273,7 +301,7 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
     step = sum(run(lin, batch) for lin in linears) / batch
     for name in spent:  # the request's share of NEW_TOKENS steps, from the one batched step recorded
         spent[name] = before.get(name, 0.0) + (spent[name] - before.get(name, 0.0)) * NEW_TOKENS / batch
-    scaled = sorted({f"{n}x{k}" for t in times.values() for n, k in t.scaled})
+    scaled = sorted({s.describe() for t in times.values() for s in t.scaled})
     return RequestCost(prefill + NEW_TOKENS * step, prefill, step, spent, scaled, sorted(substituted))
 
 

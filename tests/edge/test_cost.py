@@ -129,7 +129,41 @@ def test_times_between_measured_rows_are_interpolated_and_other_shapes_scaled_by
     assert at_9.decode_step_ms == pytest.approx(5.0 / 9)
     scaled = request_cost(record, [EngineLinear("lm_head", 200, 200, 1, "bf16")], "bf16", None,
                           dequant_threshold=128, prefill_dtype="bfloat16")  # fmt: skip
-    assert scaled.decode_step_ms == pytest.approx(2.0) and scaled.scaled_shapes == ["200x200"]
+    assert scaled.decode_step_ms == pytest.approx(2.0)
+    assert scaled.scaled_shapes == ["200x200 from 100x200 (2x its weights)"]
+
+
+def test_a_prompt_at_an_untimed_shape_is_priced_from_a_shape_timed_at_a_prompts_rows():
+    """The head is timed at decode rows only (HEAD_MAX_ROWS): a 512-row price stretched from its 16 rows would
+    count a dequantizing kernel's fixed cost 32 times over (issue 48: a ~1B's gate_up_proj priced from SmolLM2's
+    head put direct's prefill at 54 s). A smaller shape timed at 512 rows prices it instead, by weight count."""
+    record = _record({"dequant-bf16": {(1000, 1000, 1): 10.0, (1000, 1000, 16): 10.5, (100, 1000, 1): 1.0,
+                                       (100, 1000, 512): 4.0},
+                      "tinygemm": {(1000, 1000, 1): 0.1}})  # the decode steps' kernel  # fmt: skip
+    cost = request_cost(record, [EngineLinear("gate_up_proj", 2000, 1000, 1, "int4")], "w4a16-tinygemm", "direct",
+                        dequant_threshold=128, prefill_dtype="bfloat16")  # fmt: skip
+    assert cost.kernels["dequant-bf16"] == pytest.approx(4.0 * 20)  # 20x the weights of the shape timed at 512 rows
+    assert "2000x1000 from 100x1000 (20x its weights)" in cost.scaled_shapes
+
+
+@pytest.mark.parametrize("held", [(4096, 4096), (49152, 576)])
+def test_a_big_shape_held_out_of_a_real_record_is_priced_within_a_third_at_decode_rows(held):
+    """The Zen 5 record (the default model's shapes and the 4096x4096 reference), each of its two big shapes left
+    out in turn and priced from the rest, against its own measured times: every kernel, every decode row count
+    (a decode step's cost is its bytes, which grow with the weight count). Measured: 0.75x-1.33x."""
+    record = CalibrationRecord.model_validate_json((DATA / "calibration_epyc_zen5.json").read_text())
+    from edge.measure.cost import KernelTimes
+
+    ratios = {}
+    for result in record.kernels:
+        if result.status != "ok":
+            continue
+        rest = KernelTimes(result.model_copy(update={"times": [t for t in result.times if (t.n, t.k) != held]}))
+        for t in result.times:
+            if (t.n, t.k) == held and t.m <= 16:
+                ratios[(result.kernel, t.m)] = rest.ms(t.n, t.k, t.m) / t.ms
+    assert len(ratios) >= 20
+    assert all(1 / 1.4 < r < 1.4 for r in ratios.values()), ratios
 
 
 def test_an_option_whose_kernel_was_not_timed_is_unmeasured():
