@@ -58,8 +58,6 @@ CORE_SLOW = {
         "deploy/edge-up --model FILE.gguf with the real vLLM: the file converted, served, its chat template used",
     "tests/kernels/test_evaluate.py::test_default_model_quality_under_this_hosts_plan_is_in_a_sane_range":
         "edge-eval on the real default model under this host's plan",
-    "tests/kernels/test_eval_families.py::test_a_gemma_3_candidate_scores_what_the_vllm_engine_serves":
-        "edge-eval's Gemma 3 candidate against the real vLLM's prompt log-probs of the same speed-plan checkpoint",
 }
 
 

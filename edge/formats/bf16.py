@@ -17,7 +17,7 @@ from edge.formats.base import (
     layer_linears,
     resident,
 )
-from edge.model.shapes import ModelShape
+from edge.model.shapes import LinearShape, ModelShape
 
 
 class Bf16(WeightFormat):
@@ -25,7 +25,7 @@ class Bf16(WeightFormat):
     kernel_layouts = ("bf16",)
     derived_bytes = 2.0
 
-    def bytes(self, lin, group: int | None = None) -> int:
+    def bytes(self, lin: LinearShape, group: int | None = None) -> int:
         return bf16_bytes(lin)
 
     def weight_items(self, model: ModelShape, layers: Layers, layout: str | None, group: int | None, *,
