@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from edge.device import calibration as calibrations_cache
 from edge.device.calibration import CalibrationRecord, best_match
+from edge.device.calibration import cached_records as cached_calibrations
 from edge.device.profile import DeviceProfile
 from edge.measure.quality import QualityRecord, cached_records
 from edge.model.shapes import ModelShape
@@ -46,6 +46,6 @@ def gather(device: DeviceProfile, model: ModelShape, *, quality: list[QualityRec
     them once for many devices (POST /plan/batch); `calibration` is a record the user named."""
     quality = cached_records() if quality is None else quality
     if calibration is None:
-        records = calibrations_cache.cached_records() if calibrations is None else calibrations
+        records = cached_calibrations() if calibrations is None else calibrations
         calibration = best_match(records, device, model.name)
     return PlanInputs(device, model, quality, calibration)

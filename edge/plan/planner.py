@@ -102,14 +102,20 @@ class Weights:
 
 @dataclass
 class Evaluated:
-    option: Option
-    gate: Gate
-    weights: Weights
+    weights: Weights  # the option, its gate and its layers
     memory: MemoryLedger
     quality: QualityRecord | None = None  # edge-eval's measurement of this option's weights, when there is one
     # unmeasured for this model, but a path that quantizes activations whose every record (other models) is over
     # the speed floor: the best of those records (lossy_elsewhere)
     elsewhere: QualityRecord | None = None
+
+    @property
+    def option(self) -> Option:
+        return self.weights.option
+
+    @property
+    def gate(self) -> Gate:
+        return self.weights.gate
 
     def too_lossy(self, max_kld: float) -> bool:
         return self.quality is not None and self.quality.kld_mean > max_kld
@@ -407,7 +413,7 @@ def _evaluate(weights: Weights, req: Request, records: list[QualityRecord]) -> E
     option = weights.option
     measured = _measured(weights, records)
     elsewhere = None if measured else lossy_elsewhere(option.path, records, req.max_kld)
-    return Evaluated(option, weights.gate, weights, _estimate(weights, req), measured, elsewhere)
+    return Evaluated(weights, _estimate(weights, req), measured, elsewhere)
 
 
 def _serving_mode_reason(mode: ServingMode, asked: bool, device: DeviceProfile) -> Reason:
