@@ -82,6 +82,26 @@ inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+// Prefetch `bytes` from p, a row the kernel reads a few rows later, into L2 (T1), not L1: a stream of rows brought
+// into L1 evicts the activations every channel reads again. Measured on the Zen 4 (benchmarks/gguf_grids.py
+// --prefetch, one process per hint, alternating): w4a8 at 2048x5632 from 42 % to 73-80 % of the read bound.
+// EDGE_AVX2_PREFETCH=l1 restores the L1 hint (for that comparison).
+inline bool prefetch_l1() {
+  static const bool l1 = [] {
+    const char* env = std::getenv("EDGE_AVX2_PREFETCH");
+    return env && std::strcmp(env, "l1") == 0;
+  }();
+  return l1;
+}
+
+inline void prefetch_row(const char* p, int64_t bytes) {
+  if (prefetch_l1()) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  } else {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+  }
+}
+
 template <typename T>
 inline __m256i loadu(const T* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -302,6 +322,48 @@ at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return out.to(x.scalar_type()).reshape(out_shape);
 }
 
+// A GGUF's Q4_K tensor at its own size (kernels/ops/q4k.py): qweight uint8 [N, K/2] (cpu_int4's row-major nibbles,
+// the file's codes) and meta uint8 [N, K/256 * 16] (each block's d, dmin and 6-bit scales as the file holds them):
+// 144 bytes per 256 weights, the file's own. int8 activations per group of 32, as w4a8_linear's.
+at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& meta) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.size(1) % 128 == 0,
+              "qweight: expected uint8 [N, K/2] with K a multiple of 256, got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  const int64_t n = qweight.size(0), k = qweight.size(1) * 2, groups = k / 32;
+  TORCH_CHECK(meta.dim() == 2 && meta.scalar_type() == at::kByte && meta.size(0) == n && meta.size(1) == k / 16,
+              "meta: expected uint8 [", n, ", ", k / 16, "], got ", meta.scalar_type(), " ", meta.sizes());
+  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
+              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out.reshape(out_shape);
+  std::vector<int8_t> codes(static_cast<size_t>(m * k + 64));
+  std::vector<float> scratch(static_cast<size_t>(2 * m * groups + m * n));
+  int8_t* xe = codes.data();
+  int8_t* xo = xe + m * (k / 2);
+  float* a = scratch.data();
+  float* xs = a + m * groups;
+  float* yp = xs + m * groups;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x2.scalar_type(), "edge_q4k_quantize", [&] {
+    quantize_acts<int8_t>(x2.data_ptr<scalar_t>(), m, k, 32, 127, xe, xo, a, xs);
+  });
+  const Acts<int8_t> acts{xe, xo, a, xs};
+  at::Tensor qw = qweight.contiguous(), me = meta.contiguous();
+  const uint8_t* wp = qw.data_ptr<uint8_t>();
+  const uint8_t* mp = me.data_ptr<uint8_t>();
+  const auto run = pick(isa_plain::channels_q4k, isa_vnni::channels_q4k, isa_vnni512::channels_q4k);
+  const int64_t grain = std::max<int64_t>(1, 16384 / (k / 2));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run(wp, mp, acts, yp, begin, end, m, n, k); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "edge_q4k_out", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
+  });
+  return out.reshape(out_shape);
+}
 
 bool vnni_in_use() { return use_vnni(); }
 
@@ -330,6 +392,7 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("w4a16_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def("w4a8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def("w8a16_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("q4k_linear(Tensor x, Tensor qweight, Tensor meta) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
         "Tensor zeros, int group, int mode, int dequant_threshold, bool fp32_prefill, int avx2_rows, "
@@ -340,6 +403,7 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("w4a16_linear", &w4a16_linear);
   m.impl("w4a8_linear", &w4a8_linear);
   m.impl("w8a16_linear", &w8a16_linear);
+  m.impl("q4k_linear", &q4k_linear);
   m.impl("int4_linear", &int4_linear);
 }
 
@@ -487,29 +551,70 @@ struct A8 {
   }
 };
 
+// Where a channel's scale and zero come from, 8 groups at a time (s: scale, z: the coefficient of a * sum xq, i.e.
+// zero - 8 scale for cpu_int4's w = (q - 8) scale + zero).
+// cpu_int4's bf16 scales and zeros [N, K/GROUP].
+struct Bf16Grid {
+  const uint16_t* scales;
+  const uint16_t* zeros;
+  int64_t groups;
+  inline void eight(int64_t col, int64_t g, __m256& s, __m256& z) const {
+    s = load_bf16x8(scales + col * groups + g);
+    z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load_bf16x8(zeros + col * groups + g));
+  }
+  inline void one(int64_t col, int64_t g, float& s, float& z) const {
+    s = bf16_to_float(scales[col * groups + g]);
+    z = bf16_to_float(zeros[col * groups + g]) - 8.f * s;
+  }
+};
+
+// A GGUF Q4_K tensor's own scales (kernels/ops/q4k.py): per block of 256 weights (8 groups of 32), 16 bytes,
+// fp16 d | fp16 dmin | 12 bytes of 6-bit (sc_j, m_j); w = d sc_j q - dmin m_j, so s = d sc_j and z = -dmin m_j.
+// The 12 bytes b as 32-bit lanes [L, H, X]: sc_0..3 = L & 63, m_0..3 = H & 63; sc_4..7 = X's low nibbles with L's
+// top 2 bits above them, m_4..7 = X's high nibbles with H's top 2 bits above them.
+struct Q4kGrid {
+  const uint8_t* meta;
+  int64_t blocks;
+  inline void eight(int64_t col, int64_t g, __m256& s, __m256& z) const {
+    const uint8_t* blk = meta + (col * blocks + g / 8) * 16;
+    uint32_t dd;
+    std::memcpy(&dd, blk, 4);
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));  // [d, dmin, 0, 0]
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));  // [d dmin, L, H, X] as 32-bit lanes
+    const __m128i six = _mm_set1_epi8(0x3F), four = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(0x03);
+    const __m128i low = _mm_and_si128(_mm_srli_si128(v, 4), six);  // [sc0-3, m0-3, ...]
+    const __m128i top = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(_mm_srli_si128(v, 4), 6), two), 4);  // L, H
+    const __m128i x = _mm_shuffle_epi32(v, 0xFF);  // X in every lane
+    const __m128i nibbles = _mm_and_si128(_mm_srlv_epi32(x, _mm_setr_epi32(0, 4, 0, 0)), four);  // [X lo, X hi]
+    const __m128i high = _mm_or_si128(nibbles, top);  // [sc4-7, m4-7, ...]
+    const __m128i sm = _mm_unpacklo_epi32(low, high);  // [sc0-3, sc4-7, m0-3, m4-7]
+    s = _mm256_mul_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    z = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_sub_ps(_mm_setzero_ps(), _mm_movehdup_ps(d))),
+                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+  }
+  inline void one(int64_t, int64_t, float& s, float& z) const { s = z = 0.f; }  // K is whole blocks: never called
+};
+
 // Output channel `col` for MB activation rows from `m0`; writes y[m0 .. m0+MB, col].
-template <template <int, int> class Kind, int MB, int GROUP>
-void channel(const uint8_t* qweight, const uint16_t* scales, const uint16_t* zeros,
-             const Acts<typename Kind<MB, GROUP>::Q>& x, float* y, int64_t col, int64_t m0, int64_t n, int64_t k) {
+template <template <int, int> class Kind, int MB, int GROUP, typename Grid>
+void channel(const uint8_t* qweight, const Grid& grid, const Acts<typename Kind<MB, GROUP>::Q>& x, float* y,
+             int64_t col, int64_t m0, int64_t n, int64_t k) {
   using K = Kind<MB, GROUP>;
   const int64_t half_k = k / 2;
   const int64_t groups = k / GROUP;
   const uint8_t* wrow = qweight + col * half_k;
-  const uint16_t* srow = scales + col * groups;
-  const uint16_t* zrow = zeros + col * groups;
   const typename K::Q* xe = x.xe + m0 * half_k;
   const typename K::Q* xo = x.xo + m0 * half_k;
   const float* a = x.a + m0 * groups;
   const float* xs = x.xs + m0 * groups;
   __m256 total[MB];
   for (int r = 0; r < MB; ++r) total[r] = _mm256_setzero_ps();
-  const __m256 eight = _mm256_set1_ps(8.f);
   int64_t g = 0;
   for (; g + 8 <= groups; g += 8) {
     __m256i dots[MB];
     K::dots8(wrow, xe, xo, half_k, g * (GROUP / 2), dots);
-    const __m256 s = load_bf16x8(srow + g);
-    const __m256 z = _mm256_fnmadd_ps(eight, s, load_bf16x8(zrow + g));  // zero - 8 * scale
+    __m256 s, z;
+    grid.eight(col, g, s, z);
     for (int r = 0; r < MB; ++r) {
       const __m256 sa = _mm256_mul_ps(s, _mm256_loadu_ps(a + r * groups + g));
       total[r] = _mm256_fmadd_ps(sa, _mm256_cvtepi32_ps(dots[r]), total[r]);
@@ -519,8 +624,8 @@ void channel(const uint8_t* qweight, const uint16_t* scales, const uint16_t* zer
   float tail[MB];
   for (int r = 0; r < MB; ++r) tail[r] = 0.f;
   for (; g < groups; ++g) {  // the last groups % 8
-    const float s = bf16_to_float(srow[g]);
-    const float z = bf16_to_float(zrow[g]) - 8.f * s;
+    float s, z;
+    grid.one(col, g, s, z);
     int32_t dot[MB];
     K::dot1(wrow, xe, xo, half_k, g * (GROUP / 2), dot);
     for (int r = 0; r < MB; ++r)
@@ -529,21 +634,21 @@ void channel(const uint8_t* qweight, const uint16_t* scales, const uint16_t* zer
   for (int r = 0; r < MB; ++r) y[(m0 + r) * n + col] = hsum_ps(total[r]) + tail[r];
 }
 
-template <template <int, int> class Kind, int GROUP, typename Q>
-void channels(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<Q>& x, float* yp,
-              int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+template <template <int, int> class Kind, int GROUP, typename Q, typename Grid>
+void channels(const uint8_t* wp, const Grid& grid, const Acts<Q>& x, float* yp, int64_t begin, int64_t end,
+              int64_t m, int64_t n, int64_t k) {
   // Channel outermost: its weights come from memory once and stay in L1 for every block of rows. The row ~8 KB
-  // ahead is prefetched: one thread's stream alone reached ~18 GB/s, with it ~29 GB/s (int8, 4096x4096, Zen 5).
+  // ahead is prefetched (into L2: prefetch_row): one thread's stream alone reached ~18 GB/s, with it ~29 GB/s (int8,
+  // 4096x4096, Zen 5).
   const int64_t half_k = k / 2;
   const int64_t ahead = std::max<int64_t>(1, (8192 + half_k - 1) / half_k);
   for (int64_t c = begin; c < end; ++c) {
     if (c + ahead < end) {
-      const char* next = reinterpret_cast<const char*>(wp + (c + ahead) * half_k);
-      for (int64_t off = 0; off < half_k; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      prefetch_row(reinterpret_cast<const char*>(wp + (c + ahead) * half_k), half_k);
     }
     int64_t m0 = 0;
-    for (; m0 + 2 <= m; m0 += 2) channel<Kind, 2, GROUP>(wp, sp, zp, x, yp, c, m0, n, k);
-    if (m0 < m) channel<Kind, 1, GROUP>(wp, sp, zp, x, yp, c, m0, n, k);
+    for (; m0 + 2 <= m; m0 += 2) channel<Kind, 2, GROUP>(wp, grid, x, yp, c, m0, n, k);
+    if (m0 < m) channel<Kind, 1, GROUP>(wp, grid, x, yp, c, m0, n, k);
   }
 }
 
@@ -599,8 +704,7 @@ void channels_int8_wg(const int8_t* wp, const void* sp, const int16_t* xq, const
   const int64_t ahead = std::max<int64_t>(1, (8192 + k - 1) / k);  // ~8 KB ahead, as channels()
   for (int64_t c = begin; c < end; ++c) {
     if (c + ahead < end) {
-      const char* next = reinterpret_cast<const char*>(wp + (c + ahead) * k);
-      for (int64_t off = 0; off < k; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      prefetch_row(reinterpret_cast<const char*>(wp + (c + ahead) * k), k);
     }
     int64_t m0 = 0;
     for (; m0 + 2 <= m; m0 += 2) int8_channel<2, WG>(wp, sp, xq, a, yp, c, m0, n, k);
@@ -622,10 +726,11 @@ void channels_int8(const int8_t* wp, const void* sp, const int16_t* xq, const fl
 template <template <int, int> class Kind, typename Q>
 void channels_any_group(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<Q>& x, float* yp,
                         int64_t group, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  const Bf16Grid grid{sp, zp, k / group};
   switch (group) {
-    case 32: channels<Kind, 32>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
-    case 64: channels<Kind, 64>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
-    default: channels<Kind, 128>(wp, sp, zp, x, yp, begin, end, m, n, k); break;
+    case 32: channels<Kind, 32>(wp, grid, x, yp, begin, end, m, n, k); break;
+    case 64: channels<Kind, 64>(wp, grid, x, yp, begin, end, m, n, k); break;
+    default: channels<Kind, 128>(wp, grid, x, yp, begin, end, m, n, k); break;
   }
 }
 
@@ -637,6 +742,12 @@ void channels_a16(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, con
 void channels_a8(const uint8_t* wp, const uint16_t* sp, const uint16_t* zp, const Acts<int8_t>& x, float* yp,
                  int64_t group, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
   channels_any_group<A8>(wp, sp, zp, x, yp, group, begin, end, m, n, k);
+}
+
+// Q4_K: cpu_int4's codes, the block's own scales (meta: uint8 [N, K/256 * 16]); int8 activations per 32.
+void channels_q4k(const uint8_t* wp, const uint8_t* meta, const Acts<int8_t>& x, float* yp, int64_t begin,
+                  int64_t end, int64_t m, int64_t n, int64_t k) {
+  channels<A8, 32>(wp, Q4kGrid{meta, k / 256}, x, yp, begin, end, m, n, k);
 }
 
 #endif  // EDGE_AVX2_INT4_BODY

@@ -129,6 +129,10 @@ def _register_fake() -> None:
     def _fake_int8(x, qweight, scales):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @torch.library.register_fake(f"{OP_NAMESPACE}::q4k_linear")
+    def _fake_q4k(x, qweight, meta):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
     @torch.library.register_fake(f"{OP_NAMESPACE}::int4_linear")
     def _fake_layer(x, packed, scales_and_zeros, *rest):
         return x.new_empty((*x.shape[:-1], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
@@ -136,7 +140,7 @@ def _register_fake() -> None:
 
 @cache
 def op(name: str) -> torch._ops.OpOverload:
-    """The loaded op's overload (w4a16_linear, w4a8_linear or w8a16_linear), looked up once: the decode step
+    """The loaded op's overload (w4a16_linear, w4a8_linear, w8a16_linear or q4k_linear), looked up once: the decode step
     calls it ~120 times, and torch.ops' attribute lookups cost about as much as a 576x576 GEMV's arithmetic."""
     reason = load()
     if reason:

@@ -244,10 +244,12 @@ def test_a_checkpoint_asking_for_the_avx2_kernel_keeps_its_rows_and_a_wrong_name
 _PLAIN_SCRIPT = """
 import sys, torch
 from kernels.ops import avx2_int4
-from tests.kernels.test_avx2_int4 import _int8_cases, _vnni_cases
+from kernels.ops import q4k
+from tests.kernels.test_avx2_int4 import _int8_cases, _q4k_cases, _vnni_cases
 assert avx2_int4.load() is None and not torch.ops.edge_avx2.uses_vnni()
 torch.save([avx2_int4.linear(*case) for case in _vnni_cases()]
-           + [avx2_int4.int8_linear(*case) for case in _int8_cases()], sys.argv[1])
+           + [avx2_int4.int8_linear(*case) for case in _int8_cases()]
+           + [q4k.linear(*case) for case in _q4k_cases()], sys.argv[1])
 """
 
 
@@ -269,6 +271,15 @@ def _int8_cases():
     return [(x, *quantize_int8(w, group=group)) for group in (None, 16, 32)]
 
 
+def _q4k_cases():
+    """The Q4_K kernel on random blocks (kernels/ops/q4k.py), bf16 activations."""
+    from kernels.ops.q4k import from_blocks
+    from tests.kernels.test_q4k import random_blocks
+
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    return [(x[:m], *from_blocks(random_blocks(200, 1024, seed=m))) for m in (1, 3)]
+
+
 @needs_kernel
 def test_the_avx_vnni_build_gives_the_plain_avx2_builds_results_bit_for_bit(tmp_path):
     """Where the CPU has AVX-VNNI the op runs vpdpwssd/vpdpbusd; EDGE_AVX2_VNNI=0 (a child process: the choice is
@@ -284,7 +295,10 @@ def test_the_avx_vnni_build_gives_the_plain_avx2_builds_results_bit_for_bit(tmp_
     env = {**os.environ, "EDGE_AVX2_VNNI": "0", "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", _PLAIN_SCRIPT, str(out)], env=env, cwd=root, check=True, timeout=600)
     plain = torch.load(out)
+    from kernels.ops import q4k
+
     ours = [avx2_int4.linear(*case) for case in _vnni_cases()] + [avx2_int4.int8_linear(*c) for c in _int8_cases()]
+    ours += [q4k.linear(*case) for case in _q4k_cases()]
     for i, (mine, expected) in enumerate(zip(ours, plain, strict=True)):
         assert torch.equal(mine, expected), i
 

@@ -1,0 +1,207 @@
+"""A GGUF's grids at their own size (issue 42 part 3): the decode kernel that reads a Q4_K tensor's own blocks
+(144 bytes per 256 weights, 4.5 bits a weight) against today's path for the same tensor, its codes on the cpu_int4
+grid at group 32 with bf16 scale and zero (5 bits a weight), and against this host's read bound, side by side.
+
+    .venv/bin/python -m benchmarks.gguf_grids [--rounds 40] [--rows 1] [--shapes 11264x2048,...] [--json OUT]
+
+Variants, interleaved call by call within each (shape, rows), median of `rounds` calls each, 1 torch thread, clock =
+wall time of the call (the read loop is timed the same way):
+  - q4k        torch.ops.edge_avx2.q4k_linear on the file's bytes (kernels/ops/q4k.py: its codes as cpu_int4's
+                 row-major nibbles, its scales as they are), int8 activations per 32;
+  - w4a8-g32   torch.ops.edge_avx2.w4a8_linear on the same codes repacked to cpu_int4 (today's Q4_K path);
+  - int8-g16   torch.ops.edge_avx2.w8a16_linear on int8 codes with float32 scales per 16 (today's path for a Q6_K
+               tensor, 10 bits a weight; random codes of the same shape), for the prefetch comparison;
+  - read       benchmarks/read_bandwidth.cpp's 256-bit loop over a buffer the size of the q4k weights' copies.
+Every call reads the next of enough weight copies to exceed 2x the last-level cache, so weights come from memory
+as in serving. GB/s = the bytes the variant's weights hold / median time; `of bound` = that over the read loop's
+rate in the same run.
+`--prefetch`: instead, one process per prefetch hint of the AVX2 kernels (EDGE_AVX2_PREFETCH=l1, the old hint,
+and the default L2 hint), alternating for `--passes` passes: each variant's fraction of the bound per hint (median
+over passes) and the time ratio. Otherwise two processes: the build this host picks (AVX512-VNNI or AVX-VNNI on
+256-bit vectors where present) and EDGE_AVX2_VNNI=0 (the plain AVX2 build, what an AVX2-only box such as a Zen 3
+runs).
+Random blocks: any 144 bytes are a valid Q4_K block; d and dmin are set to small positive fp16 values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# N x K of a ~1B's merged linears (make_random_gguf --preset 1b: qkv, o, gate_up, down) and the 4096x4096 reference
+SHAPES = [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (4096, 4096)]
+VARIANTS = ("q4k", "w4a8-g32", "int8-g16", "read")
+KERNELS = VARIANTS[:-1]
+BLOCK_BYTES = 144
+
+
+def random_q4k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [N, K/256 * 144]: random codes and 6-bit scales, d in [1e-4, 1e-2), dmin in [0, 1e-2)."""
+    nb = k // 256
+    blocks = rng.integers(0, 256, size=(n, nb, BLOCK_BYTES), dtype=np.uint8)
+    blocks[..., 0:2] = (rng.random((n, nb)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    blocks[..., 2:4] = (rng.random((n, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    return blocks.reshape(n, nb * BLOCK_BYTES)
+
+
+def cpu_int4_of(blocks: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Today's path for a Q4_K tensor: kernels.source.gguf_source.cpu_int4_tensors on a one-tensor model."""
+    from kernels.source.gguf_source import GgufModel, GgufTensor, cpu_int4_tensors
+
+    tensor = GgufTensor("w", "w", "Q4_K", (n, k), None, blocks)
+    model = GgufModel(Path("random.gguf"), "llama", 1, 1, {"w": tensor}, ())
+    return cpu_int4_tensors(model, "w")
+
+
+def q4k_of(blocks: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The q4k kernel's tensors for a Q4_K tensor's blocks (kernels/ops/q4k.py), its own copy of the codes."""
+    from kernels.ops.q4k import from_blocks
+
+    return from_blocks(blocks.reshape(n, k // 256, BLOCK_BYTES))
+
+
+def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict:
+    from benchmarks.read_bandwidth import extension
+    from kernels.calibrate.calibration_timers import last_level_cache_bytes
+    from kernels.ops import avx2_int4
+
+    torch.set_num_threads(1)
+    reason = avx2_int4.load()
+    if reason:
+        raise SystemExit(f"the AVX2 kernels cannot run here: {reason}")
+    reader = extension()
+    llc = last_level_cache_bytes()
+    ops = torch.ops.edge_avx2
+    q4k, w4a8, w8a16 = ops.q4k_linear, ops.w4a8_linear, ops.w8a16_linear
+    rng = np.random.default_rng(0)
+    results = []
+    for n, k in shapes:
+        copies = max(2, -(-2 * llc // (n * k // 256 * BLOCK_BYTES)))
+        files = [random_q4k(n, k, rng) for _ in range(copies)]
+        generator = torch.Generator().manual_seed(n * k)
+        held = {"q4k": [q4k_of(b, n, k) for b in files], "w4a8-g32": [cpu_int4_of(b, n, k) for b in files],
+                "int8-g16": [(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator),
+                              torch.rand(n, k // 16, generator=generator) * 1e-3) for _ in files]}  # fmt: skip
+        nbytes = {variant: sum(t.nbytes for t in held[variant][0]) for variant in held}
+        buffer = torch.ones(copies * files[0].nbytes // 4, dtype=torch.float32)
+        del files
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.float32).to(torch.bfloat16)
+            calls = {
+                "q4k": lambda i, x=x, h=held["q4k"]: q4k(x, *h[i % len(h)]),
+                "w4a8-g32": lambda i, x=x, h=held["w4a8-g32"]: w4a8(x, *h[i % len(h)], 32),
+                "int8-g16": lambda i, x=x, h=held["int8-g16"]: w8a16(x, *h[i % len(h)]),
+                "read": lambda i, b=buffer: reader.read_seconds(b, 256, 1),
+            }
+            for call in calls.values():  # warm up
+                call(0), call(1)
+            samples = {v: [] for v in VARIANTS}
+            for i in range(rounds):
+                for variant in VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)]:
+                    begin = time.perf_counter_ns()
+                    calls[variant](i)
+                    samples[variant].append(time.perf_counter_ns() - begin)
+            read_gb_s = buffer.nbytes / statistics.median(samples["read"])  # bytes per ns = GB/s
+            row = {"n": n, "k": k, "m": m, "read_gb_s": round(read_gb_s, 2)}
+            for variant in KERNELS:
+                ms = statistics.median(samples[variant]) / 1e6
+                gb_s = nbytes[variant] / ms / 1e6
+                row[variant] = {"ms": round(ms, 4), "bytes": nbytes[variant], "gb_s": round(gb_s, 2),
+                                "of_bound": round(gb_s / read_gb_s, 3)}  # fmt: skip
+            row["time_q4k_over_w4a8"] = round(row["q4k"]["ms"] / row["w4a8-g32"]["ms"], 3)
+            results.append(row)
+    build = "plain AVX2" if not torch.ops.edge_avx2.uses_vnni() else "VNNI (AVX-VNNI or AVX512-VNNI, 256-bit)"
+    return {"build": build, "llc_bytes": llc, "results": results}
+
+
+def table(runs: dict) -> str:
+    from edge.device.cpuinfo import host_model_name
+
+    lines = [
+        f"CPU: {host_model_name()}; 1 thread; bytes: q4k 4.5 bits a weight, w4a8-g32 5 bits, int8-g16 10 bits",
+        "",
+        "| build | N x K | M | read GB/s | q4k ms (GB/s, of bound) | w4a8-g32 ms (GB/s, of bound) | q4k / w4a8 time "
+        "| int8-g16 ms (GB/s, of bound) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, run in runs.items():
+        for r in run["results"]:
+            a, b, c = r["q4k"], r["w4a8-g32"], r["int8-g16"]
+            lines.append(
+                f"| {label} ({run['build']}) | {r['n']}x{r['k']} | {r['m']} | {r['read_gb_s']:.1f} | "
+                f"{a['ms']:.3f} ({a['gb_s']:.1f}, {a['of_bound']:.0%}) | {b['ms']:.3f} ({b['gb_s']:.1f}, "
+                f"{b['of_bound']:.0%}) | {r['time_q4k_over_w4a8']:.2f}x | {c['ms']:.3f} ({c['gb_s']:.1f}, "
+                f"{c['of_bound']:.0%}) |"
+            )
+    return "\n".join(lines)
+
+
+def prefetch_table(passes: dict[str, list[dict]]) -> str:
+    from edge.device.cpuinfo import host_model_name
+
+    lines = [
+        f"CPU: {host_model_name()}; 1 thread; {len(passes['l2'])} passes a hint; fraction of the read bound, median",
+        "",
+        "| N x K | M | kernel | L1 hint | L2 hint | time L2 / L1 |",
+        "|---|---|---|---|---|---|",
+    ]
+    first = passes["l2"][0]["results"]
+    for i, r in enumerate(first):
+        for kernel in KERNELS:
+            cell = {h: [run["results"][i][kernel] for run in runs] for h, runs in passes.items()}
+            bound = {h: statistics.median(c["of_bound"] for c in cells) for h, cells in cell.items()}
+            ms = {h: statistics.median(c["ms"] for c in cells) for h, cells in cell.items()}
+            lines.append(f"| {r['n']}x{r['k']} | {r['m']} | {kernel} | {bound['l1']:.0%} | {bound['l2']:.0%} | "
+                         f"{ms['l2'] / ms['l1']:.2f}x |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rows", default="1")
+    parser.add_argument("--shapes", help="NxK,... instead of a ~1B's linears and 4096x4096")
+    parser.add_argument("--json", help="also write the runs here")
+    parser.add_argument("--prefetch", action="store_true", help="compare the AVX2 kernels' prefetch hints (L1, L2)")
+    parser.add_argument("--passes", type=int, default=3, help="with --prefetch: processes a hint, alternating")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    if args.child:
+        print(json.dumps(measure(args.rounds, rows, shapes)))
+        return 0
+    command = [sys.executable, "-m", "benchmarks.gguf_grids", "--child", "--rounds", str(args.rounds),
+               "--rows", args.rows, *(["--shapes", args.shapes] if args.shapes else [])]  # fmt: skip
+
+    def child(extra: dict) -> dict:
+        done = subprocess.run(command, env={**os.environ, **extra}, capture_output=True, text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    if args.prefetch:
+        passes = {"l1": [], "l2": []}
+        for i in range(args.passes):
+            for hint in ("l1", "l2") if i % 2 == 0 else ("l2", "l1"):
+                passes[hint].append(child({"EDGE_AVX2_PREFETCH": hint}))
+        if args.json:
+            Path(args.json).write_text(json.dumps(passes, indent=1) + "\n")
+        print(prefetch_table(passes))
+        return 0
+    runs = {label: child(extra) for label, extra in (("native", {}), ("avx2", {"EDGE_AVX2_VNNI": "0"}))}
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1) + "\n")
+    print(table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
