@@ -1,5 +1,6 @@
 """The AVX2 int4 kernels (kernels/ops/avx2_int4.py: int16 and int8 activations) against tinygemm and bf16 at decode:
-ms and GB/s of weights read.
+ms and GB/s of weights read. avx2-w4a8 reads the row-major tensors, avx2-w4a8-x8 the same codes in the decode layout
+(kernels.ops.avx2_int4.decode_layout: 8 output channels interleaved, what the plugin serves that kernel from).
 
     python benchmarks/avx2_gemv.py [--rounds 30] [--rows 1,4] [--group 64] [--json]
     python benchmarks/avx2_gemv.py --int8 [--rounds 30] [--rows 1,4]     # the 8-bit set's kernels instead
@@ -34,7 +35,7 @@ import torch
 
 SHAPES = [(4096, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536)]  # N x K; the default model's four
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-KERNELS = ("avx2", "avx2-w4a8", "tinygemm", "bf16")
+KERNELS = ("avx2", "avx2-w4a8", "avx2-w4a8-x8", "tinygemm", "bf16")
 INT8_SHAPES = [(49152, 576), (576, 576), (1536, 576), (576, 1536)]
 INT8_KERNELS = ("int8pack-channel", "avx2-int8-channel", "avx2-int8-g32", "avx2-int8-g16")
 
@@ -45,9 +46,9 @@ def _builders(group: int):
     from kernels.ops.tinygemm import linear as tinygemm_linear
     from kernels.ops.tinygemm import to_tinygemm
 
-    def avx2_kernel(act_bits):
+    def avx2_kernel(act_bits, layout=lambda q, s, z, bits: (q, s, z)):
         def build(w):
-            q, s, z = quantize_packed(w, group)
+            q, s, z = layout(*quantize_packed(w, group), act_bits)
             return (lambda x: avx2_int4.linear(x, q, s, z, group, act_bits)), q.nbytes + s.nbytes + z.nbytes
 
         return build
@@ -70,7 +71,8 @@ def _builders(group: int):
         return build
 
     int8pack = torch.ops.aten._weight_int8pack_mm
-    return {"avx2": avx2_kernel(16), "avx2-w4a8": avx2_kernel(8), "tinygemm": tinygemm, "bf16": bf16,
+    return {"avx2": avx2_kernel(16), "avx2-w4a8": avx2_kernel(8),
+            "avx2-w4a8-x8": avx2_kernel(8, avx2_int4.decode_layout), "tinygemm": tinygemm, "bf16": bf16,
             "int8pack-channel": int8(None, int8pack), "avx2-int8-channel": int8(None, avx2_int4.int8_linear),
             "avx2-int8-g32": int8(32, avx2_int4.int8_linear), "avx2-int8-g16": int8(16, avx2_int4.int8_linear)}
 
@@ -142,9 +144,10 @@ def table(native: dict, avx2: dict) -> str:
         f"CPU: {_cpu_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
         f"native dispatch {native['capability']}, child {avx2['capability']}; AVX2 kernels: {native['avx2_kernel']}",
         "",
-        "| N x K | M | avx2 int16 ms (GB/s) | avx2 int8 ms (GB/s) | tinygemm native ms (GB/s) | "
-        "tinygemm AVX2 ms (GB/s) | bf16 native ms | bf16 AVX2 ms | int16 vs tinygemm AVX2 | int8 vs tinygemm AVX2 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| N x K | M | avx2 int16 ms (GB/s) | avx2 int8 ms (GB/s) | avx2 int8 x8 ms (GB/s) | x8 time / int8 | "
+        "tinygemm native ms (GB/s) | tinygemm AVX2 ms (GB/s) | bf16 native ms | bf16 AVX2 ms | int16 vs tinygemm AVX2 "
+        "| int8 vs tinygemm AVX2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pick(run, n, k, m, kernel):
@@ -154,11 +157,12 @@ def table(native: dict, avx2: dict) -> str:
         if r["kernel"] != "avx2":
             continue
         n, k, m = r["n"], r["k"], r["m"]
-        a8 = pick(native, n, k, m, "avx2-w4a8")
+        a8, x8 = pick(native, n, k, m, "avx2-w4a8"), pick(native, n, k, m, "avx2-w4a8-x8")
         tg, tg2 = pick(native, n, k, m, "tinygemm"), pick(avx2, n, k, m, "tinygemm")
         bf, bf2 = pick(native, n, k, m, "bf16"), pick(avx2, n, k, m, "bf16")
         lines.append(
             f"| {n}x{k} | {m} | {r['ms']:.3f} ({r['gb_s']:.1f}) | {a8['ms']:.3f} ({a8['gb_s']:.1f}) | "
+            f"{x8['ms']:.3f} ({x8['gb_s']:.1f}) | {x8['ms'] / a8['ms']:.2f}x | "
             f"{tg['ms']:.3f} ({tg['gb_s']:.1f}) | {tg2['ms']:.3f} ({tg2['gb_s']:.1f}) | {bf['ms']:.3f} | "
             f"{bf2['ms']:.3f} | {tg2['ms'] / r['ms']:.2f}x | {tg2['ms'] / a8['ms']:.2f}x |"
         )

@@ -9,6 +9,8 @@ wall time of the call (the read loop is timed the same way):
   - q4k        torch.ops.edge_avx2.q4k_linear on the file's bytes (kernels/ops/q4k.py: its codes as cpu_int4's
                  row-major nibbles, its scales as they are), int8 activations per 32;
   - w4a8-g32   torch.ops.edge_avx2.w4a8_linear on the same codes repacked to cpu_int4 (today's Q4_K path);
+  - w4a8-x8    the same op on those codes in the decode layout (kernels.ops.avx2_int4.decode_layout: 8 output
+               channels interleaved, what the plugin serves the int8-activation kernel from; same bytes);
   - w4a16-g32  torch.ops.edge_avx2.w4a16_linear on those codes (int16 activations: the `avx2` decode kernel);
   - int8-g16   torch.ops.edge_avx2.w8a16_linear on int8 codes with float32 scales per 16 (today's path for a Q6_K
                tensor, 10 bits a weight; random codes of the same shape), for the prefetch comparison;
@@ -40,7 +42,7 @@ import torch
 
 # N x K of a ~1B's merged linears (make_random_gguf --preset 1b: qkv, o, gate_up, down) and the 4096x4096 reference
 SHAPES = [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (4096, 4096)]
-VARIANTS = ("q4k", "w4a8-g32", "w4a16-g32", "int8-g16", "read")
+VARIANTS = ("q4k", "w4a8-g32", "w4a8-x8", "w4a16-g32", "int8-g16", "read")
 KERNELS = VARIANTS[:-1]
 BLOCK_BYTES = 144
 
@@ -90,6 +92,7 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
         files = [random_q4k(n, k, rng) for _ in range(copies)]
         generator = torch.Generator().manual_seed(n * k)
         held = {"q4k": [q4k_of(b, n, k) for b in files], "w4a8-g32": [cpu_int4_of(b, n, k) for b in files],
+                "w4a8-x8": [avx2_int4.decode_layout(*cpu_int4_of(b, n, k), 8) for b in files],
                 "w4a16-g32": [cpu_int4_of(b, n, k) for b in files],
                 "int8-g16": [(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator),
                               torch.rand(n, k // 16, generator=generator) * 1e-3) for _ in files]}  # fmt: skip
@@ -101,6 +104,7 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
             calls = {
                 "q4k": lambda i, x=x, h=held["q4k"]: q4k(x, *h[i % len(h)]),
                 "w4a8-g32": lambda i, x=x, h=held["w4a8-g32"]: w4a8(x, *h[i % len(h)], 32),
+                "w4a8-x8": lambda i, x=x, h=held["w4a8-x8"]: w4a8(x, *h[i % len(h)], 32),
                 "w4a16-g32": lambda i, x=x, h=held["w4a16-g32"]: w4a16(x, *h[i % len(h)], 32),
                 "int8-g16": lambda i, x=x, h=held["int8-g16"]: w8a16(x, *h[i % len(h)]),
                 "read": lambda i, b=buffer: reader.read_seconds(b, 256, 1),
@@ -130,11 +134,11 @@ def table(runs: dict) -> str:
     from edge.device.cpuinfo import host_model_name
 
     lines = [
-        f"CPU: {host_model_name()}; 1 thread; bytes: q4k 4.5 bits a weight, w4a8/w4a16-g32 5, int8-g16 10",
+        f"CPU: {host_model_name()}; 1 thread; bytes: q4k 4.5 bits a weight, w4a8/w4a16-g32 and w4a8-x8 5, int8-g16 10",
         "",
         "| build | N x K | M | read GB/s | q4k ms (GB/s, of bound) | w4a8-g32 ms (GB/s, of bound) | q4k / w4a8 time "
-        "| w4a16-g32 ms (GB/s, of bound) | int8-g16 ms (GB/s, of bound) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| w4a8-x8 ms (GB/s, of bound) | x8 / w4a8 time | w4a16-g32 ms (GB/s, of bound) | int8-g16 ms (GB/s, of bound) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, run in runs.items():
         for r in run["results"]:
@@ -142,7 +146,8 @@ def table(runs: dict) -> str:
             cell = "{ms:.3f} ({gb_s:.1f}, {of_bound:.0%})".format
             lines.append(
                 f"| {label} ({run['build']}) | {r['n']}x{r['k']} | {r['m']} | {r['read_gb_s']:.1f} | "
-                f"{cell(**a)} | {cell(**b)} | {r['time_q4k_over_w4a8']:.2f}x | {cell(**r['w4a16-g32'])} | {cell(**c)} |"
+                f"{cell(**a)} | {cell(**b)} | {r['time_q4k_over_w4a8']:.2f}x | {cell(**r['w4a8-x8'])} | "
+                f"{r['w4a8-x8']['ms'] / b['ms']:.2f}x | {cell(**r['w4a16-g32'])} | {cell(**c)} |"
             )
     return "\n".join(lines)
 

@@ -65,9 +65,10 @@ def _avx2_kernel(act_bits: int) -> Callable[[torch.Tensor, int], Weights]:
     def build(w: torch.Tensor, group: int) -> Weights:
         avx2_int4 = avx2_ops()
         qweight, scales, zeros = quantize_packed(w, group)  # [N, K/2] uint8, [N, K/g] bf16 x2
+        served = avx2_int4.decode_layout(qweight, scales, zeros, act_bits)  # the layout the engine serves it from
 
         def copy() -> Run:
-            held = [t.clone() for t in (qweight, scales, zeros)]
+            held = [t.clone() for t in served]
             return lambda x: avx2_int4.linear(x, *held, group, act_bits)
 
         reference = dequantize(qweight, scales, zeros, group, torch.float32)

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include <type_traits>
 #include <cstdlib>
 
 namespace {
@@ -102,6 +103,15 @@ inline void prefetch_row(const char* p, int64_t bytes) {
   }
 }
 
+// One line of block8_a8's stream, with prefetch_row's hint.
+inline void prefetch_line(const char* p) {
+  if (prefetch_l1()) {
+    _mm_prefetch(p, _MM_HINT_T0);
+  } else {
+    _mm_prefetch(p, _MM_HINT_T1);
+  }
+}
+
 template <typename T>
 inline __m256i loadu(const T* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -146,6 +156,49 @@ void quantize_acts(const T* xp, int64_t m, int64_t k, int64_t group, int qmax, Q
       }
       a[r * groups + g] = scale;
       xs[r * groups + g] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// 8 fp32 -> 8 bf16 as c10::BFloat16 rounds them (to nearest even; NaN -> 0x7FC0).
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+  const __m256i high = _mm256_srli_epi32(rounded, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+}
+
+// quantize_acts for bf16 rows into int8 codes in order (xo null), on vectors: the same codes, scales and sums
+// (cvtps rounds to nearest even as nearbyint does, on the same float products). Scalar, a decode call's rounding
+// of K=1536 activations took ~4 us, as long as its GEMV's arithmetic.
+inline void quantize_i8_bf16(const uint16_t* xp, int64_t m, int64_t k, int64_t group, int8_t* q, float* a,
+                             float* xs) {
+  const int64_t groups = k / group;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* x = xp + r * k + g * group;
+      __m256 amax = _mm256_setzero_ps();
+      for (int64_t i = 0; i < group; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load_bf16x8(x + i)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float top = _mm_cvtss_f32(m4);
+      const float inverse = top > 0.f ? 127.f / top : 0.f;
+      const __m256 inv = _mm256_set1_ps(inverse);
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t i = 0; i < group; i += 8) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load_bf16x8(x + i), inv));
+        sum = _mm256_add_epi32(sum, v);
+        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + r * k + g * group + i), _mm_packs_epi16(p16, p16));
+      }
+      const float scale = top / 127.f;
+      a[r * groups + g] = scale;
+      xs[r * groups + g] = scale * static_cast<float>(hsum_epi32(sum));
     }
   }
 }
@@ -267,6 +320,69 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   return out.reshape(out_shape);
 }
 
+// The decode layout (block8_a8): qweight uint8 [N/8, K/8, 32], scales and zeros bf16 [N/8, K/g, 8].
+at::Tensor w4a8_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const at::Tensor& zeros, int64_t group) {
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, "group: expected 32, 64 or 128, got ", group);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(2) == 32,
+              "qweight: expected uint8 [N/8, K/8, 32], got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t blocks = qweight.size(0), n = blocks * 8, k = qweight.size(1) * 8;
+  TORCH_CHECK(k % group == 0, "qweight: expected K divisible by group ", group, ", got K=", k);
+  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
+  const int64_t groups = k / group;
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == blocks &&
+                    t->size(1) == groups && t->size(2) == 8,
+                "scales/zeros: expected bf16 [", blocks, ", ", groups, ", 8], got ", t->scalar_type(), " ",
+                t->sizes());
+  }
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
+              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();  // [M, K]
+  const int64_t m = x2.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out.reshape(out_shape);
+  // Scratch kept per thread across calls: a decode step makes ~120 of them, and each allocation costs as much as
+  // a few channels' arithmetic.
+  thread_local std::vector<int8_t> codes;
+  thread_local std::vector<float> scratch;
+  const bool bf16_out = x2.scalar_type() == at::kBFloat16;
+  codes.resize(static_cast<size_t>(m * k));
+  scratch.resize(static_cast<size_t>(2 * m * groups + (bf16_out ? 0 : m * n)));
+  float* a_w = scratch.data();
+  float* xs_w = a_w + m * groups;
+  float* yp = bf16_out ? nullptr : xs_w + m * groups;
+  // activations per weight group, as the row-major kernel rounds them: the same integer sums, the same numbers
+  if (bf16_out) {
+    quantize_i8_bf16(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), m, k, group, codes.data(), a_w,
+                     xs_w);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, x2.scalar_type(), "edge_avx2_quantize_x8", [&] {
+      quantize_acts<int8_t>(x2.data_ptr<scalar_t>(), m, k, group, 127, codes.data(), nullptr, a_w, xs_w);
+    });
+  }
+  at::Tensor qw = qweight.contiguous(), sc = scales.contiguous(), ze = zeros.contiguous();
+  const uint8_t* wp = qw.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
+  uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  const int8_t* cp = codes.data();
+  const auto run = pick(isa_plain::blocks8_a8, isa_vnni::blocks8_a8, isa_vnni512::blocks8_a8);
+  const int64_t grain = std::max<int64_t>(1, 16384 / (k * 4));  // ~16 KB of weights a task
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    run(wp, sp, zp, cp, a_w, xs_w, yp, ob, group, begin, end, m, n, k);
+  });
+  if (!bf16_out) {
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, out.scalar_type(), "edge_avx2_out_x8", [&] {
+      scalar_t* op = out.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
+    });
+  }
+  return out.reshape(out_shape);
+}
+
 at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& zeros, int64_t group) {
   return linear<int16_t>(x, qweight, scales, zeros, group, 32767, isa_plain::channels_a16, isa_vnni::channels_a16,
@@ -275,6 +391,7 @@ at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group) {
+  if (qweight.dim() == 3) return w4a8_linear_x8(x, qweight, scales, zeros, group);
   return linear<int8_t>(x, qweight, scales, zeros, group, 127, isa_plain::channels_a8, isa_vnni::channels_a8,
                          isa_vnni512::channels_a8);
 }
@@ -652,6 +769,105 @@ void channels(const uint8_t* wp, const Grid& grid, const Acts<Q>& x, float* yp, 
   }
 }
 
+
+// ---- the decode layout: 8 output channels interleaved (kernels/ops/avx2_int4.py decode_layout) ----
+// qweight uint8 [N/8, K/8, 32]: for channels 8b..8b+7 and weights 8j..8j+7, 32 bytes, 4 a channel; byte t of
+// channel c holds k = 8j+t in its low nibble and k = 8j+4+t in its high one. scales, zeros bf16 [N/8, G, 8].
+// One 32-byte load feeds two vpdpbusd whose int32 lanes are the 8 channels, each against 4 activations broadcast:
+// no horizontal sums, and a group's 8 scales are one vector (the row-major kernel above transposes every 8 groups
+// through a tree of hadds and finishes a K that is not a multiple of 8 groups on 128-bit vectors).
+// Activations int8 in order (xo null in quantize_acts), per weight group.
+template <int MB, int GROUP, typename Out>
+void block8_a8(const uint8_t* wq, const uint16_t* sp, const uint16_t* zp, const int8_t* xq, const float* a,
+               const float* xs, Out* y, int64_t b, int64_t m0, int64_t n, int64_t k) {
+  const int64_t groups = k / GROUP;
+  const uint8_t* w = wq + b * k * 4;  // K/8 chunks of 32 bytes
+  const uint16_t* s8 = sp + b * groups * 8;
+  const uint16_t* z8 = zp + b * groups * 8;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[MB];
+  for (int r = 0; r < MB; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // Four accumulators a row, one per 8-weight chunk of a 32, so that vpdpbusd (latency ~4 cycles) is not one chain
+    // per group: with a single one the 4096x4096 call ran at half the row-major kernel's speed here.
+    __m256i acc[MB][4];
+    for (int r = 0; r < MB; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_si256();
+    // The stream ~8 KB ahead, a group's bytes at a time (blocks are contiguous, so this runs on into the next
+    // ones): prefetching a whole next block at its start, as channels() does a row, stalled the loads of this one
+    // once a block was 16 KB (K 4096: 1.55x the row-major kernel's time).
+    for (int64_t off = 0; off < GROUP * 4; off += 64) prefetch_line(reinterpret_cast<const char*>(w + g * GROUP * 4 + off + 8192));
+    for (int c = 0; c < GROUP / 32; ++c) {
+      for (int j = 0; j < 4; ++j) {
+        const int64_t kk = g * GROUP + c * 32 + 8 * j;
+        const __m256i v = loadu(w + kk * 4);
+        const __m256i lo = _mm256_and_si256(v, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int r = 0; r < MB; ++r) {
+          const int8_t* x = xq + (m0 + r) * k + kk;
+          int32_t x0, x1;
+          std::memcpy(&x0, x, 4);
+          std::memcpy(&x1, x + 4, 4);
+#if EDGE_AVX2_VNNI
+          acc[r][j] = EDGE_DPBUSD(acc[r][j], lo, _mm256_set1_epi32(x0));
+          acc[r][j] = EDGE_DPBUSD(acc[r][j], hi, _mm256_set1_epi32(x1));
+#else
+          // 16-bit pairs <= 2*15*127 each, two of them per lane: no saturation; widened at once
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+          acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(p, ones));
+#endif
+        }
+      }
+    }
+    const __m256 s = load_bf16x8(s8 + g * 8);
+    const __m256 z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load_bf16x8(z8 + g * 8));
+    for (int r = 0; r < MB; ++r) {
+      const int64_t at = (m0 + r) * groups + g;
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(acc[r][0], acc[r][1]),
+                                           _mm256_add_epi32(acc[r][2], acc[r][3]));
+      total[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a[at])), _mm256_cvtepi32_ps(sum), total[r]);
+      total[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs[at]), total[r]);
+    }
+  }
+  for (int r = 0; r < MB; ++r) {
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm256_storeu_ps(y + (m0 + r) * n + b * 8, total[r]);
+    } else {  // bf16, rounded as c10 rounds: no fp32 scratch and no copy loop after the GEMV
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + (m0 + r) * n + b * 8), to_bf16x8(total[r]));
+    }
+  }
+}
+
+template <int GROUP, typename Out>
+void blocks8_a8_group(const uint8_t* wq, const uint16_t* sp, const uint16_t* zp, const int8_t* xq, const float* a,
+                      const float* xs, Out* y, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  for (int64_t b = begin; b < end; ++b) {
+    int64_t m0 = 0;
+    for (; m0 + 2 <= m; m0 += 2) block8_a8<2, GROUP, Out>(wq, sp, zp, xq, a, xs, y, b, m0, n, k);
+    if (m0 < m) block8_a8<1, GROUP, Out>(wq, sp, zp, xq, a, xs, y, b, m0, n, k);
+  }
+}
+
+// Blocks of 8 channels [begin, end) of y [M, N] for every row: fp32 y, or bf16 (yb) when y is null.
+void blocks8_a8(const uint8_t* wq, const uint16_t* sp, const uint16_t* zp, const int8_t* xq, const float* a,
+                const float* xs, float* y, uint16_t* yb, int64_t group, int64_t begin, int64_t end, int64_t m,
+                int64_t n, int64_t k) {
+  if (y == nullptr) {
+    switch (group) {
+      case 32: blocks8_a8_group<32>(wq, sp, zp, xq, a, xs, yb, begin, end, m, n, k); break;
+      case 64: blocks8_a8_group<64>(wq, sp, zp, xq, a, xs, yb, begin, end, m, n, k); break;
+      default: blocks8_a8_group<128>(wq, sp, zp, xq, a, xs, yb, begin, end, m, n, k); break;
+    }
+    return;
+  }
+  switch (group) {
+    case 32: blocks8_a8_group<32>(wq, sp, zp, xq, a, xs, y, begin, end, m, n, k); break;
+    case 64: blocks8_a8_group<64>(wq, sp, zp, xq, a, xs, y, begin, end, m, n, k); break;
+    default: blocks8_a8_group<128>(wq, sp, zp, xq, a, xs, y, begin, end, m, n, k); break;
+  }
+}
 
 // ---- int8 weights (kernels/ops/int8.py: qweight int8 [N, K]), int16 activations in order, per group of 32 ----
 // Per channel (WG 0: scales bf16 [N]):   y[m, n] = s_n * sum_g a[m, g] * sum_{k in g} w[n, k] xq[m, k]

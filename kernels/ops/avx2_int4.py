@@ -28,6 +28,7 @@ import torch
 from edge.catalog.kernel_registry import KERNELS
 from edge.formats.tinygemm import TINYGEMM
 from edge.paths import cache_dir
+from kernels.ops.int4 import unpack_nibbles
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def available() -> bool:
 
 def _register_fake() -> None:
     def _fake(x, qweight, scales, zeros, group):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+        return x.new_empty((*x.shape[:-1], out_features(qweight)))
 
     for op in ACT_BITS.values():
         torch.library.register_fake(f"{OP_NAMESPACE}::{op}")(_fake)
@@ -151,9 +152,54 @@ def op(name: str) -> torch._ops.OpOverload:
 def linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, act_bits: int = 16
 ) -> torch.Tensor:
-    """y = x @ w.T for the row-major int4 weights, activations rounded to act_bits (16 or 8) per group;
-    x [..., K] any float dtype -> [..., N] in x's dtype."""
+    """y = x @ w.T for the int4 weights, row-major or in decode_layout's layout, activations rounded to act_bits
+    (16 or 8) per group; x [..., K] any float dtype -> [..., N] in x's dtype."""
     return op(ACT_BITS[act_bits])(x, qweight, scales, zeros, group)
+
+
+# Output channels a block of the decode layout interleaves: one 256-bit vector of int32 sums, a channel a lane.
+X8_CHANNELS = 8
+# EDGE_AVX2_DECODE_LAYOUT=row-major keeps the checkpoint's row-major tensors for every kernel (benchmarks compare the
+# two in one run); it changes no compiled graph, only the tensors the op is handed.
+LAYOUT_ENV = "EDGE_AVX2_DECODE_LAYOUT"
+ROW_MAJOR = "row-major"
+
+
+def takes_decode_layout(n: int, act_bits: int) -> bool:
+    """Whether the kernel for act_bits reads an [N, K] weight in decode_layout's interleaved layout: the int8-activation
+    kernel (w4a8_linear) does, for N a multiple of 8; the int16 one reads the row-major tensors."""
+    return act_bits == 8 and n % X8_CHANNELS == 0
+
+
+def decode_layout(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, act_bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tensors the act_bits kernel reads best: row-major qweight uint8 [N, K/2] (byte j: k=2j low nibble, 2j+1
+    high), scales and zeros bf16 [N, K/g], interleaved by 8 output channels where takes_decode_layout says so:
+    qweight [N/8, K/8, 32] (per block b and 8 weights 8j..8j+7, 4 bytes a channel, byte t holding k=8j+t low and
+    8j+4+t high), scales and zeros [N/8, K/g, 8]; the same bytes. Else (or with EDGE_AVX2_DECODE_LAYOUT=row-major)
+    the tensors as they are.
+
+    Why: one 32-byte load then feeds vpdpbusd lanes that are 8 channels, so a group's 8 scales are one vector and no
+    horizontal sums remain (avx2_int4.cpp block8_a8); measured against the row-major kernel by
+    benchmarks/avx2_gemv.py and benchmarks/step_profile.py."""
+    n = qweight.shape[0]
+    if not takes_decode_layout(n, act_bits) or os.environ.get(LAYOUT_ENV) == ROW_MAJOR:
+        return qweight, scales, zeros
+    k = qweight.shape[1] * 2
+    codes = unpack_nibbles(qweight).view(n // X8_CHANNELS, X8_CHANNELS, k // 8, 2, 4)  # [b, c, j, half, t]
+    packed = codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)  # [b, c, j, t]
+    blocks = packed.permute(0, 2, 1, 3).reshape(n // X8_CHANNELS, k // 8, 32).contiguous()  # [N/8, K/8, 32]
+
+    def grid(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/8, G, 8]
+        return t.view(n // X8_CHANNELS, X8_CHANNELS, -1).permute(0, 2, 1).contiguous()
+
+    return blocks, grid(scales), grid(zeros)
+
+
+def out_features(qweight: torch.Tensor) -> int:
+    """N of an int4 weight in either layout: row-major [N, K/2] or decode_layout's [N/8, K/8, 32]."""
+    return qweight.shape[0] * X8_CHANNELS if qweight.dim() == 3 else qweight.shape[0]
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -329,11 +329,13 @@ def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extr
 
 
 def _repack(
-    layer: torch.nn.Module, group: int, mode: int, chunk_rows: int, keep_row_major: bool = False
+    layer: torch.nn.Module, group: int, mode: int, chunk_rows: int, keep_row_major: bool = False, act_bits: int = 16
 ) -> None:
     """Build the tinygemm buffer; drop the row-major copy unless this layer's mode reads it (or keep_row_major:
     the AVX2 decode kernel reads it; its op is loaded here, in the worker, which the config never ran in: vLLM
-    builds the config in the engine process and ships it to the workers).
+    builds the config in the engine process and ships it to the workers). A copy only that kernel reads (not DUAL's,
+    which wide batches dequantize) goes into the layout it reads best (kernels.ops.avx2_int4.decode_layout for its
+    act_bits activations).
 
     Sets layer.int4_mode: DIRECT falls back to DUAL when N does not tile the host block (the direct
     dequantizer cannot read a narrower last block, kernels/ops/layout.py).
@@ -352,6 +354,11 @@ def _repack(
         layer.qweight = empty_param(torch.uint8)
         layer.scales = empty_param(torch.bfloat16)
         layer.zeros = empty_param(torch.bfloat16)
+    elif mode != DUAL:
+        from kernels.ops.avx2_int4 import decode_layout
+
+        tensors = decode_layout(layer.qweight.data, layer.scales.data, layer.zeros.data, act_bits)
+        layer.qweight, layer.scales, layer.zeros = (Parameter(t, requires_grad=False) for t in tensors)
     layer.int4_mode = mode
 
 
@@ -391,7 +398,7 @@ class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows,
-                keep_row_major=self.config.avx2_rows > 0)  # fmt: skip
+                keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits)  # fmt: skip
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _apply(layer, self.config, x, bias)
@@ -422,7 +429,7 @@ class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
         if isinstance(layer, ParallelLMHead):
             mode = DUAL if self.tied else self.config.mode
             _repack(layer, self.config.group_size, mode, self.config.repack_chunk_rows,
-                    keep_row_major=self.config.avx2_rows > 0)  # fmt: skip
+                    keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits)  # fmt: skip
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         return int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
