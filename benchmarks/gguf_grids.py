@@ -137,7 +137,8 @@ def table(runs: dict) -> str:
         f"CPU: {host_model_name()}; 1 thread; bytes: q4k 4.5 bits a weight, w4a8/w4a16-g32 and w4a8-x8 5, int8-g16 10",
         "",
         "| build | N x K | M | read GB/s | q4k ms (GB/s, of bound) | w4a8-g32 ms (GB/s, of bound) | q4k / w4a8 time "
-        "| w4a8-x8 ms (GB/s, of bound) | x8 / w4a8 time | w4a16-g32 ms (GB/s, of bound) | int8-g16 ms (GB/s, of bound) |",
+        "| w4a8-x8 ms (GB/s, of bound) | x8 / w4a8 time | w4a16-g32 ms (GB/s, of bound) "
+        "| int8-g16 ms (GB/s, of bound) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, run in runs.items():

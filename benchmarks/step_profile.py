@@ -26,12 +26,14 @@ CPU time per step of the weight ops (every op whose name is in WEIGHT_OPS), the 
 default model). Medians over rounds of each round's median; ratios of a variant to the first, per round.
 
 Variants: `plain` serves as edge-serve does; `plain+NAME` adds the environment in VARIANT_ENV[NAME] (a lever to
-compare): +row-major (EDGE_AVX2_DECODE_LAYOUT=row-major, the decode kernel on the checkpoint's own layout).
+compare): +row-major (EDGE_AVX2_DECODE_LAYOUT=row-major, the decode kernel on the checkpoint's own layout),
++vllm-attention (EDGE_SELECT_ATTENTION=vllm, vLLM's attention methods instead of the plugin's).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -54,6 +56,8 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     # the int8-activation decode kernel on the checkpoint's row-major tensors instead of the decode layout
     # (kernels.ops.avx2_int4.decode_layout)
     "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"},
+    # vLLM's own CPU attention methods instead of the plugin's (kernels/vllm_plugin/attention.py)
+    "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"},
 }
 
 
@@ -70,6 +74,7 @@ class Timers:
         original = getattr(cls, name)
         current = self.current
 
+        @functools.wraps(original)  # keeps the plugin's marks, so its install() does not wrap the timer again
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
@@ -77,7 +82,6 @@ class Timers:
             finally:
                 current[part] = current.get(part, 0.0) + time.perf_counter() - start
 
-        timed.__wrapped__ = original  # type: ignore[attr-defined]
         setattr(cls, name, timed)
 
 
@@ -99,7 +103,10 @@ def install_timers() -> Timers:
     timers.wrap(GPUModelRunner, "_bookkeeping_sync", "update")
     timers.wrap(LogitsProcessor, "forward", "logits")
     # the attention impl's methods are looked up per call (vLLM's custom ops call layer.impl.forward): wrapping the
-    # class reaches them from inside the compiled graph
+    # class reaches them from inside the compiled graph; the plugin's replacements first (as the engine would)
+    from kernels.vllm_plugin import attention
+
+    attention.install()
     timers.wrap(CPUAttentionBackendImpl, "forward", "attention")
     timers.wrap(CPUAttentionBackendImpl, "do_kv_cache_update", "attention")
     return timers
@@ -123,11 +130,9 @@ def child(model: str, llm_kwargs: dict) -> None:
     llm = LLM(model=model, skip_tokenizer_init=True, seed=0, **llm_kwargs)
     engine = llm.llm_engine
     print(json.dumps({"event": "ready", "threads": torch.get_num_threads()}), flush=True)
-    request = 0
-    for line in sys.stdin:
+    for request, line in enumerate(sys.stdin):
         command = json.loads(line)
         steps, profile = command["steps"], command.get("profile", 0)
-        request += 1
         params = SamplingParams(temperature=0.0, max_tokens=steps + profile + 2, ignore_eos=True, detokenize=False)
         engine.add_request(str(request), {"prompt_token_ids": PROMPT}, params)
         records = []

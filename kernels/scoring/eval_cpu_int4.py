@@ -87,7 +87,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed)  # [N, K/2] uint8, host layout
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/g, N, 2] bf16
         keep = mode == DUAL or settings.avx2_bits is not None  # the engine drops it elsewhere
-        if mode != DUAL and settings.avx2_bits is not None:  # as the engine serves it (kernels.vllm_plugin.cpu_int4._repack)
+        if mode != DUAL and settings.avx2_bits is not None:  # as the engine (kernels.vllm_plugin.cpu_int4._repack)
             qweight, scales, zeros = avx2_int4.decode_layout(qweight, scales, zeros, settings.avx2_bits)
         self.register_buffer("qweight", qweight if keep else torch.empty(0, dtype=torch.uint8))
         self.register_buffer("scales", scales if keep else torch.empty(0, dtype=torch.bfloat16))

@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 
 
 def register() -> None:
-    """Register the `cpu_int4` and `cpu_w4a8` quantization methods and their ops; fix the CPU compile cache."""
+    """Register the `cpu_int4` and `cpu_w4a8` quantization methods and their ops; fix the CPU compile cache; the
+    sampler's and the CPU attention's leaner Python (sampling.py, attention.py)."""
     from kernels.vllm_plugin import compile_cache
 
     compile_cache.install()
@@ -30,6 +31,9 @@ def register() -> None:
     from kernels.vllm_plugin import sampling
 
     sampling.install()
+    from kernels.vllm_plugin import attention
+
+    attention.install()
     # Importing registers: @register_quantization_config("cpu_int4") and the torch.ops.vllm.cpu_int4_* ops.
     import kernels.vllm_plugin.cpu_int4  # noqa: F401
     import kernels.vllm_plugin.cpu_w4a8  # noqa: F401  (@register_quantization_config("cpu_w4a8"), torch.ops.vllm.cpu_w4a8_linear)

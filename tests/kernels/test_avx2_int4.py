@@ -259,6 +259,8 @@ def _vnni_cases():
         qweight, scales, zeros = _layer(200, 1024, group, seed=group + m)
         x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
         cases.append((x, qweight, scales, zeros, group, bits))
+        if bits == 8:  # the int8 kernel on its decode layout too (avx2_int4.cpp block8_a8)
+            cases.append((x, *avx2_int4.decode_layout(qweight, scales, zeros, bits), group, bits))
     return cases
 
 
