@@ -115,10 +115,10 @@ def test_the_fake_implementation_reads_n_from_either_layout():
 def test_the_plugin_serves_the_int8_kernel_from_the_layout_where_nothing_else_reads_the_copy(layout, interleaved):
     """DUAL dequantizes wide batches from the row-major copy, so it keeps it; the others hand it to the decode
     kernel alone, in its layout. Either way a decode row gives the row-major kernel's result."""
-    from tests.kernels.test_cpu_int4 import HIDDEN, INTERMEDIATE, checkpoint, load, quant_config
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
     from kernels.vllm_plugin.cpu_int4 import CpuInt4Config
+    from tests.kernels.test_cpu_int4 import HIDDEN, INTERMEDIATE, checkpoint, load, quant_config
 
     config = CpuInt4Config.from_config({**quant_config(layout), "decode_kernel": "avx2-w4a8"})
     layer = ReplicatedLinear(INTERMEDIATE, HIDDEN, bias=False, quant_config=config,
