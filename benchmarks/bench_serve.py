@@ -25,6 +25,8 @@ Variants:
                   into L1 instead of L2, kernels/ops/avx2_int4.cpp's prefetch_row)
     edge:MODE+row-major  the same with the int8-activation decode kernel on the checkpoint's row-major tensors
                   (EDGE_AVX2_DECODE_LAYOUT=row-major) instead of its decode layout (kernels.ops.avx2_int4.decode_layout)
+    edge:MODE+vllm-attention  the same with vLLM's own CPU attention methods (EDGE_SELECT_ATTENTION=vllm) instead of
+                  the plugin's (kernels/vllm_plugin/attention.py)
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
@@ -88,7 +90,8 @@ STREAMS = 4
 # edge:MODE+NAME: the variant's edge-serve with this environment (vLLM's own sampler; no early engine)
 EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {"EDGE_EARLY_ENGINE": "0"},
                   "uncalibrated": {"EDGE_CALIBRATION": "off"}, "prefetch-l1": {"EDGE_AVX2_PREFETCH": "l1"},
-                  "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"}}
+                  "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"},
+                  "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names
