@@ -48,6 +48,10 @@ one request, then measures through the OpenAI API:
     prefill      one 512-token prompt, max_tokens 1, not streamed: prompt_tokens / wall time; each prompt starts
                  with a number of its own so that neither server's prefix cache reuses an earlier one
     streams4     4 concurrent streams of 128 tokens: total streamed tokens / wall time of the batch
+    bytes        what one decode step reads: the served checkpoint's tensors (edge-serve's /status model_dir) or
+                 the GGUF's (llama.cpp), less an untied input embedding (a step reads one row of it); `of read
+                 bound` = bytes x decode tok/s / this host's read bandwidth at the variant's thread count
+                 (benchmarks/read_bandwidth.py, timed before any server starts; --no-bound skips it)
     rss          RssAnon summed over the server's whole process tree (benchmarks/rss.py), sampled every 0.25 s:
                  `settled` is the median over 3 s of idle after the warm-up, `peak` the maximum from launch to stop
 
@@ -62,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -279,7 +284,8 @@ def edge_server(mode: str, args: argparse.Namespace, log: Path, threads: int | N
     threads = int(engine_env.get("OMP_NUM_THREADS", os.cpu_count() or 1))
     model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
     server.detail = {"path": status["plan"]["path"], "layout": status["plan"].get("layout"),
-                     "mode": status["plan"]["vllm"].get("mode"), "threads": threads}  # fmt: skip
+                     "mode": status["plan"]["vllm"].get("mode"), "threads": threads,
+                     "decode_bytes": checkpoint_decode_bytes(Path(status["model_dir"]))}  # fmt: skip
     return server, model, threads
 
 
@@ -290,7 +296,7 @@ def llama_server(python: Path, gguf: Path, threads: int, log: Path) -> tuple[Ser
             "--n_batch", "512", "--model_alias", gguf.stem]  # fmt: skip
     server = Server(argv, dict(os.environ), port, log)
     server.ready_s = server.wait_ready("/v1/models")
-    server.detail = {"gguf": gguf.name, "threads": threads}
+    server.detail = {"gguf": gguf.name, "threads": threads, "decode_bytes": gguf_decode_bytes(gguf)}
     return server, gguf.stem
 
 
@@ -301,7 +307,45 @@ def make_q4_0(python: Path, src: Path, dst: Path) -> Path:
     return dst
 
 
-def summarize(rows: list[dict]) -> dict[str, dict]:
+# bytes of one element per safetensors dtype string
+SAFETENSORS_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+def checkpoint_decode_bytes(model_dir: Path) -> int:
+    """Bytes one decode step reads of the checkpoint edge-serve serves: every tensor (the decode kernels read the
+    converted row-major copies as stored, and a tied embedding is the head), less an untied input embedding, of which
+    a step reads one row."""
+    from safetensors import safe_open
+
+    sizes: dict[str, int] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, "pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
+                part = tensors.get_slice(name)
+                sizes[name] = math.prod(part.get_shape()) * SAFETENSORS_BYTES[part.get_dtype()]
+    untied = any("lm_head" in name for name in sizes)
+    return sum(size for name, size in sizes.items() if not (untied and "embed_tokens" in name))
+
+
+def gguf_decode_bytes(gguf: Path) -> int:
+    """The same for a GGUF llama.cpp serves: its tensors, less token_embd where an output tensor is its own."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors}
+    untied = "output.weight" in sizes
+    return sum(size for name, size in sizes.items() if not (untied and name == "token_embd.weight"))
+
+
+def read_bound() -> dict[int, float]:
+    """This host's read bandwidth in GB/s by thread count (1 and every core), the fastest load width, measured once
+    before any server starts (benchmarks/read_bandwidth.py, 3 interleaved rounds over 1 GiB)."""
+    from benchmarks.read_bandwidth import measure as measure_bandwidth
+
+    best = measure_bandwidth(3, 1024)["best"]
+    return {int(threads): b["gb_s"] for threads, b in best.items()}
+
+
+def summarize(rows: list[dict], bound: dict[int, float] | None = None) -> dict[str, dict]:
     keys = ("decode_tok_s", "ttft_s", "prefill_tok_s", "streams4_tok_s", "rss_settled_mib", "rss_peak_mib",
             "warm_start_s")  # fmt: skip
     out: dict[str, dict] = {}
@@ -310,7 +354,15 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
         out[variant] = {k: statistics.median(r[k] for r in mine) for k in keys if all(r.get(k) is not None
                                                                                       for r in mine)}  # fmt: skip
         out[variant]["passes"] = len(mine)
-        out[variant]["detail"] = mine[-1]["detail"]
+        out[variant]["detail"] = detail = mine[-1]["detail"]
+        decode_bytes = detail.get("decode_bytes")
+        if decode_bytes and "decode_tok_s" in out[variant]:
+            out[variant]["decode_gb_s"] = rate = decode_bytes * out[variant]["decode_tok_s"] / 1e9
+            threads = detail.get("threads") or 1
+            if bound:  # measured at 1 thread and at every core: the count at or below the variant's
+                at = max((t for t in bound if t <= threads), default=min(bound))
+                out[variant]["read_bound_gb_s"] = bound[at]
+                out[variant]["of_bound"] = rate / bound[at]
     for v in out:  # each against the best llama.cpp variant of its own thread count
         threads = out[v]["detail"].get("threads")
         llama = [w for w in out if w.startswith("llama:") and out[w]["detail"].get("threads") == threads]
@@ -324,13 +376,17 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
 
 
 def table(summary: dict[str, dict]) -> str:
-    lines = ["| variant | decode tok/s | TTFT ms | prefill@512 tok/s | 4 streams tok/s | RssAnon settled MiB | "
-             "RssAnon peak MiB | start s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| variant | decode tok/s | MB a token | of read bound | TTFT ms | prefill@512 tok/s | 4 streams tok/s "
+             "| RssAnon settled MiB | RssAnon peak MiB | start s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for variant, s in summary.items():
         def f(key: str, scale: float = 1.0, digits: int = 1, s: dict = s) -> str:
             return f"{s[key] * scale:.{digits}f}" if key in s else "-"
 
-        lines.append(f"| {variant} | {f('decode_tok_s')} | {f('ttft_s', 1000, 0)} | {f('prefill_tok_s', digits=0)} "
+        mb = f"{s['detail']['decode_bytes'] / 1e6:.1f}" if s["detail"].get("decode_bytes") else "-"
+        share = f"{s['of_bound']:.0%}" if "of_bound" in s else "-"
+        lines.append(f"| {variant} | {f('decode_tok_s')} | {mb} | {share} | {f('ttft_s', 1000, 0)} "
+                     f"| {f('prefill_tok_s', digits=0)} "
                      f"| {f('streams4_tok_s')} | {f('rss_settled_mib', digits=0)} | {f('rss_peak_mib', digits=0)} "
                      f"| {f('warm_start_s')} |")  # fmt: skip
     return "\n".join(lines)
@@ -355,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=0,
                         help="with --together, after the passes: this many rounds of one decode stream per server, "
                              "order rotated, each variant's ratio to the first per round (medians, quartiles)")
+    parser.add_argument("--no-bound", dest="bound", action="store_false",
+                        help="skip timing the read bound before the servers start (then no `of read bound`)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log", type=Path, default=ROOT / ".cache" / "bench_serve.log")
     args = parser.parse_args(argv)
@@ -398,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             server, model = llama_server(args.llama_python, gguf, int(own) if own else threads or 1, args.log)
         return server, model, kind
 
+    bound = read_bound() if args.bound else {}
     try:
         if args.together:
             for variant in variants:
@@ -420,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server, _, _ in servers.values():
             server.stop()
-    summary = summarize(rows)
+    summary = summarize(rows, bound)
     cpu = host_model_name() or "unknown"
     print(f"{cpu}, {os.cpu_count()} cores, {threads} thread(s), {args.passes} passes (medians), "
           f"sampling {args.sampling}\n")
@@ -429,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + rounds_table(paired))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "threads": threads, "sampling": args.sampling, "rows": rows,
-                                         "summary": summary, "paired": paired}, indent=1))
+                                         "summary": summary, "paired": paired, "read_bound_gb_s": bound}, indent=1))
     return 0
 
 
