@@ -799,6 +799,11 @@ void block8_a8(const uint8_t* wq, const uint16_t* sp, const uint16_t* zp, const 
     // once a block was 16 KB (K 4096: 1.55x the row-major kernel's time).
     for (int64_t off = 0; off < GROUP * 4; off += 64) prefetch_line(reinterpret_cast<const char*>(w + g * GROUP * 4 + off + 8192));
     for (int c = 0; c < GROUP / 32; ++c) {
+#if !EDGE_AVX2_VNNI
+      // 16-bit sums of a 32-weight sub-block: 4 chunks x 2 pairs <= 2*15*127 each = 30480, below saturation; widened
+      // once per sub-block (one vpmaddwd per 4 chunks instead of one per chunk)
+      __m256i sum16[MB];
+#endif
       for (int j = 0; j < 4; ++j) {
         const int64_t kk = g * GROUP + c * 32 + 8 * j;
         const __m256i v = loadu(w + kk * 4);
@@ -813,13 +818,15 @@ void block8_a8(const uint8_t* wq, const uint16_t* sp, const uint16_t* zp, const 
           acc[r][j] = EDGE_DPBUSD(acc[r][j], lo, _mm256_set1_epi32(x0));
           acc[r][j] = EDGE_DPBUSD(acc[r][j], hi, _mm256_set1_epi32(x1));
 #else
-          // 16-bit pairs <= 2*15*127 each, two of them per lane: no saturation; widened at once
           const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
-          acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(p, ones));
+          sum16[r] = j == 0 ? p : _mm256_add_epi16(sum16[r], p);
 #endif
         }
       }
+#if !EDGE_AVX2_VNNI
+      for (int r = 0; r < MB; ++r) acc[r][c % 4] = _mm256_add_epi32(acc[r][c % 4], _mm256_madd_epi16(sum16[r], ones));
+#endif
     }
     const __m256 s = load_bf16x8(s8 + g * 8);
     const __m256 z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load_bf16x8(z8 + g * 8));

@@ -4,7 +4,8 @@ Every decode step calls `CPUAttentionBackendImpl.do_kv_cache_update` and `.forwa
 the default model). Each call re-derives the key and value cache views from the layer's cache tensor (`size`,
 `view`, `chunk`), slices the query and the output even when nothing is cut, and reaches the C++ op through
 `vllm._custom_ops`' wrapper and torch's op packet, which resolves the overload per call. The replacements here keep
-the two views per layer (keyed by the cache tensor itself, so a new cache makes new views), cut only when padding
+the two views per layer (keyed by the cache's address, shape and strides, so a new or moved cache makes
+new views), cut only when padding
 exists, and call the ops' `.default` overloads with the same arguments in the same order: the same kernels on the
 same tensors, so the same results (tests/kernels/test_attention_plugin.py checks both against vLLM's own methods on a
 real cache, and the engine's greedy text against vLLM's own methods).
@@ -28,13 +29,14 @@ _VIEWS = "_edge_select_cache_views"
 
 def cache_views(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The key and value halves of a layer's cache [blocks, kv_heads, block_size, 2 * head_size], as vLLM's
-    methods derive them, made once per cache tensor and kept on the impl."""
+    methods derive them, made once per cache storage (address, shape, strides) and kept on the impl."""
+    where = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride())
     kept = impl.__dict__.get(_VIEWS)
-    if kept is not None and kept[0] is kv_cache:
+    if kept is not None and kept[0] == where:
         return kept[1], kept[2]
     num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
     key_cache, value_cache = kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
-    impl.__dict__[_VIEWS] = (kv_cache, key_cache, value_cache)
+    impl.__dict__[_VIEWS] = (where, key_cache, value_cache)
     return key_cache, value_cache
 
 
