@@ -4,11 +4,10 @@ Every decode step calls `CPUAttentionBackendImpl.do_kv_cache_update` and `.forwa
 the default model). Each call re-derives the key and value cache views from the layer's cache tensor (`size`,
 `view`, `chunk`), slices the query and the output even when nothing is cut, and reaches the C++ op through
 `vllm._custom_ops`' wrapper and torch's op packet, which resolves the overload per call. The replacements here keep
-the two views per layer (keyed by the cache's address, shape and strides, so a new or moved cache makes
-new views), cut only when padding
-exists, and call the ops' `.default` overloads with the same arguments in the same order: the same kernels on the
-same tensors, so the same results (tests/kernels/test_attention_plugin.py checks both against vLLM's own methods on a
-real cache, and the engine's greedy text against vLLM's own methods).
+the two views per layer (keyed by the cache's address, shape and strides, so a new or moved cache makes new views),
+cut only when padding exists, and call the ops' `.default` overloads with the same arguments in the same order: the
+same kernels on the same tensors, so the same results (tests/kernels/test_attention_plugin.py checks both against
+vLLM's own methods on a real cache; tests/kernels/test_decode_plugin_slow.py the engine's greedy text).
 
 Encoder attention (its own cache path), fused output quantization and warm-up calls without metadata go to vLLM's
 methods as they were. EDGE_SELECT_ATTENTION=vllm leaves vLLM's methods in place (benchmarks compare the two).

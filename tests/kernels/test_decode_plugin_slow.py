@@ -3,10 +3,11 @@
 decode layout (kernels.ops.avx2_int4.decode_layout) generates the row-major layout's first tokens.
 
 One subprocess per variant (the plugin installs once per process): the plugin as shipped, EDGE_SELECT_ATTENTION=vllm,
-and EDGE_AVX2_DECODE_LAYOUT=row-major, each with the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+and EDGE_AVX2_DECODE_LAYOUT=row-major, each stepping the engine core inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 as the plan's one-process mode serves): every request is queued before the first step, so every run batches alike.
 With vLLM's separate engine-core process the requests reach the core at times of their own, the first steps batch
-them differently, and the same configuration generated either of two texts for one prompt from run to run here. The attention replacements call the same kernels with the same arguments, so
+them differently, and the same configuration generated either of two texts for one prompt from run to run here.
+The attention replacements call the same kernels with the same arguments, so
 every token must agree; the decode layout sums the same integers in another fp32 order, so a near-tied logit may
 flip late in a sequence, as tests/kernels/test_avx2_serve_slow.py allows for its kernels.
 """
