@@ -123,8 +123,9 @@ KERNELS: dict[str, KernelSpec] = {
                                 (4096, 4096, 4, "1t.gemm.m4.avx2_int16_ms")),
                    decode=DecodeChoice("avx2", "the AVX2 int4 kernel", "avx2-int8", _AVX2_ROWS, default_at=("AVX2",))),
         # int8 activations: faster still, chosen for speed only where an edge-eval record shows the floor holds.
-        KernelSpec("avx2-w4a8", "this project's AVX2 int4 GEMV on the row-major copy, activations quantized to int8 "
-                   "per group (kernels/ops/avx2_int4.cpp)", "edge_avx2::w4a8_linear", "torch", "int4-rowmajor", 8, True,
+        KernelSpec("avx2-w4a8", "this project's AVX2 int4 GEMV on the row-major copy, interleaved by 8 output channels "
+                   "at load (kernels/ops/avx2_int4.py decode_layout), activations quantized to int8 per group "
+                   "(kernels/ops/avx2_int4.cpp)", "edge_avx2::w4a8_linear", "torch", "int4-rowmajor", 8, True,
                    _X86,
                    facts=_times((4096, 4096, 1, "1t.gemm.m1.avx2_int8_ms"), (4096, 4096, 4, "1t.gemm.m4.avx2_int8_ms")),
                    decode=DecodeChoice("avx2-w4a8", "the AVX2 int8-activation kernel", "avx2-int8", _AVX2_ROWS,
