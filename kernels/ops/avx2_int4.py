@@ -178,23 +178,45 @@ def decode_layout(
     high), scales and zeros bf16 [N, K/g], interleaved by 8 output channels where takes_decode_layout says so:
     qweight [N/8, K/8, 32] (per block b and 8 weights 8j..8j+7, 4 bytes a channel, byte t holding k=8j+t low and
     8j+4+t high), scales and zeros [N/8, K/g, 8]; the same bytes. Else (or with EDGE_AVX2_DECODE_LAYOUT=row-major)
-    the tensors as they are.
+    the tensors as they are. New tensors; decode_layout_ converts in place.
 
     Why: one 32-byte load then feeds vpdpbusd lanes that are 8 channels, so a group's 8 scales are one vector and no
     horizontal sums remain (avx2_int4.cpp block8_a8); measured against the row-major kernel by
     benchmarks/avx2_gemv.py and benchmarks/step_profile.py."""
-    n = qweight.shape[0]
-    if not takes_decode_layout(n, act_bits) or os.environ.get(LAYOUT_ENV) == ROW_MAJOR:
+    if not _wants_decode_layout(qweight, act_bits):
         return qweight, scales, zeros
-    k = qweight.shape[1] * 2
-    codes = unpack_nibbles(qweight).view(n // X8_CHANNELS, X8_CHANNELS, k // 8, 2, 4)  # [b, c, j, half, t]
-    packed = codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)  # [b, c, j, t]
-    blocks = packed.permute(0, 2, 1, 3).reshape(n // X8_CHANNELS, k // 8, 32).contiguous()  # [N/8, K/8, 32]
+    return decode_layout_(qweight.clone(), scales.clone(), zeros.clone(), act_bits)
 
-    def grid(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/8, G, 8]
-        return t.view(n // X8_CHANNELS, X8_CHANNELS, -1).permute(0, 2, 1).contiguous()
 
-    return blocks, grid(scales), grid(zeros)
+def decode_layout_(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, act_bits: int, chunk_rows: int = 512
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """decode_layout in the tensors' own storage (contiguous ones), chunk_rows output channels at a time: block b's
+    bytes are rows 8b..8b+7's, so each chunk is rewritten where it lies. What a load holds beyond the layer is one
+    chunk's temporaries, ~2 B x chunk_rows x K, within the tinygemm repack's 4 B x repack_chunk_rows x K that the
+    plan's ledger counts (edge.formats.tinygemm load_transients). Returns views of the same storage."""
+    if not _wants_decode_layout(qweight, act_bits):
+        return qweight, scales, zeros
+    assert qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous(), "in place needs contiguous"
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    step = max(X8_CHANNELS, chunk_rows - chunk_rows % X8_CHANNELS)
+    for r0 in range(0, n, step):
+        rows = min(step, n - r0)
+        blocks = rows // X8_CHANNELS
+        codes = unpack_nibbles(qweight[r0 : r0 + rows]).view(blocks, X8_CHANNELS, k // 8, 2, 4)  # [b, c, j, half, t]
+        packed = codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)  # [b, c, j, t]
+        qweight[r0 : r0 + rows].view(-1).copy_(packed.permute(0, 2, 1, 3).reshape(-1))  # [b, j, c, t]
+        for grid in (scales, zeros):  # [rows, G] -> [b, G, 8]
+            part = grid[r0 : r0 + rows]
+            moved = part.view(blocks, X8_CHANNELS, -1).permute(0, 2, 1).clone(memory_format=torch.contiguous_format)
+            part.view(-1).copy_(moved.view(-1))  # a fresh buffer: a permuted view may alias the part it came from
+    groups = scales.shape[1]
+    return (qweight.view(n // X8_CHANNELS, k // 8, 32), scales.view(n // X8_CHANNELS, groups, X8_CHANNELS),
+            zeros.view(n // X8_CHANNELS, groups, X8_CHANNELS))  # fmt: skip
+
+
+def _wants_decode_layout(qweight: torch.Tensor, act_bits: int) -> bool:
+    return takes_decode_layout(qweight.shape[0], act_bits) and os.environ.get(LAYOUT_ENV) != ROW_MAJOR
 
 
 def out_features(qweight: torch.Tensor) -> int:

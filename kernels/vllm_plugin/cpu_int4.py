@@ -334,8 +334,8 @@ def _repack(
     """Build the tinygemm buffer; drop the row-major copy unless this layer's mode reads it (or keep_row_major:
     the AVX2 decode kernel reads it; its op is loaded here, in the worker, which the config never ran in: vLLM
     builds the config in the engine process and ships it to the workers). A copy only that kernel reads (not DUAL's,
-    which wide batches dequantize) goes into the layout it reads best (kernels.ops.avx2_int4.decode_layout for its
-    act_bits activations).
+    which wide batches dequantize) goes into the layout it reads best (kernels.ops.avx2_int4.decode_layout_ for its
+    act_bits activations: in place, chunk_rows channels at a time).
 
     Sets layer.int4_mode: DIRECT falls back to DUAL when N does not tile the host block (the direct
     dequantizer cannot read a narrower last block, kernels/ops/layout.py).
@@ -355,9 +355,9 @@ def _repack(
         layer.scales = empty_param(torch.bfloat16)
         layer.zeros = empty_param(torch.bfloat16)
     elif mode != DUAL:
-        from kernels.ops.avx2_int4 import decode_layout
+        from kernels.ops.avx2_int4 import decode_layout_
 
-        tensors = decode_layout(layer.qweight.data, layer.scales.data, layer.zeros.data, act_bits)
+        tensors = decode_layout_(layer.qweight.data, layer.scales.data, layer.zeros.data, act_bits, chunk_rows)
         layer.qweight, layer.scales, layer.zeros = (Parameter(t, requires_grad=False) for t in tensors)
     layer.int4_mode = mode
 

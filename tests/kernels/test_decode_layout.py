@@ -130,3 +130,17 @@ def test_the_plugin_serves_the_int8_kernel_from_the_layout_where_nothing_else_re
     x = torch.randn(1, INTERMEDIATE, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     row_major = avx2_int4.linear(x.float(), *tensors, config.group_size, 8)
     assert torch.allclose(layer.quant_method.apply(layer, x).float(), row_major, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("n, chunk_rows", [(960, 512), (960, 64), (200, 8), (64, 1000), (72, 20)])
+def test_the_in_place_conversion_rewrites_the_tensors_own_storage_chunk_by_chunk(n, chunk_rows):
+    """What the plugin runs at load (no second copy of the layer): the same tensors as decode_layout, in the
+    storage the checkpoint's tensors were loaded into, whatever the chunk (a chunk that is not whole blocks of 8 is
+    cut to them)."""
+    qweight, scales, zeros = _layer(n, 576, 32)
+    expected = avx2_int4.decode_layout(qweight, scales, zeros, 8)
+    pointers = [t.data_ptr() for t in (qweight, scales, zeros)]
+    converted = avx2_int4.decode_layout_(qweight, scales, zeros, 8, chunk_rows)
+    assert [t.data_ptr() for t in converted] == pointers
+    for mine, theirs in zip(converted, expected, strict=True):
+        assert torch.equal(mine, theirs)
