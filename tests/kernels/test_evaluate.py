@@ -279,7 +279,8 @@ def test_a_decode_kernel_runs_every_row_through_the_avx2_kernel_and_keys_only_in
     assert reports["avx2-w4a8"].record["key"]["decode_kernel"] == "avx2-w4a8"
     layer = next(m for m in load_candidate(candidate, tiny, {**qconfig, "decode_kernel": "avx2-w4a8"}).model.modules()
                  if isinstance(m, Int4Linear))  # fmt: skip
-    x = torch.randn(2, 9, layer.qweight.shape[1] * 2).to(torch.bfloat16)  # 18 rows: past any decode batch
+    assert layer.qweight.dim() == 3  # the int8 kernel's decode layout, as the engine serves it (direct)
+    x = torch.randn(2, 9, layer.packed.shape[1] * 2).to(torch.bfloat16)  # 18 rows: past any decode batch
     assert torch.equal(layer(x), avx2_int4.linear(x, layer.qweight, layer.scales, layer.zeros, 32, 8))
 
 
