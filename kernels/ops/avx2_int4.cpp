@@ -43,6 +43,7 @@
 #include <cstring>
 #include <vector>
 #include <type_traits>
+#include <tuple>
 #include <cstdlib>
 
 namespace {
@@ -265,6 +266,23 @@ F pick(F plain, F vnni, F vnni512) {
   return vnni_build() == 1 ? vnni : vnni_build() == 2 ? vnni512 : plain;
 }
 
+// x [..., K] as contiguous rows [M, K], and the output's shape [..., N]; x must be bf16, fp16 or fp32.
+inline std::tuple<at::Tensor, std::vector<int64_t>> rows_of(const at::Tensor& x, int64_t k, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
+              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  return {x.reshape({-1, k}).contiguous(), out_shape};
+}
+
+// A kernel's fp32 result y [M, N] into out [M, N] in out's dtype (bf16, fp16 or fp32).
+inline void copy_out(const float* yp, at::Tensor& out) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "edge_avx2_out", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < out.numel(); ++i) op[i] = static_cast<scalar_t>(yp[i]);
+  });
+}
+
 template <typename Q>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
                   int64_t group, int qmax, Channels<Q> plain, Channels<Q> vnni, Channels<Q> vnni512) {
@@ -280,11 +298,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(0) == n && t->size(1) == groups,
                 "scales/zeros: expected bf16 [", n, ", ", groups, "], got ", t->scalar_type(), " ", t->sizes());
   }
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
-              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();  // [M, K]
+  const auto rows = rows_of(x, k, n);
+  const at::Tensor& x2 = std::get<0>(rows);  // [M, K]
+  const std::vector<int64_t>& out_shape = std::get<1>(rows);  // [..., N]
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, n}, x.options());  // [M, N] in x's dtype
   if (m == 0 || n == 0) {
@@ -313,10 +329,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k / 2));  // ~16 KB of weights a task
   const Channels<Q> run = pick(plain, vnni, vnni512);
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run(wp, sp, zp, acts, yp, group, begin, end, m, n, k); });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "edge_avx2_out", [&] {
-    scalar_t* op = out.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
-  });
+  copy_out(yp, out);
   return out.reshape(out_shape);
 }
 
@@ -336,11 +349,9 @@ at::Tensor w4a8_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const 
                 "scales/zeros: expected bf16 [", blocks, ", ", groups, ", 8], got ", t->scalar_type(), " ",
                 t->sizes());
   }
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
-              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();  // [M, K]
+  const auto rows = rows_of(x, k, n);
+  const at::Tensor& x2 = std::get<0>(rows);  // [M, K]
+  const std::vector<int64_t>& out_shape = std::get<1>(rows);  // [..., N]
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out.reshape(out_shape);
@@ -375,10 +386,7 @@ at::Tensor w4a8_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const 
     run(wp, sp, zp, cp, a_w, xs_w, yp, ob, group, begin, end, m, n, k);
   });
   if (!bf16_out) {
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, out.scalar_type(), "edge_avx2_out_x8", [&] {
-      scalar_t* op = out.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
-    });
+    copy_out(yp, out);
   }
   return out.reshape(out_shape);
 }
@@ -414,11 +422,9 @@ at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == n,
                 "scales: expected bf16 [", n, "], got ", scales.scalar_type(), " ", scales.sizes());
   }
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
-              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const auto rows = rows_of(x, k, n);
+  const at::Tensor& x2 = std::get<0>(rows);  // [M, K]
+  const std::vector<int64_t>& out_shape = std::get<1>(rows);  // [..., N]
   const int64_t m = x2.size(0), groups = k / 32;
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return out.to(x.scalar_type()).reshape(out_shape);
@@ -450,11 +456,9 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   TORCH_CHECK(meta.dim() == 2 && meta.scalar_type() == at::kByte && meta.size(0) == n && meta.size(1) == k / 16,
               "meta: expected uint8 [", n, ", ", k / 16, "], got ", meta.scalar_type(), " ", meta.sizes());
   TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf,
-              "x: expected bf16, fp16 or fp32, got ", x.scalar_type());
-  auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
-  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const auto rows = rows_of(x, k, n);
+  const at::Tensor& x2 = std::get<0>(rows);  // [M, K]
+  const std::vector<int64_t>& out_shape = std::get<1>(rows);  // [..., N]
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out.reshape(out_shape);
@@ -475,10 +479,7 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
   const auto run = pick(isa_plain::channels_q4k, isa_vnni::channels_q4k, isa_vnni512::channels_q4k);
   const int64_t grain = std::max<int64_t>(1, 16384 / (k / 2));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run(wp, mp, acts, yp, begin, end, m, n, k); });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "edge_q4k_out", [&] {
-    scalar_t* op = out.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < m * n; ++i) op[i] = static_cast<scalar_t>(yp[i]);
-  });
+  copy_out(yp, out);
   return out.reshape(out_shape);
 }
 
