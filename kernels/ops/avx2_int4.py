@@ -193,8 +193,9 @@ def decode_layout_(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """decode_layout in the tensors' own storage (contiguous ones), chunk_rows output channels at a time: block b's
     bytes are rows 8b..8b+7's, so each chunk is rewritten where it lies. What a load holds beyond the layer is one
-    chunk's temporaries, ~2 B x chunk_rows x K, within the tinygemm repack's 4 B x repack_chunk_rows x K that the
-    plan's ledger counts (edge.formats.tinygemm load_transients). Returns views of the same storage."""
+    chunk's temporaries, ~2 B x chunk_rows x K by count of the tensors made below (not measured), within the
+    tinygemm repack's 4 B x repack_chunk_rows x K that the plan's ledger counts (edge.formats.tinygemm
+    load_transients). Returns views of the same storage."""
     if not _wants_decode_layout(qweight, act_bits):
         return qweight, scales, zeros
     assert qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous(), "in place needs contiguous"
