@@ -25,9 +25,11 @@ CPU time per step of the weight ops (every op whose name is in WEIGHT_OPS), the 
 `outside kernels` = step - weight ops: the issue's "time outside the weight kernels" (target <= 1.5 ms on the
 default model). Medians over rounds of each round's median; ratios of a variant to the first, per round.
 
-Variants: `plain` serves as edge-serve does; `plain+NAME` adds the environment in VARIANT_ENV[NAME] (a lever to
-compare): +row-major (EDGE_AVX2_DECODE_LAYOUT=row-major, the decode kernel on the checkpoint's own layout),
-+vllm-attention (EDGE_SELECT_ATTENTION=vllm, vLLM's attention methods instead of the plugin's).
+Variants: `plain` serves as edge-serve does; `plain+NAME` adds the environment in VARIANT_ENV[NAME] and the engine
+arguments in VARIANT_KWARGS[NAME] (a lever to compare): +row-major (EDGE_AVX2_DECODE_LAYOUT=row-major, the decode
+kernel on the checkpoint's own layout), +python-attention (EDGE_SELECT_ATTENTION=python: vLLM's attention ops with
+the plugin's lean methods instead of its C++ op), +vllm-attention (EDGE_SELECT_ATTENTION=vllm, vLLM's attention as
+shipped), +python-wrapper (no compilation config: Inductor's Python wrapper instead of the plan's C++ one).
 """
 
 from __future__ import annotations
@@ -58,7 +60,15 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"},
     # vLLM's own CPU attention methods instead of the plugin's (kernels/vllm_plugin/attention.py)
     "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"},
+    # the lean Python attention methods and vLLM's attention ops instead of the plugin's C++ attention op
+    "python-attention": {"EDGE_SELECT_ATTENTION": "python"},
+    # the compiled graph with Inductor's Python wrapper instead of the plan's C++ wrapper (VARIANT_KWARGS)
+    "python-wrapper": {},
+    # nothing changed: the same engine in another process (what the order of the children alone does)
+    "again": {},
 }
+# variants that change the engine's arguments: the plan's compilation config without Inductor's C++ wrapper
+VARIANT_KWARGS: dict[str, dict] = {"python-wrapper": {"compilation_config": {}}}
 
 
 # --- child: one engine, steps on command -----------------------------------------------------------------------
@@ -177,7 +187,16 @@ def llm_kwargs(plan) -> dict:
         kwargs["kv_cache_memory_bytes"] = int(flags["--kv-cache-memory-bytes"])
     if "--quantization" in flags:
         kwargs["quantization"] = flags["--quantization"]
+    if "--compilation-config" in flags:
+        kwargs["compilation_config"] = json.loads(flags["--compilation-config"])
     return kwargs
+
+
+def variant_kwargs(kwargs: dict, variant: str) -> dict:
+    out = dict(kwargs)
+    for part in variant.split("+")[1:]:
+        out.update(VARIANT_KWARGS.get(part, {}))
+    return out
 
 
 def child_env(plan, variant: str) -> dict[str, str]:
@@ -250,6 +269,33 @@ def table(summary: dict, variants: list[str]) -> str:
     return "\n".join(lines)
 
 
+def run_rounds(model: Path, kwargs: dict, plan, started: list[str], count: int, args: argparse.Namespace,
+               rounds: dict[str, list[dict]], log) -> None:  # fmt: skip
+    """Start one child per variant in the order given, run `count` rounds (each round's order alternating), stop
+    them."""
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for variant in started:  # one at a time: two compiling at once would time each other's start
+            procs[variant] = start(model, variant_kwargs(kwargs, variant), child_env(plan, variant), log)
+            read_event(procs[variant], log)
+        for index in range(count):
+            order = started if index % 2 == 0 else started[::-1]
+            for variant in order:
+                proc = procs[variant]
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps({"steps": args.steps, "profile": args.profile_steps}) + "\n")
+                proc.stdin.flush()
+                rounds[variant].append(read_event(proc, log))
+    finally:
+        for proc in procs.values():
+            if proc.stdin:
+                proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", metavar="MODEL_DIR", help=argparse.SUPPRESS)
@@ -257,7 +303,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="edge-serve's --model (default: the embedded model)")
     parser.add_argument("--priority", choices=("speed", "fidelity"), default="speed")
     parser.add_argument("--variants", default="plain", help=f"comma list of plain[+{'|+'.join(VARIANT_ENV)}]")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--starts", type=int, help="times the children start, each time in another order, the "
+                        "rounds shared between them (default: one start per variant, each first once)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=96, help="timed decode steps per round and variant")
     parser.add_argument("--profile-steps", type=int, default=32, help="profiled steps per round (0: none)")
     parser.add_argument("--json", type=Path)
@@ -271,39 +319,27 @@ def main() -> None:
         unknown = [p for p in variant.split("+")[1:] if p not in VARIANT_ENV]
         if variant.split("+")[0] != "plain" or unknown:
             parser.error(f"--variants: expected plain[+{'|+'.join(VARIANT_ENV)}], got {variant!r}")
+    args.starts = max(1, min(args.starts or len(variants), args.rounds))
     from edge.device.cpuinfo import host_model_name
 
     plan, model = plan_and_model(args)
     kwargs = llm_kwargs(plan)
     args.log.parent.mkdir(parents=True, exist_ok=True)
-    procs: dict[str, subprocess.Popen] = {}
     rounds: dict[str, list[dict]] = {v: [] for v in variants}
     with open(args.log, "a") as log:
-        try:
-            for variant in variants:  # one at a time: two compiling at once would time each other's start
-                procs[variant] = start(model, kwargs, child_env(plan, variant), log)
-                read_event(procs[variant], log)
-            for index in range(args.rounds):
-                order = variants if index % 2 == 0 else variants[::-1]
-                for variant in order:
-                    proc = procs[variant]
-                    assert proc.stdin is not None
-                    proc.stdin.write(json.dumps({"steps": args.steps, "profile": args.profile_steps}) + "\n")
-                    proc.stdin.flush()
-                    rounds[variant].append(read_event(proc, log))
-        finally:
-            for proc in procs.values():
-                if proc.stdin:
-                    proc.stdin.close()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        for start_index in range(args.starts):
+            # each start brings the children up in another order: the first one started steps slower here, the
+            # same engine 1.08-1.10x slower than a second copy of itself (2026-12-06, AMD EPYC Zen 4)
+            shift = start_index % len(variants)
+            started = variants[shift:] + variants[:shift]
+            share = args.rounds // args.starts + (start_index < args.rounds % args.starts)
+            run_rounds(model, kwargs, plan, started, share, args, rounds, log)
     summary = summarize(rounds, variants)
     header = (f"{host_model_name()}, {os.cpu_count()} cores; plan {plan.path}/{plan.layout or '-'} "
               f"{plan.vllm.env.get('OMP_NUM_THREADS', '')} thread(s); model {model}")  # fmt: skip
     print(header)
-    print(f"ms per decode step, medians of {args.rounds} rounds x {args.steps} steps (C++ columns: "
+    print(f"ms per decode step, medians of {args.rounds} rounds x {args.steps} steps, children started "
+          f"{args.starts} times in rotated order (C++ columns: "
           f"{args.profile_steps} profiled steps a round)")
     print(table(summary, variants))
     for variant in variants:

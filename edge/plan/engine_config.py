@@ -124,6 +124,20 @@ METHOD_CONFIGS = {"cpu_int4": _cpu_int4, "cpu_w4a8": _cpu_w4a8, "gptq": _gptq}
 METHOD_ENV: dict[str, dict[str, str]] = {"gptq": {"VLLM_CPU_INT4_W4A8": "1"}}
 
 
+# vLLM's CPU platform compiles the model once with Inductor (DYNAMO_TRACE_ONCE). With Inductor's C++ wrapper the
+# compiled graph runs as one C++ function that releases the GIL, instead of ~700 lines of Python a step calling
+# ~150 fused kernels and 120 weight ops through Python: a decode step of the default model's speed plan took 0.91x
+# the time (8.27 -> 7.52 ms, benchmarks/step_profile.py, 2026-12-06, AMD EPYC Zen 4). Building the wrapper apart
+# from the kernels (its own -O1 compile, the kernels' -O3) took a cold start's compile from 191 to 78 s there at
+# the same step time (7.60 against 7.52 ms). The compile cache keeps it for every later start.
+COMPILATION_CONFIG = {"inductor_compile_config": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}}
+# vLLM 0.28 on torch >= 2.11 passes attention layer names to its ops as a `LayerName` opaque object, which the C++
+# wrapper cannot hand back to a Python op ("arg type PyObject is not yet supported by custom_op_wrapper", seen
+# 2026-12-02); as strings it can. The plugin's C++ attention leaves no such op in a plain decoder's graph, but a layer
+# it does not take (kernels/vllm_plugin/attention_cpp.py eligible) keeps vLLM's.
+COMPILE_ENV = {"VLLM_USE_LAYERNAME": "0"}
+
+
 # vLLM 0.28's CPU attention fails the first request of a model whose every layer attends through a sliding window
 # (Mistral v0.1, Phi-3 mini 4k: a model-level sliding_window; a Gemma 3 with fewer layers than its pattern) at a
 # KV block of 32 or more: "cpu_attn.cpp:244 Check failed: input.block_size % attn_impl::BlockSizeAlignment == 0
@@ -217,6 +231,7 @@ def vllm_config(
         # Exact bytes; VLLM_CPU_KVCACHE_SPACE only takes whole GiB, and without either vLLM's CPU worker
         # reserves 92% of the node's memory.
         "--kv-cache-memory-bytes", str(kv_cache_bytes),
+        "--compilation-config", json.dumps(COMPILATION_CONFIG, separators=(",", ":")),
     ]  # fmt: skip
     if (block := attention_block_size(model)) is not None:
         args += ["--block-size", str(block)]
@@ -227,6 +242,7 @@ def vllm_config(
         "VLLM_CPU_OMP_THREADS_BIND": "auto",
         # Plans that build different graphs get different compile caches (docs/FACTS.md, compile-cache key).
         "VLLM_CACHE_ROOT": f"~/.cache/edge-select/vllm/{_cache_key(model, path, qconfig)}",
+        **COMPILE_ENV,
     }
     cores = device.compute_cores
     if cores is not None and cores <= SMALL_BOX_CORES:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from functools import cache, lru_cache
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 from edge.catalog.kernel_registry import KERNELS
 from edge.formats.tinygemm import TINYGEMM
-from edge.paths import cache_dir
+from kernels.ops import extension
 from kernels.ops.int4 import unpack_nibbles
 
 log = logging.getLogger(__name__)
@@ -56,22 +55,15 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+WHAT = "the AVX2 int4 kernel"
+
+
 def _compiler() -> str | None:
-    return shutil.which("c++") or shutil.which("g++")
+    return extension.compiler()
 
 
 def ninja_on_path() -> str | None:
-    """Why torch's extension builder cannot find ninja, or None. The `ninja` package (a dependency) puts its
-    binary in the venv's bin/, which is on PATH only in an activated venv: `.venv/bin/edge-serve` run directly on a
-    box without a system ninja would fall back to tinygemm, so its folder joins this process's PATH."""
-    if shutil.which("ninja"):
-        return None
-    try:
-        import ninja
-    except ImportError:
-        return "no ninja on PATH to build the AVX2 int4 kernel (pip install ninja)"
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-    return None if shutil.which("ninja") else f"no ninja binary in {ninja.BIN_DIR} to build the AVX2 int4 kernel"
+    return extension.ninja_on_path(WHAT)
 
 
 def missing_prerequisite(cpu_flags: set[str], compiler: str | None) -> str | None:
@@ -89,25 +81,10 @@ def load() -> str | None:
     """Build (or load the cached build of) the extension and register its op; None when it runs here, else why not."""
     if hasattr(torch.ops, OP_NAMESPACE) and hasattr(getattr(torch.ops, OP_NAMESPACE), "int4_linear"):
         return None
-    reason = missing_prerequisite(_cpu_flags(), _compiler()) or ninja_on_path()
+    reason = missing_prerequisite(_cpu_flags(), _compiler()) or extension.build(EXTENSION, SOURCE, WHAT, CFLAGS,
+                                                                                  LDFLAGS)  # fmt: skip
     if reason:
         return reason
-    from torch.utils import cpp_extension
-
-    build_dir = cache_dir() / "torch_extensions" / EXTENSION
-    build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        cpp_extension.load(
-            name=EXTENSION,
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError) as error:  # a compiler or ninja failure, a missing header
-        return f"building the AVX2 int4 kernel failed ({type(error).__name__}: {str(error)[-500:]})"
     _register_fake()
     return None
 

@@ -1,16 +1,30 @@
-"""vLLM 0.28's CPU attention with less Python per layer and step (issue 42 part 2: the step's own cost).
+"""vLLM 0.28's CPU attention without Python in the step (issue 42 part 2: the step's own cost).
 
-Every decode step calls `CPUAttentionBackendImpl.do_kv_cache_update` and `.forward` once per layer (60 calls for
-the default model). Each call re-derives the key and value cache views from the layer's cache tensor (`size`,
-`view`, `chunk`), slices the query and the output even when nothing is cut, and reaches the C++ op through
-`vllm._custom_ops`' wrapper and torch's op packet, which resolves the overload per call. The replacements here keep
-the two views per layer (keyed by the cache's address, shape and strides, so a new or moved cache makes new views),
-cut only when padding exists, and call the ops' `.default` overloads with the same arguments in the same order: the
-same kernels on the same tensors, so the same results (tests/kernels/test_attention_plugin.py checks both against
-vLLM's own methods on a real cache; tests/kernels/test_decode_plugin_slow.py the engine's greedy text).
+Every decode step calls vLLM's attention twice per layer (60 calls for the default model): its custom ops
+`unified_kv_cache_update` and `unified_attention_with_output`, which are Python, look up the forward context, the
+layer and its metadata, and call `CPUAttentionBackendImpl.do_kv_cache_update` and `.forward`, which re-derive the
+cache's key and value views and reach vLLM's C++ kernels through its wrappers. Compiled with Inductor's C++
+wrapper (the plan's compilation config, edge.plan.engine_config), those Python calls are all that still holds the
+GIL in a forward.
 
-Encoder attention (its own cache path), fused output quantization and warm-up calls without metadata go to vLLM's
-methods as they were. EDGE_SELECT_ATTENTION=vllm leaves vLLM's methods in place (benchmarks compare the two).
+Three ways, chosen by EDGE_SELECT_ATTENTION (the benchmarks compare them):
+- `cpp` (the default): `Attention.forward` calls torch.ops.edge_attn.attention (attention.cpp), which writes the
+  cache and attends with vLLM's two C++ kernels and the same arguments. Per step, the runner's `_model_forward`
+  first hands it each metadata group's tensors (`push`, one call per group) and clears them after; the layer's
+  cache views and constants are handed over once (and again when its cache changes). Layers that are not plain
+  decoder self-attention on this backend keep vLLM's forward at construction; a call outside `_model_forward`
+  (vLLM's warm-up and profile runs) or without metadata for every layer goes to vLLM's own Python ops
+  (`edge_attn::vllm_attention`), as does everything when the extension cannot be built here.
+- `python`: vLLM's ops, with `CPUAttentionBackendImpl.forward` and `.do_kv_cache_update` replaced by leaner ones:
+  the two views kept per layer (keyed by the cache's address, shape and strides), cuts only when padding exists,
+  the ops' `.default` overloads called with the same arguments in the same order. The `cpp` way's fallback uses
+  them too.
+- `vllm`: vLLM's methods as shipped.
+
+Each way calls the same kernels on the same tensors, so the same results (tests/kernels/test_attention_plugin.py
+checks them against vLLM's own methods on a real cache; tests/kernels/test_decode_plugin_slow.py the engine's greedy
+text). Encoder attention (its own cache path), fused output quantization and warm-up calls without metadata go to
+vLLM's methods as they were.
 """
 
 from __future__ import annotations
@@ -21,7 +35,8 @@ from typing import Any
 import torch
 
 ENV = "EDGE_SELECT_ATTENTION"
-VLLM = "vllm"
+CPP, PYTHON, VLLM = "cpp", "python", "vllm"
+MODES = (CPP, PYTHON, VLLM)
 _MARK = "_edge_select_lean_attention"
 _VIEWS = "_edge_select_cache_views"
 
@@ -39,9 +54,18 @@ def cache_views(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.
     return key_cache, value_cache
 
 
+def mode() -> str:
+    """EDGE_SELECT_ATTENTION, `cpp` when unset."""
+    value = os.environ.get(ENV) or CPP
+    if value not in MODES:
+        raise ValueError(f"{ENV}: expected one of {', '.join(MODES)}, got {value!r}")
+    return value
+
+
 def install() -> bool:
-    """Replace CPUAttentionBackendImpl.forward and .do_kv_cache_update once per process; True if in place."""
-    if os.environ.get(ENV) == VLLM:
+    """Replace CPUAttentionBackendImpl.forward and .do_kv_cache_update once per process, and in the `cpp` way
+    Attention.forward too (install_cpp); True if the methods are in place."""
+    if mode() == VLLM:
         return False
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -86,4 +110,8 @@ def install() -> bool:
     do_kv_cache_update.vllm_method = vllm_update  # type: ignore[attr-defined]
     CPUAttentionBackendImpl.forward = forward
     CPUAttentionBackendImpl.do_kv_cache_update = do_kv_cache_update
+    if mode() == CPP:
+        from kernels.vllm_plugin import attention_cpp
+
+        attention_cpp.install()
     return True

@@ -89,9 +89,18 @@ NOT_COMPILE_FACTORS = ("VLLM_API_KEY",)
 _FACTORS_MARK = "_edge_select_factors_fix"
 
 
+def plugin_factors() -> dict[str, object]:
+    """The plugin's own settings that change the compiled graph, which vLLM cannot know to hash: the attention
+    way (kernels/vllm_plugin/attention.py), whose `cpp` graph calls an op the others do not register."""
+    from kernels.vllm_plugin import attention
+
+    return {attention.ENV: attention.mode()}
+
+
 def install_factors_fix() -> bool:
     """Drop NOT_COMPILE_FACTORS from vllm.envs.compile_factors() (read at call time by vLLM's compile cache, in
-    compilation/caching.py and compilation/backends.py); True if the patch is (now) in place."""
+    compilation/caching.py and compilation/backends.py) and add plugin_factors(); True if the patch is (now) in
+    place."""
     from vllm import envs
 
     factors = getattr(envs, "compile_factors", None)
@@ -102,7 +111,7 @@ def install_factors_fix() -> bool:
 
     @functools.wraps(factors)
     def compile_factors() -> dict[str, object]:
-        return {k: v for k, v in factors().items() if k not in NOT_COMPILE_FACTORS}
+        return {k: v for k, v in factors().items() if k not in NOT_COMPILE_FACTORS} | plugin_factors()
 
     setattr(compile_factors, _FACTORS_MARK, True)
     envs.compile_factors = compile_factors
