@@ -51,7 +51,7 @@ PARTS = ("step", "schedule", "prepare", "forward", "attention", "logits", "sampl
 # call (a name matches when it starts with one of these)
 WEIGHT_OPS = ("edge_avx2::", "vllm::cpu_int4_linear", "vllm::cpu_int8_linear", "vllm::cpu_w4a8_linear",
               "aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm", "aten::mm", "aten::addmm", "aten::linear",
-              "_C::int4_scaled_mm_cpu", "_C::cpu_gemm_wna16")  # fmt: skip
+              "_C::int4_scaled_mm_cpu", "_C::cpu_gemm_wna16", "_C::onednn_mm", "_C::weight_packed_linear")  # fmt: skip
 ATTENTION_OPS = ("_C::cpu_attention_with_kv_cache",)
 KV_WRITE_OPS = ("_C::cpu_attn_reshape_and_cache",)
 VARIANT_ENV: dict[str, dict[str, str]] = {

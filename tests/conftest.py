@@ -59,8 +59,8 @@ CORE_SLOW = {
     "tests/kernels/test_evaluate.py::test_default_model_quality_under_this_hosts_plan_is_in_a_sane_range":
         "edge-eval on the real default model under this host's plan",
     "tests/kernels/test_decode_plugin_slow.py":
-        "the real vLLM engine: the plugin's CPU attention generates vLLM's own greedy text, the int8 kernel's decode "
-        "layout the row-major layout's first tokens",
+        "the real vLLM engine: the plugin's C++ and Python attention generate vLLM's own greedy text, eager and "
+        "compiled with the plan's C++ wrapper; the int8 kernel's decode layout the row-major layout's first tokens",
 }
 
 

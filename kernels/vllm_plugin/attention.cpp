@@ -44,6 +44,7 @@ struct State {
   std::mutex lock;  // set_* and end_step come from the engine's thread; taken only there, never by attention
   std::vector<Layer> layers;
   std::vector<Step> steps;
+  int64_t direct = 0, fallen_back = 0;  // calls of `attention` each way since forget (tests ask)
 };
 
 State& state() {
@@ -92,6 +93,12 @@ void forget() {
   std::lock_guard<std::mutex> guard(s.lock);
   s.layers.clear();
   s.steps.clear();
+  s.direct = s.fallen_back = 0;
+}
+
+std::vector<int64_t> calls() {
+  auto& s = state();
+  return {s.direct, s.fallen_back};
 }
 
 // -1 when `attention` would fall back for this layer now, else its group (tests and the step profiler ask)
@@ -119,9 +126,11 @@ void attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor&
     static const c10::OperatorHandle fallback =
         c10::Dispatcher::singleton().findSchemaOrThrow("edge_attn::vllm_attention", "");
     std::vector<c10::IValue> stack{query, key, value, output, index};
+    ++s.fallen_back;
     fallback.callBoxed(&stack);
     return;
   }
+  ++s.direct;
   static const c10::OperatorHandle write =
       c10::Dispatcher::singleton().findSchemaOrThrow("_C::cpu_attn_reshape_and_cache", "");
   static const c10::OperatorHandle attend =
@@ -153,6 +162,7 @@ TORCH_LIBRARY(edge_attn, m) {
   m.def("end_step() -> ()", &end_step);
   m.def("forget() -> ()", &forget);
   m.def("ready_group(int index) -> int", &ready_group);
+  m.def("calls() -> int[]", &calls);
 }
 
 TORCH_LIBRARY_IMPL(edge_attn, CPU, m) { m.impl("attention", &attention); }

@@ -61,6 +61,7 @@ def test_the_op_gives_vllms_outputs_and_cache_bit_for_bit():
     assert torch.equal(cache, expected_cache)
     for i, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(mine, theirs), f"step {i}"
+    assert torch.ops.edge_attn.calls() == [len(STEPS), 0]  # every call took the C++ way
 
 
 def test_a_layer_is_ready_only_inside_a_step_it_was_handed():
@@ -101,5 +102,6 @@ def test_outside_a_step_the_op_calls_vllms_ops_for_the_layer_by_name(monkeypatch
     torch.ops.edge_attn.attention(q, k, v, out, LAYER)
     name = "model.layers.5.self_attn.attn"
     assert calls == [("update", name, k.shape), ("attention", name, q.shape)]
+    assert torch.ops.edge_attn.calls() == [0, 1]
     assert torch.equal(out, torch.ones_like(out))
 

@@ -1,15 +1,17 @@
-"""Real vLLM (eager) on the default model's speed-plan conversion (`avx2-w4a8`): the plugin's CPU attention methods
-(kernels/vllm_plugin/attention.py) generate vLLM's own methods' greedy text token for token, and the int8 kernel's
-decode layout (kernels.ops.avx2_int4.decode_layout) generates the row-major layout's first tokens.
+"""Real vLLM on the default model's speed-plan conversion (`avx2-w4a8`): the plugin's C++ attention
+(kernels/vllm_plugin/attention.cpp) and its lean Python methods generate vLLM's own attention's greedy text token for
+token, eager and compiled as the plan compiles (Inductor's C++ wrapper) against vLLM as shipped compiled with its
+Python wrapper; and the int8 kernel's decode layout (kernels.ops.avx2_int4.decode_layout) generates the row-major
+layout's first tokens.
 
-One subprocess per variant (the plugin installs once per process): the plugin as shipped, EDGE_SELECT_ATTENTION=vllm,
-and EDGE_AVX2_DECODE_LAYOUT=row-major, each stepping the engine core inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-as the plan's one-process mode serves): every request is queued before the first step, so every run batches alike.
-With vLLM's separate engine-core process the requests reach the core at times of their own, the first steps batch
-them differently, and the same configuration generated either of two texts for one prompt from run to run here.
-The attention replacements call the same kernels with the same arguments, so
-every token must agree; the decode layout sums the same integers in another fp32 order, so a near-tied logit may
-flip late in a sequence, as tests/kernels/test_avx2_serve_slow.py allows for its kernels.
+One subprocess per variant (the plugin installs once per process), each stepping the engine core inside it
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, as the plan's one-process mode serves): every request is queued before the first
+step, so every run batches alike. With vLLM's separate engine-core process the requests reach the core at times of
+their own, the first steps batch them differently, and the same configuration generated either of two texts for one
+prompt from run to run here. The attention ways call the same kernels with the same arguments, and both compiled
+variants run the same Inductor kernels, so every token must agree; the decode layout sums the same integers in
+another fp32 order, so a near-tied logit may flip late in a sequence, as tests/kernels/test_avx2_serve_slow.py
+allows for its kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from edge.plan.engine_config import COMPILATION_CONFIG, COMPILE_ENV
+
 PROMPTS = [
     "The capital of France is",
     "Water boils at a temperature of",
@@ -30,20 +34,28 @@ PROMPTS = [
 ]
 NEW_TOKENS = 24
 FIRST_TOKENS = 3
-VARIANTS = {"plugin": {}, "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"},
-            "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"}}  # fmt: skip
+EAGER = {"enforce_eager": True}
+# label -> (environment, LLM keywords); COMPILED is the plan's compilation config (edge.plan.engine_config)
+VARIANTS = {
+    "plugin": ({}, EAGER),
+    "python-attention": ({"EDGE_SELECT_ATTENTION": "python"}, EAGER),
+    "vllm-attention": ({"EDGE_SELECT_ATTENTION": "vllm"}, EAGER),
+    "row-major": ({"EDGE_AVX2_DECODE_LAYOUT": "row-major"}, EAGER),
+    "compiled": ({**COMPILE_ENV}, {"compilation_config": COMPILATION_CONFIG}),
+    "compiled-as-shipped": ({"EDGE_SELECT_ATTENTION": "vllm"}, {}),
+}
 
 pytestmark = pytest.mark.slow
 
 
-def generate(model: str, out: Path) -> None:
+def generate(model: str, out: Path, keywords: dict) -> None:
+    import torch
     from vllm import LLM, SamplingParams
 
     from kernels.ops import avx2_int4
-    from kernels.vllm_plugin import attention
+    from kernels.vllm_plugin import attention, attention_cpp
 
-    llm = LLM(model=model, max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_seqs=4, enforce_eager=True,
-              seed=0)  # fmt: skip
+    llm = LLM(model=model, max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_seqs=4, seed=0, **keywords)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
                            use_tqdm=False)  # fmt: skip
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -53,6 +65,8 @@ def generate(model: str, out: Path) -> None:
         "text": [o.outputs[0].text for o in outputs],
         "lean_attention": getattr(CPUAttentionBackendImpl.forward, attention._MARK, False),
         "layout": os.environ.get(avx2_int4.LAYOUT_ENV, "decode"),
+        "cpp_layers": len(attention_cpp._Layers.names),
+        "cpp_calls": torch.ops.edge_attn.calls() if hasattr(torch.ops.edge_attn, "calls") else [0, 0],
     }))  # fmt: skip
     llm.llm_engine.engine_core.shutdown()
 
@@ -68,11 +82,11 @@ def served(tmp_path_factory) -> dict:
     model = convert(ensure_default_model(), cache / "smollm2-direct-g32-avx2-w4a8", qconfig, path="w4a16-tinygemm")
     vllm_cache = tmp_path_factory.mktemp("vllm-cache")
     results = {}
-    for label, extra in VARIANTS.items():
+    for label, (extra, keywords) in VARIANTS.items():
         out = tmp_path_factory.mktemp(label) / "out.json"
         env = {**os.environ, "VLLM_CACHE_ROOT": str(vllm_cache), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **extra}
-        proc = subprocess.run([sys.executable, __file__, str(model), str(out)], env=env, capture_output=True,
-                              text=True, timeout=1200)  # fmt: skip
+        proc = subprocess.run([sys.executable, __file__, str(model), str(out), json.dumps(keywords)], env=env,
+                              capture_output=True, text=True, timeout=1200)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
         results[label] = json.loads(out.read_text())
     print(json.dumps(results))
@@ -80,14 +94,23 @@ def served(tmp_path_factory) -> dict:
 
 
 def test_each_variant_ran_what_it_names(served):
-    assert served["plugin"]["lean_attention"] and served["row-major"]["lean_attention"]
-    assert not served["vllm-attention"]["lean_attention"]
-    assert [served[v]["layout"] for v in VARIANTS] == ["decode", "decode", "row-major"]
+    lean = {label for label in VARIANTS if served[label]["lean_attention"]}
+    assert lean == {"plugin", "python-attention", "row-major", "compiled"}
+    assert [label for label in VARIANTS if served[label]["layout"] == "row-major"] == ["row-major"]
+    for label in ("plugin", "row-major", "compiled"):  # the default model's 30 layers took the C++ op ...
+        assert served[label]["cpp_layers"] == 30
+        direct, fallen_back = served[label]["cpp_calls"]
+        # ... and every step's forward called it: 30 layers x (one prompt step + NEW_TOKENS - 1 decode steps) at
+        # least; vLLM's dummy and warm-up runs fell back to vLLM's ops
+        assert direct >= 30 * NEW_TOKENS and direct % 30 == 0, served[label]["cpp_calls"]
+    for label in ("python-attention", "vllm-attention", "compiled-as-shipped"):
+        assert served[label]["cpp_calls"] == [0, 0]
 
 
-def test_the_plugins_attention_generates_vllms_greedy_text_token_for_token(served):
-    assert served["plugin"]["tokens"] == served["vllm-attention"]["tokens"], (served["plugin"]["text"],
-                                                                              served["vllm-attention"]["text"])
+@pytest.mark.parametrize("mine, theirs", [("plugin", "vllm-attention"), ("python-attention", "vllm-attention"),
+                                          ("compiled", "compiled-as-shipped")])  # fmt: skip
+def test_the_plugins_attention_generates_vllms_greedy_text_token_for_token(served, mine, theirs):
+    assert served[mine]["tokens"] == served[theirs]["tokens"], (served[mine]["text"], served[theirs]["text"])
 
 
 def test_the_decode_layout_generates_the_row_major_layouts_first_tokens_and_paris(served):
@@ -97,4 +120,4 @@ def test_the_decode_layout_generates_the_row_major_layouts_first_tokens_and_pari
 
 
 if __name__ == "__main__":  # vLLM may re-import the main module in a process it spawns
-    generate(sys.argv[1], Path(sys.argv[2]))
+    generate(sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]))
