@@ -225,21 +225,26 @@ def measure(server: Server, model: str, tokenizer, seed: int, sampling: dict | N
             "rss_settled_mib": settled / 2**20}  # fmt: skip
 
 
-def decode_rounds(servers: dict[str, tuple], rounds: int, samplings: dict[str, dict | None]) -> dict:
+def decode_rounds(servers: dict[str, tuple], rounds: int, samplings: dict[str, dict | None],
+                  per: dict[str, list[float]], first: int = 0) -> None:  # fmt: skip
     """Paired decode: `rounds` rounds of one stream per server, the order rotated each round, so a VM whose speed
-    drifts over minutes slows both sides of a pair alike. Each variant's median tok/s, and per other variant the
-    median and quartiles of its per-round ratio to the first variant."""
+    drifts over minutes slows both sides of a pair alike; each variant's tok/s appended to `per` (rounds numbered
+    from `first`)."""
     names = list(servers)
-    per: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
+    for r in range(first, first + rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             server, model, kind = servers[name]
             result = stream(server.url, model, f"r{r} {SHORT_PROMPT}", DECODE_TOKENS, samplings[kind])
-            per[name].append(result["decode_tok_s"])
+            per.setdefault(name, []).append(result["decode_tok_s"])
         print(json.dumps({"round": r + 1, **{n: round(v[-1], 1) for n, v in per.items()}}), file=sys.stderr,
               flush=True)  # fmt: skip
+
+
+def paired_summary(per: dict[str, list[float]], names: list[str]) -> dict:
+    """Each variant's median tok/s over the rounds, and per other variant the median and quartiles of its
+    per-round ratio to the first variant."""
     base = names[0]
-    out = {"rounds": rounds, "decode_tok_s": {n: statistics.median(v) for n, v in per.items()}, "each": per,
+    out = {"rounds": len(per[base]), "decode_tok_s": {n: statistics.median(per[n]) for n in names}, "each": per,
            "ratio_to": base, "ratios": {}}  # fmt: skip
     for name in names[1:]:
         ratios = [a / b for a, b in zip(per[name], per[base], strict=True)]
@@ -411,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=0,
                         help="with --together, after the passes: this many rounds of one decode stream per server, "
                              "order rotated, each variant's ratio to the first per round (medians, quartiles)")
+    parser.add_argument("--starts", type=int,
+                        help="with --together: start the servers this many times, each time in another order, the "
+                             "passes and rounds shared between the starts (default: one start per variant)")
     parser.add_argument("--no-bound", dest="bound", action="store_false",
                         help="skip timing the read bound before the servers start (then no `of read bound`)")
     parser.add_argument("--json", type=Path)
@@ -457,28 +465,40 @@ def main(argv: list[str] | None = None) -> int:
         return server, model, kind
 
     bound = read_bound() if args.bound else {}
-    try:
-        if args.together:
-            for variant in variants:
-                print(f"starting {variant}", file=sys.stderr, flush=True)
-                servers[variant] = start(variant)
-        for p in range(args.passes):
-            for variant in variants:
-                print(f"pass {p + 1}: {variant}", file=sys.stderr, flush=True)
-                server, model, kind = servers.get(variant) or start(variant)
-                try:
-                    row = measure(server, model, tokenizer, p * 100 + len(rows), SAMPLINGS[args.sampling][kind])
-                finally:
-                    if variant not in servers:
-                        server.stop()
-                rows.append({"variant": variant, "pass": p + 1, "warm_start_s": server.ready_s,
-                             "rss_peak_mib": server.sampler.peak_bytes / 2**20, "detail": server.detail, **row})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        if args.rounds:
-            paired = decode_rounds(servers, args.rounds, SAMPLINGS[args.sampling])
-    finally:
-        for server, _, _ in servers.values():
-            server.stop()
+    per_round: dict[str, list[float]] = {}
+    starts = max(1, args.starts or (len(variants) if args.together else 1))
+    for start_index in range(starts):
+        # --together: each start brings the servers up in another order and takes its share of the passes and
+        # rounds. The first engine started stepped 1.08-1.10x slower than a second copy of itself started after it
+        # (benchmarks/step_profile.py, 2026-12-06, AMD EPYC Zen 4), so one start order would favour the later ones.
+        shift = start_index % len(variants)
+        started = variants[shift:] + variants[:shift]
+        try:
+            if args.together:
+                for variant in started:
+                    print(f"starting {variant}", file=sys.stderr, flush=True)
+                    servers[variant] = start(variant)
+            for p in range(start_index, args.passes, starts):
+                for variant in variants:
+                    print(f"pass {p + 1}: {variant}", file=sys.stderr, flush=True)
+                    server, model, kind = servers.get(variant) or start(variant)
+                    try:
+                        row = measure(server, model, tokenizer, p * 100 + len(rows), SAMPLINGS[args.sampling][kind])
+                    finally:
+                        if variant not in servers:
+                            server.stop()
+                    rows.append({"variant": variant, "pass": p + 1, "warm_start_s": server.ready_s,
+                                 "rss_peak_mib": server.sampler.peak_bytes / 2**20, "detail": server.detail, **row})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            if args.rounds:
+                share = args.rounds // starts + (start_index < args.rounds % starts)
+                decode_rounds({v: servers[v] for v in variants}, share, SAMPLINGS[args.sampling], per_round,
+                              first=len(per_round.get(variants[0], [])))  # fmt: skip
+        finally:
+            for server, _, _ in servers.values():
+                server.stop()
+            servers.clear()
+    paired = paired_summary(per_round, variants) if per_round else {}
     summary = summarize(rows, bound)
     cpu = host_model_name() or "unknown"
     print(f"{cpu}, {os.cpu_count()} cores, {threads} thread(s), {args.passes} passes (medians), "

@@ -23,8 +23,12 @@ def test_rounds_rotate_the_order_and_pair_each_round(monkeypatch):
 
     monkeypatch.setattr(bench_serve, "stream", standin_stream)
     servers = {name: (Server(name), "m", "edge") for name in ("a", "b", "c")}
-    out = bench_serve.decode_rounds(servers, 6, {"edge": None})
+    per: dict[str, list[float]] = {}
+    bench_serve.decode_rounds(servers, 4, {"edge": None}, per)
+    bench_serve.decode_rounds(servers, 2, {"edge": None}, per, first=4)  # a second start's share goes on rotating
+    out = bench_serve.paired_summary(per, ["a", "b", "c"])
     assert calls[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert calls[12:15] == ["b", "c", "a"]  # round 5
     assert out["ratio_to"] == "a" and len(out["each"]["a"]) == 6
     assert out["ratios"]["b"]["median"] == pytest.approx(1.2, rel=0.1)
     assert out["ratios"]["c"]["median"] == pytest.approx(0.5, rel=0.1)
