@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from edge.errors import InputError
@@ -172,7 +173,7 @@ def render(plan: Plan) -> str:
     ]  # fmt: skip
     if plan.vllm is not None:
         env = " ".join(f"{k}={v}" for k, v in sorted(plan.vllm.env.items()))
-        lines.append(f"  vllm      {env} {' '.join(plan.vllm.command('MODEL_DIR'))}")
+        lines.append(f"  vllm      {env} {shlex.join(plan.vllm.command('MODEL_DIR'))}")  # the JSON arg quoted
     if plan.export is not None:  # PLAN.json: this plan, saved with --json
         e = plan.export
         lines.append(f"  export    {e.command_line()}  ({e.runtime} {e.format}, {e.weight_bits}-bit weights per "
