@@ -27,6 +27,8 @@ Variants:
                   (EDGE_AVX2_DECODE_LAYOUT=row-major) instead of its decode layout (kernels.ops.avx2_int4.decode_layout)
     edge:MODE+vllm-attention  the same with vLLM's own CPU attention methods (EDGE_SELECT_ATTENTION=vllm) instead of
                   the plugin's (kernels/vllm_plugin/attention.py)
+    edge:MODE+no-huge-pages  the same with the decode kernels' weights where vLLM loaded them (EDGE_HUGE_PAGES=0)
+                  instead of in slabs advised for transparent huge pages (kernels/ops/huge_pages.py)
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
@@ -96,7 +98,7 @@ STREAMS = 4
 EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {"EDGE_EARLY_ENGINE": "0"},
                   "uncalibrated": {"EDGE_CALIBRATION": "off"}, "prefetch-l1": {"EDGE_AVX2_PREFETCH": "l1"},
                   "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"},
-                  "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}}
+                  "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}, "no-huge-pages": {"EDGE_HUGE_PAGES": "0"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names

@@ -66,6 +66,8 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "python-wrapper": {},
     # nothing changed: the same engine in another process (what the order of the children alone does)
     "again": {},
+    # the decode kernels' weights where vLLM loaded them, not in huge-page slabs (kernels/ops/huge_pages.py)
+    "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
 }
 # variants that change the engine's arguments: the plan's compilation config without Inductor's C++ wrapper
 VARIANT_KWARGS: dict[str, dict] = {"python-wrapper": {"compilation_config": {}}}

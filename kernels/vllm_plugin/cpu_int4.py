@@ -21,6 +21,7 @@ int4, int8 or bf16 is asked of edge.catalog.quantized_layers, as the plan's ledg
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from edge.catalog.weight_paths import METHODS
 from edge.errors import InputError
 from edge.formats.tinygemm import TINYGEMM
 from edge.measure import kernel_params
+from kernels.ops import huge_pages
 from kernels.ops.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear, int8_embedding, int8_linear
 from kernels.ops.int8 import check_group as check_int8_group
 from kernels.ops.layout import host_layout
@@ -316,16 +318,18 @@ def _check_shape(n: int, k: int, group: int) -> None:
         raise InputError("output_size", n, f"a multiple of {PACK_N_MULTIPLE}")
 
 
-def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extra: dict[str, Any]) -> None:
-    """Register the checkpoint's row-major tensors for a [N, K] weight on `layer`."""
+def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extra: dict[str, Any],
+                        empty: Callable[..., torch.Tensor] = torch.empty) -> None:  # fmt: skip
+    """Register the checkpoint's row-major tensors for a [N, K] weight on `layer`, made by `empty` (huge_pages.empty
+    for tensors the decode kernel keeps reading)."""
     _check_shape(n, k, group)
     attrs = {"input_dim": 1, "output_dim": 0, **extra}
     # qweight is packed along K (dim 1), never along the output dim vLLM shards and stacks by.
     layer.register_parameter(
-        "qweight", weight_param(torch.empty(n, k // 2, dtype=torch.uint8), packed_dim=1, packed_factor=2, **attrs)
+        "qweight", weight_param(empty(n, k // 2, dtype=torch.uint8), packed_dim=1, packed_factor=2, **attrs)
     )  # [N, K/2]
-    layer.register_parameter("scales", weight_param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
-    layer.register_parameter("zeros", weight_param(torch.empty(n, k // group, dtype=torch.bfloat16), **attrs))
+    layer.register_parameter("scales", weight_param(empty(n, k // group, dtype=torch.bfloat16), **attrs))
+    layer.register_parameter("zeros", weight_param(empty(n, k // group, dtype=torch.bfloat16), **attrs))
 
 
 def _repack(
@@ -389,12 +393,20 @@ class PluginWeights:
 class _Int4Weights(PluginWeights):
     """The int4 parameters the linear and the embedding/head methods load."""
 
+    def keeps_row_major(self) -> bool:
+        """Whether the row-major tensors stay after load (then they are loaded into huge-page slabs)."""
+        return False
+
     def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
-        _create_int4_params(layer, n, k, self.config.group_size, extra)
+        empty = huge_pages.empty if self.keeps_row_major() else torch.empty
+        _create_int4_params(layer, n, k, self.config.group_size, extra, empty)
 
 
 class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
     """A linear layer (also fused QKV / gate_up: shards stack along N, which is never the packed dim)."""
+
+    def keeps_row_major(self) -> bool:
+        return self.config.avx2_rows > 0 or self.config.mode == DUAL  # _repack's rule
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows,
@@ -462,15 +474,17 @@ class _Int8Weights(PluginWeights):
     config's int8_group_size g, float32 [N, K/g]; loaded as stored."""
 
     def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
+        # the kernels read them as loaded, so they load straight into huge-page slabs
         layer.register_parameter(
-            "qweight", weight_param(torch.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra)
+            "qweight", weight_param(huge_pages.empty(n, k, dtype=torch.int8), input_dim=1, output_dim=0, **extra)
         )  # [N, K]
         group = self.config.int8_group_size
         if group:
             check_int8_group(group, k, name="int8_group_size")
-            scales = weight_param(torch.empty(n, k // group, dtype=torch.float32), input_dim=1, output_dim=0, **extra)
+            scales = weight_param(huge_pages.empty(n, k // group, dtype=torch.float32), input_dim=1, output_dim=0,
+                                  **extra)  # fmt: skip
         else:
-            scales = weight_param(torch.empty(n, dtype=torch.bfloat16), output_dim=0, **extra)  # [N]
+            scales = weight_param(huge_pages.empty(n, dtype=torch.bfloat16), output_dim=0, **extra)  # [N]
         layer.register_parameter("scales", scales)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
