@@ -77,6 +77,11 @@ def create_app(
     return app
 
 
+# vLLM's HTTP server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE's default), and httpx keeps one
+# for 5 s too: a request sent as the engine closed its connection failed with RemoteProtocolError and reached the
+# client as a 503 (seen 2026-12-06, benchmarks/bench_serve.py rounds a few seconds apart). The proxy lets its idle
+# connections go first.
+ENGINE_KEEPALIVE_S = 2.0
 # /metrics reads the engine's own with a client of its own: a flood of forwarded requests cannot starve a scrape
 METRICS_CONNECTIONS = 2
 
@@ -88,9 +93,9 @@ async def _lifespan(app: FastAPI):
     again on the way out."""
     settings, store, supervisor = app.state.settings, app.state.calibrations, app.state.supervisor
     timeout = httpx.Timeout(connect=5.0, read=settings.proxy_timeout_s, write=60.0, pool=settings.proxy_pool_timeout_s)
-    limits = httpx.Limits(
-        max_connections=settings.proxy_max_connections, max_keepalive_connections=settings.proxy_max_connections
-    )
+    limits = httpx.Limits(max_connections=settings.proxy_max_connections,
+                          max_keepalive_connections=settings.proxy_max_connections,
+                          keepalive_expiry=ENGINE_KEEPALIVE_S)  # fmt: skip
 
     def engine_socket():
         return supervisor.socket_path if supervisor is not None else None
@@ -99,7 +104,8 @@ async def _lifespan(app: FastAPI):
     async with (
         httpx.AsyncClient(timeout=timeout, transport=EngineTransport(engine_socket, limits=limits)) as client,
         httpx.AsyncClient(
-            transport=EngineTransport(engine_socket, limits=httpx.Limits(max_connections=METRICS_CONNECTIONS))
+            transport=EngineTransport(engine_socket, limits=httpx.Limits(max_connections=METRICS_CONNECTIONS,
+                                                                         keepalive_expiry=ENGINE_KEEPALIVE_S))
         ) as metrics_client,
     ):
         app.state.http = client
