@@ -42,6 +42,7 @@ import torch
 import edge, kernels.ops.avx2_int4 as avx2
 from edge.model.reader import default_model
 from edge.measure.quality import shipped_records
+from edge.paths import cache_dir
 from kernels.ops.int4 import dequantize, quantize_packed
 
 n, k, group, m = map(int, sys.argv[1:])
@@ -52,7 +53,7 @@ report = {
     "data": {"default_model": default_model().name, "shipped_records": len(shipped_records())},
     "prerequisite": avx2.missing_prerequisite(avx2._cpu_flags(), avx2._compiler()),
     "load": avx2.load(),
-    "cache_dir": str(avx2.cache_dir()),
+    "cache_dir": str(cache_dir()),
 }
 if report["load"] is None:
     qweight, scales, zeros = quantize_packed(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), group)
