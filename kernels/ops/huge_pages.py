@@ -39,7 +39,10 @@ class Arena:
             size = max(self.slab_bytes, nbytes)
             slab = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
-                slab.madvise(mmap.MADV_HUGEPAGE)
+                try:
+                    slab.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:  # EINVAL from a kernel built without THP: the slab stays plain memory
+                    pass
             self.slabs.append((slab, torch.frombuffer(slab, dtype=torch.uint8)))
             self.used = 0
         return self.slabs[-1][1]

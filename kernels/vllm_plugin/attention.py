@@ -64,7 +64,7 @@ def mode() -> str:
 
 def install() -> bool:
     """Replace CPUAttentionBackendImpl.forward and .do_kv_cache_update once per process, and in the `cpp` way
-    Attention.forward too (install_cpp); True if the methods are in place."""
+    Attention.forward too (attention_cpp.install); True if the methods are in place."""
     if mode() == VLLM:
         return False
     from vllm.v1.attention.backend import AttentionType

@@ -19,6 +19,7 @@ from tests.kernels.test_attention_plugin import (  # noqa: E402
     STEPS,
     _impl,
     _metadata,
+    _qkv,
     _run,
 )
 
@@ -35,9 +36,7 @@ def _run_cpp(steps, group=0):
     ops.set_layer(LAYER, group, cache, impl.scale, None, -1, 0.0, None, 1.0, 1.0, "auto", impl.isa)
     outputs = []
     for start, tokens, padded, seed in steps:
-        generator = torch.Generator().manual_seed(seed)
-        q, k, v = (torch.randn(padded, h, HEAD_DIM, generator=generator).to(torch.bfloat16)
-                   for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+        q, k, v = _qkv(padded, seed)
         meta = _metadata(impl.isa, start, tokens, padded)
         out = torch.zeros(padded, HEADS, HEAD_DIM, dtype=torch.bfloat16)
         ops.set_step(group, tokens, True, meta.query_start_loc, meta.seq_lens, meta.block_table,

@@ -49,15 +49,20 @@ def _metadata(isa: str, start: int, tokens: int, padded: int) -> SimpleNamespace
                            scheduler_metadata=scheduler, dynamic_causal=None, slot_mapping=slots)  # fmt: skip
 
 
+def _qkv(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's query, key and value: `rows` rows of random bf16, the same for every method given the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(rows, h, HEAD_DIM, generator=generator).to(torch.bfloat16)
+                 for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+
+
 def _run(forward, update, steps):
     impl = _impl()
     layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
     cache = torch.zeros(BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
     outputs = []
     for start, tokens, padded, seed in steps:
-        generator = torch.Generator().manual_seed(seed)
-        q, k, v = (torch.randn(padded, h, HEAD_DIM, generator=generator).to(torch.bfloat16)
-                   for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+        q, k, v = _qkv(padded, seed)
         meta = _metadata(impl.isa, start, tokens, padded)
         update(impl, layer, k[:tokens], v[:tokens], cache, meta.slot_mapping[:tokens])
         out = torch.zeros(padded, HEADS, HEAD_DIM, dtype=torch.bfloat16)
