@@ -15,6 +15,7 @@ memory. EDGE_HUGE_PAGES=0 gives torch.empty instead (the benchmarks compare both
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -39,10 +40,9 @@ class Arena:
             size = max(self.slab_bytes, nbytes)
             slab = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
+                # EINVAL from a kernel built without THP: the slab stays plain memory
+                with contextlib.suppress(OSError):
                     slab.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:  # EINVAL from a kernel built without THP: the slab stays plain memory
-                    pass
             self.slabs.append((slab, torch.frombuffer(slab, dtype=torch.uint8)))
             self.used = 0
         return self.slabs[-1][1]
