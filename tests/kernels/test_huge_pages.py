@@ -57,7 +57,10 @@ def test_the_slabs_ask_for_huge_pages():
     arena = Arena()
     t = arena.empty((4096,), torch.uint8)
     assert "hg" in _vm_flags(t.data_ptr())  # MADV_HUGEPAGE is set on the slab's mapping
-    assert "hg" not in _vm_flags(torch.ones(4096, dtype=torch.uint8).data_ptr())
+    # the flag is the slab's own: a plain mapping of the same size lacks it (malloc'd memory is no control, numpy
+    # advises large arrays MADV_HUGEPAGE and glibc may later hand that heap range to anyone)
+    plain = mmap.mmap(-1, huge_pages.SLAB_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    assert "hg" not in _vm_flags(torch.frombuffer(plain, dtype=torch.uint8).data_ptr())
 
 
 def test_edge_huge_pages_0_gives_torch_empty(monkeypatch):
