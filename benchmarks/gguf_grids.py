@@ -8,6 +8,8 @@ Variants, interleaved call by call within each (shape, rows), median of `rounds`
 wall time of the call (the read loop is timed the same way):
   - q4k        torch.ops.edge_avx2.q4k_linear on the file's bytes (kernels/ops/q4k.py: its codes as cpu_int4's
                  row-major nibbles, its scales as they are), int8 activations per 32;
+  - q4k-x8     the same op on the same bytes in the decode layout (kernels.ops.q4k.decode_layout: 8 output channels
+               interleaved, their scales rearranged to as many bytes);
   - w4a8-g32   torch.ops.edge_avx2.w4a8_linear on the same codes repacked to cpu_int4 (today's Q4_K path);
   - w4a8-x8    the same op on those codes in the decode layout (kernels.ops.avx2_int4.decode_layout: 8 output
                channels interleaved, what the plugin serves the int8-activation kernel from; same bytes);
@@ -42,7 +44,7 @@ import torch
 
 # N x K of a ~1B's merged linears (make_random_gguf --preset 1b: qkv, o, gate_up, down) and the 4096x4096 reference
 SHAPES = [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (4096, 4096)]
-VARIANTS = ("q4k", "w4a8-g32", "w4a8-x8", "w4a16-g32", "int8-g16", "read")
+VARIANTS = ("q4k", "q4k-x8", "w4a8-g32", "w4a8-x8", "w4a16-g32", "int8-g16", "read")
 KERNELS = VARIANTS[:-1]
 BLOCK_BYTES = 144
 
@@ -76,6 +78,7 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
     from benchmarks.read_bandwidth import extension
     from kernels.calibrate.calibration_timers import last_level_cache_bytes
     from kernels.ops import avx2_int4
+    from kernels.ops.q4k import decode_layout
 
     torch.set_num_threads(1)
     reason = avx2_int4.load()
@@ -91,7 +94,9 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
         copies = max(2, -(-2 * llc // (n * k // 256 * BLOCK_BYTES)))
         files = [random_q4k(n, k, rng) for _ in range(copies)]
         generator = torch.Generator().manual_seed(n * k)
-        held = {"q4k": [q4k_of(b, n, k) for b in files], "w4a8-g32": [cpu_int4_of(b, n, k) for b in files],
+        held = {"q4k": [q4k_of(b, n, k) for b in files],
+                "q4k-x8": [decode_layout(*q4k_of(b, n, k)) for b in files],
+                "w4a8-g32": [cpu_int4_of(b, n, k) for b in files],
                 "w4a8-x8": [avx2_int4.decode_layout(*cpu_int4_of(b, n, k), 8) for b in files],
                 "w4a16-g32": [cpu_int4_of(b, n, k) for b in files],
                 "int8-g16": [(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator),
@@ -103,6 +108,7 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
             x = torch.randn(m, k, dtype=torch.float32).to(torch.bfloat16)
             calls = {
                 "q4k": lambda i, x=x, h=held["q4k"]: q4k(x, *h[i % len(h)]),
+                "q4k-x8": lambda i, x=x, h=held["q4k-x8"]: q4k(x, *h[i % len(h)]),
                 "w4a8-g32": lambda i, x=x, h=held["w4a8-g32"]: w4a8(x, *h[i % len(h)], 32),
                 "w4a8-x8": lambda i, x=x, h=held["w4a8-x8"]: w4a8(x, *h[i % len(h)], 32),
                 "w4a16-g32": lambda i, x=x, h=held["w4a16-g32"]: w4a16(x, *h[i % len(h)], 32),
@@ -125,6 +131,7 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
                 row[variant] = {"ms": round(ms, 4), "bytes": nbytes[variant], "gb_s": round(gb_s, 2),
                                 "of_bound": round(gb_s / read_gb_s, 3)}  # fmt: skip
             row["time_q4k_over_w4a8"] = round(row["q4k"]["ms"] / row["w4a8-g32"]["ms"], 3)
+            row["time_q4k_x8_over_w4a8_x8"] = round(row["q4k-x8"]["ms"] / row["w4a8-x8"]["ms"], 3)
             results.append(row)
     build = "plain AVX2" if not torch.ops.edge_avx2.uses_vnni() else "VNNI (AVX-VNNI or AVX512-VNNI, 256-bit)"
     return {"build": build, "llc_bytes": llc, "results": results}
@@ -134,12 +141,13 @@ def table(runs: dict) -> str:
     from edge.device.cpuinfo import host_model_name
 
     lines = [
-        f"CPU: {host_model_name()}; 1 thread; bytes: q4k 4.5 bits a weight, w4a8/w4a16-g32 and w4a8-x8 5, int8-g16 10",
+        f"CPU: {host_model_name()}; 1 thread; bytes: q4k and q4k-x8 4.5 bits a weight, w4a8/w4a16-g32 and w4a8-x8 5, "
+        "int8-g16 10",
         "",
         "| build | N x K | M | read GB/s | q4k ms (GB/s, of bound) | w4a8-g32 ms (GB/s, of bound) | q4k / w4a8 time "
-        "| w4a8-x8 ms (GB/s, of bound) | x8 / w4a8 time | w4a16-g32 ms (GB/s, of bound) "
-        "| int8-g16 ms (GB/s, of bound) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| w4a8-x8 ms (GB/s, of bound) | x8 / w4a8 time | q4k-x8 ms (GB/s, of bound) | q4k-x8 / w4a8-x8 time "
+        "| w4a16-g32 ms (GB/s, of bound) | int8-g16 ms (GB/s, of bound) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, run in runs.items():
         for r in run["results"]:
@@ -148,7 +156,8 @@ def table(runs: dict) -> str:
             lines.append(
                 f"| {label} ({run['build']}) | {r['n']}x{r['k']} | {r['m']} | {r['read_gb_s']:.1f} | "
                 f"{cell(**a)} | {cell(**b)} | {r['time_q4k_over_w4a8']:.2f}x | {cell(**r['w4a8-x8'])} | "
-                f"{r['w4a8-x8']['ms'] / b['ms']:.2f}x | {cell(**r['w4a16-g32'])} | {cell(**c)} |"
+                f"{r['w4a8-x8']['ms'] / b['ms']:.2f}x | {cell(**r['q4k-x8'])} | {r['time_q4k_x8_over_w4a8_x8']:.2f}x | "
+                f"{cell(**r['w4a16-g32'])} | {cell(**c)} |"
             )
     return "\n".join(lines)
 

@@ -333,30 +333,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   return out.reshape(out_shape);
 }
 
-// The decode layout (block8_a8): qweight uint8 [N/8, K/8, 32], scales and zeros bf16 [N/8, K/g, 8].
-at::Tensor w4a8_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                          const at::Tensor& zeros, int64_t group) {
-  TORCH_CHECK(group == 32 || group == 64 || group == 128, "group: expected 32, 64 or 128, got ", group);
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(2) == 32,
-              "qweight: expected uint8 [N/8, K/8, 32], got ", qweight.scalar_type(), " ", qweight.sizes());
-  const int64_t blocks = qweight.size(0), n = blocks * 8, k = qweight.size(1) * 8;
-  TORCH_CHECK(k % group == 0, "qweight: expected K divisible by group ", group, ", got K=", k);
-  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
-  const int64_t groups = k / group;
-  for (const at::Tensor* t : {&scales, &zeros}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == blocks &&
-                    t->size(1) == groups && t->size(2) == 8,
-                "scales/zeros: expected bf16 [", blocks, ", ", groups, ", 8], got ", t->scalar_type(), " ",
-                t->sizes());
-  }
+// The decode-layout ops' common part: x's rows [M, K] quantized to int8 per group of `group` (scratch kept per
+// thread across calls: a decode step makes ~120 of them, and each allocation costs as much as a few channels'
+// arithmetic), then run(codes, a, xs, y, yb, begin, end, m) over blocks [begin, end) of 8 output channels, writing
+// fp32 y, or bf16 yb (y null) straight into a bf16 output.
+template <typename Run>
+at::Tensor x8_call(const at::Tensor& x, int64_t n, int64_t k, int64_t group, const Run& run) {
   const auto rows = rows_of(x, k, n);
   const at::Tensor& x2 = std::get<0>(rows);  // [M, K]
   const std::vector<int64_t>& out_shape = std::get<1>(rows);  // [..., N]
-  const int64_t m = x2.size(0);
+  const int64_t m = x2.size(0), groups = k / group;
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out.reshape(out_shape);
-  // Scratch kept per thread across calls: a decode step makes ~120 of them, and each allocation costs as much as
-  // a few channels' arithmetic.
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<float> scratch;
   const bool bf16_out = x2.scalar_type() == at::kBFloat16;
@@ -374,21 +362,62 @@ at::Tensor w4a8_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const 
       quantize_acts<int8_t>(x2.data_ptr<scalar_t>(), m, k, group, 127, codes.data(), nullptr, a_w, xs_w);
     });
   }
-  at::Tensor qw = qweight.contiguous(), sc = scales.contiguous(), ze = zeros.contiguous();
-  const uint8_t* wp = qw.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
-  const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
   uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   const int8_t* cp = codes.data();
-  const auto run = pick(isa_plain::blocks8_a8, isa_vnni::blocks8_a8, isa_vnni512::blocks8_a8);
   const int64_t grain = std::max<int64_t>(1, 16384 / (k * 4));  // ~16 KB of weights a task
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    run(wp, sp, zp, cp, a_w, xs_w, yp, ob, group, begin, end, m, n, k);
-  });
+  at::parallel_for(0, n / 8, grain, [&](int64_t begin, int64_t end) { run(cp, a_w, xs_w, yp, ob, begin, end, m); });
   if (!bf16_out) {
     copy_out(yp, out);
   }
   return out.reshape(out_shape);
+}
+
+// The decode layout (block8_a8): qweight uint8 [N/8, K/8, 32], scales and zeros bf16 [N/8, K/g, 8].
+at::Tensor w4a8_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const at::Tensor& zeros, int64_t group) {
+  TORCH_CHECK(group == 32 || group == 64 || group == 128, "group: expected 32, 64 or 128, got ", group);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(2) == 32,
+              "qweight: expected uint8 [N/8, K/8, 32], got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t blocks = qweight.size(0), n = blocks * 8, k = qweight.size(1) * 8;
+  TORCH_CHECK(k % group == 0, "qweight: expected K divisible by group ", group, ", got K=", k);
+  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
+  const int64_t groups = k / group;
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == blocks &&
+                    t->size(1) == groups && t->size(2) == 8,
+                "scales/zeros: expected bf16 [", blocks, ", ", groups, ", 8], got ", t->scalar_type(), " ",
+                t->sizes());
+  }
+  at::Tensor qw = qweight.contiguous(), sc = scales.contiguous(), ze = zeros.contiguous();
+  const uint8_t* wp = qw.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
+  const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
+  const auto kernel = pick(isa_plain::blocks8_a8, isa_vnni::blocks8_a8, isa_vnni512::blocks8_a8);
+  return x8_call(x, n, k, group, [&](const int8_t* cp, const float* a, const float* xs, float* yp, uint16_t* ob,
+                                     int64_t begin, int64_t end, int64_t m) {
+    kernel(wp, sp, zp, cp, a, xs, yp, ob, group, begin, end, m, n, k);
+  });
+}
+
+// Q4_K in the decode layout (kernels/ops/q4k.py decode_layout): qweight uint8 [N/8, K/8, 32] as w4a8's, meta uint8
+// [N/8, K/256, 128] (the 8 channels' d, dmin and 6-bit scales rearranged): 144 bytes per 256 weights, the file's.
+at::Tensor q4k_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& meta) {
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.size(2) == 32 && qweight.size(1) % 32 == 0,
+              "qweight: expected uint8 [N/8, K/8, 32] with K a multiple of 256, got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  const int64_t blocks = qweight.size(0), n = blocks * 8, k = qweight.size(1) * 8;
+  TORCH_CHECK(meta.dim() == 3 && meta.scalar_type() == at::kByte && meta.size(0) == blocks &&
+                  meta.size(1) == k / 256 && meta.size(2) == 128,
+              "meta: expected uint8 [", blocks, ", ", k / 256, ", 128], got ", meta.scalar_type(), " ", meta.sizes());
+  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
+  at::Tensor qw = qweight.contiguous(), me = meta.contiguous();
+  const uint8_t* wp = qw.data_ptr<uint8_t>();
+  const uint8_t* mp = me.data_ptr<uint8_t>();
+  const auto kernel = pick(isa_plain::blocks8_q4k, isa_vnni::blocks8_q4k, isa_vnni512::blocks8_q4k);
+  return x8_call(x, n, k, 32, [&](const int8_t* cp, const float* a, const float* xs, float* yp, uint16_t* ob,
+                                  int64_t begin, int64_t end, int64_t m) {
+    kernel(wp, mp, cp, a, xs, yp, ob, begin, end, m, n, k);
+  });
 }
 
 at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -449,6 +478,7 @@ at::Tensor w8a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 // the file's codes) and meta uint8 [N, K/256 * 16] (each block's d, dmin and 6-bit scales as the file holds them):
 // 144 bytes per 256 weights, the file's own. int8 activations per group of 32, as w4a8_linear's.
 at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& meta) {
+  if (qweight.dim() == 3) return q4k_linear_x8(x, qweight, meta);
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.size(1) % 128 == 0,
               "qweight: expected uint8 [N, K/2] with K a multiple of 256, got ", qweight.scalar_type(), " ",
               qweight.sizes());
@@ -778,6 +808,68 @@ void channels(const uint8_t* wp, const Grid& grid, const Acts<Q>& x, float* yp, 
 // no horizontal sums, and a group's 8 scales are one vector (the row-major kernel above transposes every 8 groups
 // through a tree of hadds and finishes a K that is not a multiple of 8 groups on 128-bit vectors).
 // Activations int8 in order (xo null in quantize_acts), per weight group.
+// The int32 sums of group g (GROUP weights from k = g * GROUP) of one block of 8 channels, for MB rows from m0:
+// lane c of sum[r] is channel c's. w: the block's K/8 chunks of 32 bytes.
+template <int MB, int GROUP>
+inline void group8_a8(const uint8_t* w, const int8_t* xq, int64_t m0, int64_t k, int64_t g, __m256i* sum) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  // Four accumulators a row, one per 8-weight chunk of a 32, so that vpdpbusd (latency ~4 cycles) is not one chain
+  // per group: with a single one the 4096x4096 call ran at half the row-major kernel's speed here.
+  __m256i acc[MB][4];
+  for (int r = 0; r < MB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_si256();
+  // The stream ~8 KB ahead, a group's bytes at a time (blocks are contiguous, so this runs on into the next
+  // ones): prefetching a whole next block at its start, as channels() does a row, stalled the loads of this one
+  // once a block was 16 KB (K 4096: 1.55x the row-major kernel's time).
+  for (int64_t off = 0; off < GROUP * 4; off += 64) prefetch_line(reinterpret_cast<const char*>(w + g * GROUP * 4 + off + 8192));
+  for (int c = 0; c < GROUP / 32; ++c) {
+#if !EDGE_AVX2_VNNI
+    // 16-bit sums of a 32-weight sub-block: 4 chunks x 2 pairs <= 2*15*127 each = 30480, below saturation; widened
+    // once per sub-block (one vpmaddwd per 4 chunks instead of one per chunk)
+    __m256i sum16[MB];
+#endif
+    for (int j = 0; j < 4; ++j) {
+      const int64_t kk = g * GROUP + c * 32 + 8 * j;
+      const __m256i v = loadu(w + kk * 4);
+      const __m256i lo = _mm256_and_si256(v, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      for (int r = 0; r < MB; ++r) {
+        const int8_t* x = xq + (m0 + r) * k + kk;
+        int32_t x0, x1;
+        std::memcpy(&x0, x, 4);
+        std::memcpy(&x1, x + 4, 4);
+#if EDGE_AVX2_VNNI
+        acc[r][j] = EDGE_DPBUSD(acc[r][j], lo, _mm256_set1_epi32(x0));
+        acc[r][j] = EDGE_DPBUSD(acc[r][j], hi, _mm256_set1_epi32(x1));
+#else
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+        sum16[r] = j == 0 ? p : _mm256_add_epi16(sum16[r], p);
+#endif
+      }
+    }
+#if !EDGE_AVX2_VNNI
+    for (int r = 0; r < MB; ++r) acc[r][c % 4] = _mm256_add_epi32(acc[r][c % 4], _mm256_madd_epi16(sum16[r], ones));
+#endif
+  }
+  for (int r = 0; r < MB; ++r)
+    sum[r] = _mm256_add_epi32(_mm256_add_epi32(acc[r][0], acc[r][1]), _mm256_add_epi32(acc[r][2], acc[r][3]));
+}
+
+// y[m0 .. m0+MB, 8b .. 8b+7] from the fp32 totals: fp32 y, or bf16 rounded as c10 rounds (no fp32 scratch and no copy
+// loop after the GEMV).
+template <int MB, typename Out>
+inline void store8(const __m256* total, Out* y, int64_t b, int64_t m0, int64_t n) {
+  for (int r = 0; r < MB; ++r) {
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm256_storeu_ps(y + (m0 + r) * n + b * 8, total[r]);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + (m0 + r) * n + b * 8), to_bf16x8(total[r]));
+    }
+  }
+}
+
 template <int MB, int GROUP, typename Out>
 void block8_a8(const uint8_t* wq, const uint16_t* sp, const uint16_t* zp, const int8_t* xq, const float* a,
                const float* xs, Out* y, int64_t b, int64_t m0, int64_t n, int64_t k) {
@@ -785,66 +877,96 @@ void block8_a8(const uint8_t* wq, const uint16_t* sp, const uint16_t* zp, const 
   const uint8_t* w = wq + b * k * 4;  // K/8 chunks of 32 bytes
   const uint16_t* s8 = sp + b * groups * 8;
   const uint16_t* z8 = zp + b * groups * 8;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   __m256 total[MB];
   for (int r = 0; r < MB; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // Four accumulators a row, one per 8-weight chunk of a 32, so that vpdpbusd (latency ~4 cycles) is not one chain
-    // per group: with a single one the 4096x4096 call ran at half the row-major kernel's speed here.
-    __m256i acc[MB][4];
-    for (int r = 0; r < MB; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_si256();
-    // The stream ~8 KB ahead, a group's bytes at a time (blocks are contiguous, so this runs on into the next
-    // ones): prefetching a whole next block at its start, as channels() does a row, stalled the loads of this one
-    // once a block was 16 KB (K 4096: 1.55x the row-major kernel's time).
-    for (int64_t off = 0; off < GROUP * 4; off += 64) prefetch_line(reinterpret_cast<const char*>(w + g * GROUP * 4 + off + 8192));
-    for (int c = 0; c < GROUP / 32; ++c) {
-#if !EDGE_AVX2_VNNI
-      // 16-bit sums of a 32-weight sub-block: 4 chunks x 2 pairs <= 2*15*127 each = 30480, below saturation; widened
-      // once per sub-block (one vpmaddwd per 4 chunks instead of one per chunk)
-      __m256i sum16[MB];
-#endif
-      for (int j = 0; j < 4; ++j) {
-        const int64_t kk = g * GROUP + c * 32 + 8 * j;
-        const __m256i v = loadu(w + kk * 4);
-        const __m256i lo = _mm256_and_si256(v, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        for (int r = 0; r < MB; ++r) {
-          const int8_t* x = xq + (m0 + r) * k + kk;
-          int32_t x0, x1;
-          std::memcpy(&x0, x, 4);
-          std::memcpy(&x1, x + 4, 4);
-#if EDGE_AVX2_VNNI
-          acc[r][j] = EDGE_DPBUSD(acc[r][j], lo, _mm256_set1_epi32(x0));
-          acc[r][j] = EDGE_DPBUSD(acc[r][j], hi, _mm256_set1_epi32(x1));
-#else
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
-          sum16[r] = j == 0 ? p : _mm256_add_epi16(sum16[r], p);
-#endif
-        }
-      }
-#if !EDGE_AVX2_VNNI
-      for (int r = 0; r < MB; ++r) acc[r][c % 4] = _mm256_add_epi32(acc[r][c % 4], _mm256_madd_epi16(sum16[r], ones));
-#endif
-    }
+    __m256i sum[MB];
+    group8_a8<MB, GROUP>(w, xq, m0, k, g, sum);
     const __m256 s = load_bf16x8(s8 + g * 8);
     const __m256 z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, load_bf16x8(z8 + g * 8));
     for (int r = 0; r < MB; ++r) {
       const int64_t at = (m0 + r) * groups + g;
-      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(acc[r][0], acc[r][1]),
-                                           _mm256_add_epi32(acc[r][2], acc[r][3]));
-      total[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a[at])), _mm256_cvtepi32_ps(sum), total[r]);
+      total[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a[at])), _mm256_cvtepi32_ps(sum[r]), total[r]);
       total[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs[at]), total[r]);
     }
   }
-  for (int r = 0; r < MB; ++r) {
-    if constexpr (std::is_same_v<Out, float>) {
-      _mm256_storeu_ps(y + (m0 + r) * n + b * 8, total[r]);
-    } else {  // bf16, rounded as c10 rounds: no fp32 scratch and no copy loop after the GEMV
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + (m0 + r) * n + b * 8), to_bf16x8(total[r]));
+  store8<MB>(total, y, b, m0, n);
+}
+
+// ---- Q4_K in the decode layout (kernels/ops/q4k.py decode_layout): the codes as block8_a8's, and per block of 8
+// channels and 256 weights 128 bytes, the 8 channels' 16 bytes of the file rearranged: fp16 d[8] | fp16 dmin[8] |
+// 64 bytes of low nibbles (byte i: value i in bits 0-3, value i+64 in bits 4-7) | 32 bytes of top bit pairs (byte
+// i: values i, i+32, i+64, i+96 at bits 0, 2, 4, 6). Value 8j+c is channel c's sc_j, 64+8j+c its m_j.
+// sm[128] <- the 128 six-bit values, one a byte: ~20 vector ops for 8 channels' 8 groups, where the bf16 grid
+// loads and widens 16 vectors.
+inline void q4k_values8(const uint8_t* meta, uint8_t* sm) {
+  const __m256i four = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const __m256i n0 = loadu(meta + 32), n1 = loadu(meta + 64), h = loadu(meta + 96);
+  // each value's top two bits moved to bits 4-5 (16-bit shifts; the mask drops what crosses a byte)
+  const __m256i t0 = _mm256_and_si256(_mm256_slli_epi16(h, 4), top), t1 = _mm256_and_si256(_mm256_slli_epi16(h, 2), top);
+  const __m256i t2 = _mm256_and_si256(h, top), t3 = _mm256_and_si256(_mm256_srli_epi16(h, 2), top);
+  __m256i* out = reinterpret_cast<__m256i*>(sm);
+  _mm256_store_si256(out, _mm256_or_si256(_mm256_and_si256(n0, four), t0));  // sc, values 0-31
+  _mm256_store_si256(out + 1, _mm256_or_si256(_mm256_and_si256(n1, four), t1));  // sc, values 32-63
+  _mm256_store_si256(out + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n0, 4), four), t2));  // m 0-31
+  _mm256_store_si256(out + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n1, 4), four), t3));  // m 32-63
+}
+
+inline __m256 u8x8_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// w = d sc_j q - dmin m_j: per group s = d sc_j and z = -dmin m_j (the coefficient of a * sum xq), 8 channels a vector.
+template <int MB, typename Out>
+void block8_q4k(const uint8_t* wq, const uint8_t* meta, const int8_t* xq, const float* a, const float* xs, Out* y,
+                int64_t b, int64_t m0, int64_t n, int64_t k) {
+  const int64_t groups = k / 32, nblocks = k / 256;
+  const uint8_t* w = wq + b * k * 4;
+  const uint8_t* mb = meta + b * nblocks * 128;
+  alignas(32) uint8_t sm[128];
+  __m256 total[MB];
+  for (int r = 0; r < MB; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* me = mb + blk * 128;
+    prefetch_line(reinterpret_cast<const char*>(me + 1024));  // the scales ~8 blocks ahead, as the codes 8 KB
+    prefetch_line(reinterpret_cast<const char*>(me + 1024 + 64));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(me)));
+    const __m256 nd = _mm256_sub_ps(_mm256_setzero_ps(),
+                                    _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(me + 16))));
+    q4k_values8(me, sm);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t g = blk * 8 + j;
+      __m256i sum[MB];
+      group8_a8<MB, 32>(w, xq, m0, k, g, sum);
+      const __m256 s = _mm256_mul_ps(d, u8x8_ps(sm + 8 * j));
+      const __m256 z = _mm256_mul_ps(nd, u8x8_ps(sm + 64 + 8 * j));
+      for (int r = 0; r < MB; ++r) {
+        const int64_t at = (m0 + r) * groups + g;
+        total[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a[at])), _mm256_cvtepi32_ps(sum[r]), total[r]);
+        total[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs[at]), total[r]);
+      }
     }
+  }
+  store8<MB>(total, y, b, m0, n);
+}
+
+template <typename Out>
+void blocks8_q4k_out(const uint8_t* wq, const uint8_t* meta, const int8_t* xq, const float* a, const float* xs,
+                     Out* y, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  for (int64_t b = begin; b < end; ++b) {
+    int64_t m0 = 0;
+    for (; m0 + 2 <= m; m0 += 2) block8_q4k<2, Out>(wq, meta, xq, a, xs, y, b, m0, n, k);
+    if (m0 < m) block8_q4k<1, Out>(wq, meta, xq, a, xs, y, b, m0, n, k);
+  }
+}
+
+// Blocks of 8 channels [begin, end) of y [M, N] for every row: fp32 y, or bf16 (yb) when y is null.
+void blocks8_q4k(const uint8_t* wq, const uint8_t* meta, const int8_t* xq, const float* a, const float* xs, float* y,
+                 uint16_t* yb, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  if (y == nullptr) {
+    blocks8_q4k_out(wq, meta, xq, a, xs, yb, begin, end, m, n, k);
+  } else {
+    blocks8_q4k_out(wq, meta, xq, a, xs, y, begin, end, m, n, k);
   }
 }
 

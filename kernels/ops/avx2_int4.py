@@ -181,9 +181,7 @@ def decode_layout_(
     for r0 in range(0, n, step):
         rows = min(step, n - r0)
         blocks = rows // X8_CHANNELS
-        codes = unpack_nibbles(qweight[r0 : r0 + rows]).view(blocks, X8_CHANNELS, k // 8, 2, 4)  # [b, c, j, half, t]
-        packed = codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)  # [b, c, j, t]
-        qweight[r0 : r0 + rows].view(-1).copy_(packed.permute(0, 2, 1, 3).reshape(-1))  # [b, j, c, t]
+        qweight[r0 : r0 + rows].view(-1).copy_(interleaved_codes(qweight[r0 : r0 + rows]).view(-1))
         for grid in (scales, zeros):  # [rows, G] -> [b, G, 8]
             part = grid[r0 : r0 + rows]
             moved = part.view(blocks, X8_CHANNELS, -1).permute(0, 2, 1).clone(memory_format=torch.contiguous_format)
@@ -191,6 +189,14 @@ def decode_layout_(
     groups = scales.shape[1]
     return (qweight.view(n // X8_CHANNELS, k // 8, 32), scales.view(n // X8_CHANNELS, groups, X8_CHANNELS),
             zeros.view(n // X8_CHANNELS, groups, X8_CHANNELS))  # fmt: skip
+
+
+def interleaved_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """Row-major codes uint8 [N, K/2] (N a multiple of 8) -> the decode layout's [N/8, K/8, 32], a new tensor."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    codes = unpack_nibbles(qweight).view(n // X8_CHANNELS, X8_CHANNELS, k // 8, 2, 4)  # [b, c, j, half, t]
+    packed = codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)  # [b, c, j, t]
+    return packed.permute(0, 2, 1, 3).reshape(n // X8_CHANNELS, k // 8, 32)  # [b, j, c, t]
 
 
 def _wants_decode_layout(qweight: torch.Tensor, act_bits: int) -> bool:

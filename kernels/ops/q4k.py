@@ -13,6 +13,16 @@ cpu_int4 grid at group 32 that today's path makes of the same tensor (bf16 scale
 nothing is rounded: scale d sc_j and zero dmin m_j are applied in float32 from the file's fp16 values.
 The kernel quantizes activations to int8 per group of 32 (as w4a8_linear); `linear` is y = x @ w.T, and
 `dequantize` the float32 weights it stands for (the tests' reference, and the prefill path's).
+
+`decode_layout` gives the same bytes in the layout the decode kernel reads best (N a multiple of 8): the codes
+interleaved by 8 output channels as the int4 kernels' decode layout (kernels/ops/avx2_int4.py), and per block of 8
+channels and 256 weights the 8 channels' 16 meta bytes rearranged into 128 so that one group's 8 scales and 8 mins
+come out of a few vector ops (avx2_int4.cpp block8_q4k):
+
+    meta_x8 uint8 [N/8, K/256, 128]:  fp16 d[8] | fp16 dmin[8] | 64 bytes of low nibbles (byte i: value i in bits
+                                      0-3, value i+64 in bits 4-7) | 32 bytes of top bit pairs (byte i: values i,
+                                      i+32, i+64, i+96 at bits 0, 2, 4, 6); value 8j+c = channel c's sc_j, 64+8j+c
+                                      its m_j
 """
 
 from __future__ import annotations
@@ -38,15 +48,23 @@ def from_blocks(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(qweight)), torch.from_numpy(meta)
 
 
+def six_bit_values(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sc, m) uint8 [N, K/256, 8] each: each sub-block's 6-bit scale and min, from the 12 bytes a block."""
+    n = meta.shape[0]
+    m = meta.numpy().reshape(n, -1, META_BYTES)
+    low, high, mixed = (m[..., 4 + 4 * i : 8 + 4 * i] for i in range(_SCALE_BYTES // 4))
+    sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 6) << 4)], axis=-1)
+    return torch.from_numpy(sc), torch.from_numpy(mins)
+
+
 def scales_and_mins(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d sc_j, dmin m_j) float32 [N, K/32] each: the scale and the subtracted min of every sub-block, exact."""
     n = meta.shape[0]
     m = meta.numpy().reshape(n, -1, META_BYTES)
     d = np.ascontiguousarray(m[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
     dmin = np.ascontiguousarray(m[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-    low, high, mixed = (m[..., 4 + 4 * i : 8 + 4 * i] for i in range(_SCALE_BYTES // 4))
-    sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)
-    mins = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 6) << 4)], axis=-1)
+    sc, mins = (t.numpy() for t in six_bit_values(meta))
     return (
         torch.from_numpy((d[..., None] * sc).reshape(n, -1)),
         torch.from_numpy((dmin[..., None] * mins).reshape(n, -1)),
@@ -66,8 +84,33 @@ def nbytes(n: int, k: int) -> int:
     return n * (k // BLOCK) * BLOCK_BYTES
 
 
+X8 = 8  # output channels a block of the decode layout interleaves
+X8_META_BYTES = X8 * META_BYTES  # 128: what the block's 8 channels hold in the file, rearranged
+
+
+def decode_layout(qweight: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight [N, K/2], meta [N, K/256 * 16]) -> (qweight [N/8, K/8, 32], meta [N/8, K/256, 128]): the same bytes
+    in the decode kernel's layout (module docstring); N must be a multiple of 8. New tensors."""
+    from kernels.ops.avx2_int4 import interleaved_codes
+
+    n, half_k = qweight.shape
+    if n % X8 or meta.shape != (n, half_k // 128 * META_BYTES):
+        raise ValueError(f"qweight {list(qweight.shape)}, meta {list(meta.shape)}: expected [N, K/2] and "
+                         f"[N, K/256 * {META_BYTES}] with N a multiple of {X8}")  # fmt: skip
+    nb = half_k // 128
+    raw = meta.view(n // X8, X8, nb, META_BYTES).permute(0, 2, 1, 3)  # [b, block, c, 16]
+    d, dmin = raw[..., 0:2].reshape(n // X8, nb, 16), raw[..., 2:4].reshape(n // X8, nb, 16)
+    sc, mins = (t.view(n // X8, X8, nb, 8).permute(0, 2, 3, 1).reshape(n // X8, nb, 64) for t in six_bit_values(meta))
+    values = torch.cat([sc, mins], dim=-1)  # [b, block, 128]: 8j+c = sc_j of channel c, 64+8j+c = m_j
+    low = (values[..., :64] & 0x0F) | ((values[..., 64:] & 0x0F) << 4)
+    top = values >> 4
+    pairs = top[..., 0:32] | (top[..., 32:64] << 2) | (top[..., 64:96] << 4) | (top[..., 96:128] << 6)
+    return interleaved_codes(qweight), torch.cat([d, dmin, low, pairs], dim=-1).contiguous()
+
+
 def linear(x: torch.Tensor, qweight: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-    """y = x @ w.T; x [..., K] any float dtype -> [..., N] in x's dtype (the AVX2 build must load: avx2_int4)."""
+    """y = x @ w.T; x [..., K] any float dtype -> [..., N] in x's dtype (the AVX2 build must load: avx2_int4). The
+    pair row-major (from_blocks) or in decode_layout's layout."""
     from kernels.ops.avx2_int4 import op
 
     return op("q4k_linear")(x, qweight, meta)

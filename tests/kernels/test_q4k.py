@@ -88,6 +88,54 @@ def test_bf16_activations_stay_within_their_int8_rounding(m):
     assert ((q4k.linear(x.float(), qweight, meta).double() - reference).abs() <= bound).all()
 
 
+def test_the_decode_layout_holds_the_same_bytes_rearranged():
+    n, k = 16, 512
+    blocks = random_blocks(n, k, seed=3)
+    qweight, meta = q4k.from_blocks(blocks)
+    codes, meta_x8 = q4k.decode_layout(qweight, meta)
+    assert codes.shape == (n // 8, k // 8, 32) and meta_x8.shape == (n // 8, k // 256, 128)
+    assert codes.nbytes + meta_x8.nbytes == q4k.nbytes(n, k)
+    # channel 5 of block 1, weight block 1: its d and dmin, and sub-block 6's scale and min, where the layout says
+    c, blk, j = 5, 1, 6
+    d, dmin = meta_x8[1, blk, 2 * c : 2 * c + 2], meta_x8[1, blk, 16 + 2 * c : 16 + 2 * c + 2]
+    assert d.tolist() == blocks[8 + c, blk, 0:2].tolist() and dmin.tolist() == blocks[8 + c, blk, 2:4].tolist()
+    sc, mins = q4k.six_bit_values(meta)
+    for value, want in ((8 * j + c, sc[8 + c, blk, j]), (64 + 8 * j + c, mins[8 + c, blk, j])):
+        low = meta_x8[1, blk, 32 + value % 64] >> (4 * (value // 64)) & 0x0F
+        top = meta_x8[1, blk, 96 + value % 32] >> (2 * (value // 32)) & 0x03
+        assert int(low | top << 4) == int(want)
+
+
+def test_decode_layout_refuses_a_channel_count_that_is_not_a_multiple_of_8():
+    qweight, meta = q4k.from_blocks(random_blocks(12, 256, seed=0))
+    with pytest.raises(ValueError, match="N a multiple of 8"):
+        q4k.decode_layout(qweight, meta)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k, m", [(64, 512, 1), (8, 256, 2), (16, 2048, 3), (136, 256, 5)])
+def test_the_decode_layout_kernel_equals_the_float64_reference_bit_for_bit(n, k, m):
+    x, qweight, meta, w = exact_case(n, k, m, seed=n + k + m)
+    reference = (x.double() @ w.double().t()).float()
+    y = q4k.linear(x, *q4k.decode_layout(qweight, meta))
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert torch.equal(y, reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_decode_layout_kernel_gives_the_row_major_kernels_numbers_in_bf16(m):
+    n, k = 96, 2048
+    qweight, meta = q4k.from_blocks(random_blocks(n, k, seed=m))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    x8 = q4k.decode_layout(qweight, meta)
+    y = q4k.linear(x, *x8)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # the same integer sums and fp32 scale products, summed in another order: equal within fp32 ordering
+    torch.testing.assert_close(q4k.linear(x.float(), *x8), q4k.linear(x.float(), qweight, meta), rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, q4k.linear(x.float(), *x8).to(torch.bfloat16))  # written as bf16 straight, rounded once
+
+
 @needs_kernel
 def test_the_kernel_names_the_tensor_whose_shape_is_wrong():
     qweight, meta = q4k.from_blocks(random_blocks(4, 512, seed=0))
@@ -97,3 +145,6 @@ def test_the_kernel_names_the_tensor_whose_shape_is_wrong():
         q4k.linear(torch.zeros(1, 256), qweight, meta)
     with pytest.raises(RuntimeError, match="qweight: expected uint8 .N, K/2. with K a multiple of 256"):
         q4k.linear(torch.zeros(1, 192), qweight[:, :96], meta)
+    codes, meta_x8 = q4k.decode_layout(*q4k.from_blocks(random_blocks(8, 512, seed=0)))
+    with pytest.raises(RuntimeError, match=r"meta: expected uint8 \[1, 2, 128\]"):
+        q4k.linear(torch.zeros(1, 512), codes, meta_x8[:, :1])
