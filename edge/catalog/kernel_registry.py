@@ -189,6 +189,18 @@ def decode_rows(name: str) -> int | None:
 LOSSY_DECODE_KERNELS: tuple[str, ...] = tuple(name for name, spec in DECODE_KERNELS.items() if spec.lossy)
 
 
+# Decode kernels that also read a GGUF's own Q4_K blocks (kernels/ops/q4k.py decode_layout: the int8-activation
+# kernel's layout of 8 channels, torch.ops.edge_avx2.q4k_linear), so a plan on one keeps them for the int4 layers the
+# file holds so (edge.catalog.quantized_layers.rules_for's own_blocks): 4.5 bits a weight where the int4 grid
+# holds 5, and the file's scales unrounded.
+OWN_BLOCK_DECODE_KERNELS: tuple[str, ...] = ("avx2-w4a8",)
+
+
+def reads_own_blocks(decode: str) -> bool:
+    """Whether decode rows on this decode kernel read a Q4_K layer's own blocks."""
+    return decode in OWN_BLOCK_DECODE_KERNELS
+
+
 def default_decode_kernel(capability: str | None, isa_class: str) -> str:
     """The decode kernel a device of this ISA class at this torch CPU capability gets without a calibration
     record: one whose spec runs on the class (`isa_classes`) and defaults at the capability."""

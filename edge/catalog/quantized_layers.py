@@ -153,12 +153,14 @@ class LayerDecision(BaseModel):
     source: dict[str, int] | None = None  # what a GGUF source holds them as: {GGML type: how many}
     indices: list[int] | None = None  # the decoder layers (model.layers.N) of a kind split in parts; None: all
     group: int | None = None  # int8: one scale per this many weights along K (int8_group_size); None: per channel
+    blocks: str | None = None  # int4: the decode copy holds the file's own blocks of this type (OWN_BLOCKS)
 
 
 @dataclass(frozen=True)
 class Decision:
     format: Format
     why: str
+    blocks: str | None = None  # int4 only: the decode copy keeps the file's own blocks of this GGML type
 
     @property
     def quantized(self) -> bool:
@@ -166,6 +168,12 @@ class Decision:
 
 
 INT4 = Decision("int4", "quantized")
+# The GGML types whose blocks an int4 layer's decode copy can keep as the file holds them (kernels/ops/q4k.py: Q4_K
+# at its own 4.5 bits, read by the int8-activation kernel in the decode layout), and the shape its kernel needs:
+# K in whole 256-weight blocks, N in blocks of 8 channels. Prefill reads the tinygemm buffer as for any int4 layer.
+OWN_BLOCKS: tuple[str, ...] = ("Q4_K",)
+OWN_BLOCK_K, OWN_BLOCK_N = 256, 8
+Q4K = Decision("int4", "quantized; its decode copy the file's own Q4_K blocks (quantization_config.q4k)", "Q4_K")
 INT8 = Decision("int8", "in the 8-bit set (quantization_config.int8)")
 
 
@@ -212,6 +220,8 @@ class QuantRules:
     quantize_head: bool = True  # w4a8-gptq: `lm_head`
     int8: tuple[str, ...] = ()  # the 8-bit set, as kinds, prefixes or globs (`quantization_config.int8`)
     int8_group: int | None = None  # its scales per this many weights (`int8_group_size`); None: per channel
+    # the int4 weights whose decode copy keeps the file's own Q4_K blocks (`quantization_config.q4k`), as `int8`
+    q4k: tuple[str, ...] = ()
     tied: bool = False
     # the checkpoint's quant_method; None: the path's own (cpu_int4 for w4a16, vLLM's gptq for w4a8)
     quant_method: str | None = None
@@ -234,7 +244,8 @@ class QuantRules:
         )
         if not rules.eight_bit:
             return rules
-        return replace(rules, int8=tuple(qconfig.get("int8") or ()), int8_group=qconfig.get("int8_group_size"))
+        return replace(rules, int8=tuple(qconfig.get("int8") or ()), int8_group=qconfig.get("int8_group_size"),
+                       q4k=tuple(qconfig.get("q4k") or ()))  # fmt: skip
 
     @property
     def method(self) -> MethodSpec:
@@ -257,9 +268,8 @@ class QuantRules:
     def per_layer(self) -> bool:
         """Whether an entry of `ignore` or `int8` can tell one layer of a kind from another: a glob, or a name
         with a layer index (model.layers.3.self_attn.v_proj). Without one, every layer of a kind is decided alike."""
-        return any(_patterns(self.ignore + self.int8)[1]) or any(
-            part.isdecimal() for entry in self.ignore + self.int8 for part in entry.split(".")
-        )
+        entries = self.ignore + self.int8 + self.q4k
+        return any(_patterns(entries)[1]) or any(part.isdecimal() for entry in entries for part in entry.split("."))
 
     def weight(self, prefix: str, n: int, k: int) -> Decision:
         """One checkpoint weight [N, K] named by its prefix (model.layers.3.mlp.down_proj, lm_head,
@@ -278,7 +288,9 @@ class QuantRules:
             return INT8
         if name == HEAD and not self.method.int4_head:
             return Decision("bf16", f"{self.method.name} runs the head in int8 (quantization_config.int8) or bf16")
-        return self._shape(prefix, n, k)
+        decision = self._shape(prefix, n, k)
+        own = decision == INT4 and self.q4k and matches(prefix, self.q4k)
+        return Q4K if own and k % OWN_BLOCK_K == 0 and n % OWN_BLOCK_N == 0 else decision
 
     def _embedding(self, prefix: str, n: int, k: int) -> Decision:
         if not self.eight_bit:
@@ -316,8 +328,10 @@ class QuantRules:
             return Decision("bf16", "listed in quantization_config.ignore")
         base = prefix.removesuffix(kind(prefix))
         decided = [(shard, self.weight(base + shard, n, k)) for shard, n in shards]
-        shard, widest = max(decided, key=lambda pair: FORMAT_WIDTH[pair[1].format])
-        if all(d.format == widest.format for _, d in decided):
+        shard, widest = max(decided, key=lambda pair: (FORMAT_WIDTH[pair[1].format], pair[1].blocks is None))
+        if all(d == widest for _, d in decided):
+            return widest
+        if all(d.format == widest.format for _, d in decided) and widest.format != "int4":
             return widest
         return Decision(widest.format, f"fused with {shard}, which is {widest.format} ({widest.why})")
 
@@ -336,6 +350,11 @@ class QuantRules:
                         decision.format,
                         f"fused with {kind(prefix)} in vLLM's {fused}, which is {decision.format} ({decision.why})",
                     )
+                elif (other is not None and other.format == decision.format == "int4" and other.blocks
+                      and not decision.blocks):
+                    decided[base + sibling] = Decision(
+                        "int4", f"fused with {kind(prefix)} in vLLM's {fused}, whose decode copy is the int4 grid "
+                        "(one layer keeps one kind of decode copy)")  # fmt: skip
         return decided
 
 
@@ -348,6 +367,7 @@ def rules_for(
     *,
     amx: bool = True,
     int8_groups: bool = True,
+    own_blocks: bool = False,
 ) -> QuantRules:
     """The rules a plan writes for this model: w4a16, and w4a8 on a device without AMX (`amx=False`: the plugin's
     cpu_w4a8), give the embedding and the head HEAD_FORMAT[priority] (the 8-bit set for speed; bf16, listed in
@@ -356,7 +376,9 @@ def rules_for(
     GGUF source holds wider than 4 bits take the 8-bit set, tensor by tensor (wide_source_weights). An
     architecture whose vLLM class cannot load a quantized embedding (BF16_EMBEDDING_ARCHITECTURES) keeps the
     embedding and its tied head bf16. `int8_groups`: the device runs a per-group 8-bit set at decode speed
-    (edge.catalog.kernel_registry.runs_grouped_int8); where it does not, the set stays per channel."""
+    (edge.catalog.kernel_registry.runs_grouped_int8); where it does not, the set stays per channel. `own_blocks`:
+    the plan's decode kernel reads a GGUF's own Q4_K blocks (edge.catalog.kernel_registry.reads_own_blocks); then
+    the 4-bit weights the file holds as Q4_K keep them for decode (`q4k`) where the plan copies the file's codes."""
     method = quant_method(path, amx=amx)
     spec = METHODS.get(method) if method else None
     eight_bit = spec is not None and spec.eight_bit
@@ -371,6 +393,8 @@ def rules_for(
         sensitive = off_grid if own_grid else SENSITIVE_SET
     wide = wide_source_weights(model) if eight_bit else ()
     int8 = tuple(dict.fromkeys((EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive + wide))
+    copies_q4k = own_grid and spec is not None and set(OWN_BLOCKS) <= set(spec.source_codes)
+    q4k = source_weights(model, lambda type_name: type_name in OWN_BLOCKS) if own_blocks and copies_q4k else ()
     return QuantRules(
         path=path,
         group_size=group_size,
@@ -380,6 +404,7 @@ def rules_for(
         quantize_head=True,
         int8=int8,
         int8_group=eight_bit_group(model, int8) if int8_groups else None,
+        q4k=q4k,
         tied=model.tie_word_embeddings,
         strict=False,
         quant_method=method,
@@ -406,7 +431,7 @@ def model_layers(model: ModelShape, quant: QuantRules) -> list[LayerDecision]:
                 name=lin.name, format=decision.format, why=_from_source(model, quant, lin.name, decision, source),
                 n=lin.n, k=lin.k, count=lin.count if whole else len(indices), source=source,
                 indices=None if whole else indices,
-                group=quant.int8_group if decision.format == "int8" else None))  # fmt: skip
+                group=quant.int8_group if decision.format == "int8" else None, blocks=decision.blocks))  # fmt: skip
     return layers
 
 
@@ -471,14 +496,15 @@ def format_counts(parts: Sequence[LayerDecision]) -> dict[Format, int]:
     return counts
 
 
-def _named(layers: Sequence[LayerDecision], fmt: Format) -> list[str]:
-    """The weights `layers` store as `fmt`, as `quantization_config` names them: a kind all of whose weights take
-    it by its name, the layers of a kind split in parts by their prefixes, in layer order."""
+def _named(layers: Sequence[LayerDecision], fmt: Format,
+           also: Callable[[LayerDecision], bool] = lambda layer: True) -> list[str]:  # fmt: skip
+    """The weights `layers` store as `fmt` (and `also` accepts), as `quantization_config` names them: a kind all of
+    whose weights do by its name, the layers of a kind split in parts by their prefixes, in layer order."""
     found: dict[str, list[int] | None] = {}  # kind -> its layers in `fmt`, None: all of them
     counts: dict[str, int] = {}
     for layer in layers:
         counts[layer.name] = counts.get(layer.name, 0) + layer.count
-        if layer.format == fmt:
+        if layer.format == fmt and also(layer):
             known = found.get(layer.name, [])
             found[layer.name] = None if layer.indices is None or known is None else known + layer.indices
     found = {name: None if indices is not None and len(indices) == counts[name] else indices
@@ -497,6 +523,11 @@ def eight_bit_group_size(layers: Sequence[LayerDecision]) -> int | None:
     groups = {layer.group for layer in layers if layer.format == "int8"}
     assert len(groups) <= 1, f"one int8 group per checkpoint, got {groups}"
     return next(iter(groups), None)
+
+
+def own_block_set(layers: Sequence[LayerDecision]) -> list[str]:
+    """The int4 weights whose decode copy keeps the file's own Q4_K blocks, as `quantization_config.q4k` names them."""
+    return _named(layers, "int4", lambda layer: layer.blocks == "Q4_K")
 
 
 def kept_bf16(layers: Sequence[LayerDecision]) -> list[str]:

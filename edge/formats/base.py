@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from edge.catalog.quantized_layers import EMBEDDING, LayerDecision, format_counts
+from edge.catalog.quantized_layers import EMBEDDING, LayerDecision
 from edge.errors import InputError
 from edge.model.shapes import LinearShape, ModelShape
 
@@ -184,7 +184,10 @@ def parts(linears: Iterable[LinearShape], layers: Layers) -> list[tuple[LinearSh
     LinearShapes of that many layers, each with the first of its parts' decisions."""
     found: list[tuple[LinearShape, LayerDecision]] = []
     for lin in linears:
-        for fmt, count in format_counts(layers[lin.name]).items():
-            first = next(d for d in layers[lin.name] if d.format == fmt)
+        counts: dict[tuple[str, str | None], int] = {}  # int4 parts apart by their decode copy (blocks)
+        for part in layers[lin.name]:
+            counts[part.format, part.blocks] = counts.get((part.format, part.blocks), 0) + part.count
+        for (fmt, blocks), count in counts.items():
+            first = next(d for d in layers[lin.name] if (d.format, d.blocks) == (fmt, blocks))
             found.append((lin.model_copy(update={"count": count}), first))
     return found

@@ -34,6 +34,7 @@ from edge.formats.base import (
     transient,
 )
 from edge.formats.int8 import INT8
+from edge.model.gguf_metadata import GGML_BLOCKS
 from edge.model.shapes import LinearShape, ModelShape
 
 PACKED = "int4-tinygemm"  # the kernel layouts this format stores (edge.catalog.kernel_registry)
@@ -121,7 +122,7 @@ class Tinygemm(WeightFormat):
         packed = []
         for lin, decision in parts(layer_linears(model) + ([] if tied else [lm_head]), layers):
             if decision.format == "int4":
-                packed.append(lin)
+                packed.append((lin, decision.blocks))
                 items.append(resident("int4-weights", f"{lin.name} int4 tinygemm", self.bytes(lin, group),
                                       self.detail(lin, group), layer=lin.name))  # fmt: skip
             elif decision.format == "int8":
@@ -130,19 +131,28 @@ class Tinygemm(WeightFormat):
                 items.append(kept_bf16(lin, decision.why))
         return items + self._row_major_copies(packed, layout, group, block, decode_kernel)
 
-    def _row_major_copies(self, packed: Iterable[LinearShape], layout: str, group: int, block: int,
-                          decode_kernel: str) -> list[MemoryItem]:  # fmt: skip
+    def _row_major_copies(self, packed: Iterable[tuple[LinearShape, str | None]], layout: str, group: int,
+                          block: int, decode_kernel: str) -> list[MemoryItem]:  # fmt: skip
         """The row-major copies a layout keeps beside the tinygemm buffers.
 
         dual: every quantized layer, for prefill dequantize; direct: only layers whose N does not tile the host
         block (docs/FACTS.md: direct saved 615 MB of dual's 3542 MB resident on Spark); kernel-only: none.
         A decode kernel that reads the row-major copy ("avx2", "avx2-w4a8"): every quantized layer in any layout.
+        A layer whose decode copy keeps the file's own blocks (its `blocks`: Q4_K) holds them at the file's size.
         """
         avx2 = self.reads_row_major(decode_kernel)
         if layout == "kernel-only" and not avx2:
             return []
         items = []
-        for lin in packed:
+        for lin, blocks in packed:
+            if avx2 and blocks:
+                weights, nbytes = GGML_BLOCKS[blocks]
+                size = lin.count * lin.n * lin.k // weights * nbytes
+                items.append(resident("row-major-copy", f"{lin.name} {blocks} blocks (decode copy)", size,
+                                      f"the file's own {blocks} blocks, which the AVX2 decode kernel (decode_kernel: "
+                                      f"{decode_kernel}) reads: {times(lin)}({lin.n} x {lin.k} / {weights} blocks x "
+                                      f"{nbytes} B) = {mib(size)}", layer=lin.name))  # fmt: skip
+                continue
             if avx2:
                 why = f"AVX2 decode kernel (decode_kernel: {decode_kernel}) reads the row-major copy"
             elif layout == "dual":

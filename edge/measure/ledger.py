@@ -13,6 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from edge.catalog import shape_rules as rules
+from edge.catalog.kernel_registry import reads_own_blocks
 from edge.catalog.quantized_layers import LayerDecision, QuantRules, by_kind, model_layers, rules_for
 from edge.catalog.weight_paths import Layout, WeightPath
 from edge.formats import format_of
@@ -61,7 +62,7 @@ def estimate(
     them for oneDNN and frees the originals, where the engine baseline was measured on a quantized plan (which
     repacks nothing); 0 where it was measured on bf16 and so holds it (edge.plan.planner.engine_baseline).
     """
-    quant = quant or rules_for(model, path, group_size)
+    quant = quant or rules_for(model, path, group_size, own_blocks=reads_own_blocks(kernel.decode_kernel))
     # a kind split by format (a GGUF's mixed grid): parts; `layers`, when given, are model_layers(model, quant)
     parts = by_kind(layers if layers is not None else model_layers(model, quant))
     fmt = format_of(path)  # which weight items, edge.formats

@@ -33,7 +33,11 @@ DEFAULT_MAX_KLD = 0.08
 #      top-1 97.3 % (served prompt log-probs against the bf16 plan's), and the speed priority refused it.
 EVALUATOR_REVISION = 2
 STALE_BELOW: dict[str, int] = {"Gemma3ForCausalLM": 2}
-# Settings of a quantization_config that change the weights' values (and so the quality).
+# Settings of a quantization_config that change the weights' values (and so the quality). Not `q4k`: a layer whose
+# decode copy keeps the file's Q4_K blocks has the same codes and the same prefill buffer as the int4 grid of that
+# file, its decode scales the file's own where the grid rounds them to bf16 (kernels/ops/q4k.py); it exists only
+# with an int8-activation decode kernel, whose record (edge-eval --decode-kernel, run on the grid) the planner
+# needs before it writes one, so the two share it.
 _NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "quantize_embedding",
                  "int8", "int8_group_size", "ignore", "lm_head")  # fmt: skip
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
-from edge.catalog.quantized_layers import LayerDecision, eight_bit_group_size, eight_bit_set, kept_bf16
+from edge.catalog.quantized_layers import LayerDecision, eight_bit_group_size, eight_bit_set, kept_bf16, own_block_set
 from edge.catalog.shape_rules import copied_grid
 from edge.catalog.weight_paths import METHODS, PATHS, quant_method
 from edge.device.profile import DeviceProfile
@@ -72,6 +72,8 @@ def _cpu_int4(
         "rounding": "search",
         "int8": eight_bit_set(layers),
         **_int8_group(layers),
+        # the int4 weights whose decode copy keeps the file's own Q4_K blocks (only where the decode kernel reads them)
+        **({"q4k": own_block_set(layers)} if own_block_set(layers) else {}),
         "ignore": kept_bf16(layers),
     }
 

@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass, field, replace
 
 from edge.catalog import shape_rules as rules
-from edge.catalog.kernel_registry import kernels_for, runs_grouped_int8
+from edge.catalog.kernel_registry import kernels_for, reads_own_blocks, runs_grouped_int8
 from edge.catalog.quantized_layers import EMBEDDING, LayerDecision, model_layers, rules_for
 from edge.catalog.weight_paths import PATHS, QUANTIZED_PATHS, path_with_layout, the_path
 from edge.device.calibration import CalibrationRecord
@@ -90,7 +90,8 @@ class Weights:
     def __init__(self, option: Option, gate: Gate, req: Request) -> None:
         self.option, self.gate, self.req = option, gate, req
         self.quant = rules_for(req.model, option.path, gate.group_size, req.priority, amx=req.device.has_amx,
-                               int8_groups=runs_grouped_int8(req.device.isa_class))  # fmt: skip
+                               int8_groups=runs_grouped_int8(req.device.isa_class),
+                               own_blocks=reads_own_blocks(req.kernel.decode_kernel))  # fmt: skip
         self.layers = model_layers(req.model, self.quant)
 
     @functools.cached_property

@@ -123,6 +123,7 @@ class Decisions:
     exact: set[str] = field(default_factory=set)  # 4-bit tensors whose codes are read from `grid`
     int8_group: int | None = None  # the 8-bit set's scales per this many weights (int8_group_size); None: per channel
     int8_exact: set[str] = field(default_factory=set)  # 8-bit-set tensors whose codes are read from `grid`
+    own_blocks: set[str] = field(default_factory=set)  # 4-bit tensors written as `grid`'s own Q4_K blocks (q4k)
 
 
 def read_source(src: Path) -> Source:
@@ -218,6 +219,8 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
             decisions.int8[name] = prefix
         elif decision.quantized:
             decisions.quantize[name] = prefix
+            if decision.blocks:
+                decisions.own_blocks.add(name)
         else:
             decisions.kept[name] = decision.why
     # a method whose head takes 4 bits but whose embedding cannot (vLLM's gptq) unties a tied head
@@ -232,10 +235,20 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
     if quant.method.source_codes and qconfig.get("codes_from_source"):
         _read_codes_from_source(source, qconfig, decisions, quant.method.source_codes)
+    _check_own_blocks(decisions)
     decisions.int8_group = quant.int8_group
     if quant.int8_group and decisions.int8:
         _read_int8_from_source(source, quant.int8_group, decisions)
     return decisions
+
+
+def _check_own_blocks(decisions: Decisions) -> None:
+    """A tensor named in quantization_config.q4k must be one whose codes come from the file, held as Q4_K there."""
+    for name in sorted(decisions.own_blocks):
+        held = decisions.grid.tensors[name].type if decisions.grid is not None and name in decisions.exact else None
+        if held != "Q4_K":
+            why = f"held as {held}" if held else "its codes not copied from a GGUF (codes_from_source)"
+            raise InputError("quantization_config.q4k", name, f"weights the GGUF holds as Q4_K ({name}: {why})")
 
 
 def _read_int8_from_source(source: Source, group: int, decisions: Decisions) -> None:
@@ -480,6 +493,8 @@ def _convert_tensor(
 ) -> dict[str, torch.Tensor]:
     from kernels.formats import bf16, int8, torch_half  # each format's converter step (torch)
 
+    if name in decisions.own_blocks:  # the file's own Q4_K blocks: its codes and its 16 scale bytes a block
+        return torch_half(format_of(path).name).from_source_blocks(decisions.quantize[name], decisions.grid, name)
     if name in decisions.exact:  # the source's own 4-bit codes, group 32
         return torch_half(format_of(path).name).from_source(decisions.quantize[name], decisions.grid, name)
     if name in decisions.int8:

@@ -41,6 +41,15 @@ def from_source(prefix: str, grid, name: str) -> dict[str, torch.Tensor]:
     return {f"{prefix}.qweight": qweight, f"{prefix}.scales": scales, f"{prefix}.zeros": zeros}
 
 
+def from_source_blocks(prefix: str, grid, name: str) -> dict[str, torch.Tensor]:
+    """A GGUF Q4_K tensor as its own blocks (kernels/ops/q4k.py): the codes as from_source writes them, and the
+    file's 16 scale bytes a block in place of the bf16 scales and zeros: 144 bytes per 256 weights, the file's."""
+    from kernels.source.gguf_source import q4k_tensors
+
+    qweight, meta = q4k_tensors(grid, name)
+    return {f"{prefix}.qweight": qweight, f"{prefix}.meta": meta}
+
+
 def _int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
     qweight, scales, zeros = quantize_packed(w, group)  # [N, K/2] uint8, [N, K/g] bf16 x2
     packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, group)  # [N, K/2] host layout, [K/g, N, 2]

@@ -515,7 +515,8 @@ at::Tensor q4k_linear(const at::Tensor& x, const at::Tensor& qweight, const at::
 
 bool vnni_in_use() { return use_vnni(); }
 
-// A cpu_int4 layer whose decode_kernel names an AVX2 kernel (kernels/ops/int4_ops.py, int4_linear_impl's arguments): rows
+// A cpu_int4 layer whose decode_kernel names an AVX2 kernel (kernels/ops/int4_ops.py, int4_linear_impl's arguments; a
+// layer of Q4_K blocks passes their meta uint8 as `scales`, kernels/vllm_plugin/cpu_int4.py CpuQ4kLinearMethod): rows
 // as a decode step passes them, [M <= avx2_rows, K] bf16, run the kernel without leaving C++; any other batch goes
 // to the Python op vllm::cpu_int4_linear (tinygemm or dequantize + GEMM). A decode step makes ~120 of these calls,
 // and the round trip through Python that this skips costs ~5 us each (benchmarks/op_call_cost.py).
@@ -524,6 +525,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        int64_t mode, int64_t dequant_threshold, bool fp32_prefill, int64_t avx2_rows,
                        int64_t avx2_bits) {
   if (x.dim() == 2 && x.size(0) > 0 && x.size(0) <= avx2_rows && x.scalar_type() == at::kBFloat16) {
+    if (scales.scalar_type() == at::kByte) return q4k_linear(x, qweight, scales);  // a GGUF's Q4_K blocks (q4k.py)
     return avx2_bits == 8 ? w4a8_linear(x, qweight, scales, zeros, group)
                           : w4a16_linear(x, qweight, scales, zeros, group);
   }

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ops import avx2_int4
+from kernels.ops import avx2_int4, q4k
 from kernels.ops.int4 import apply_scales, dequantize, unpack_nibbles
 from kernels.ops.int8 import dequantize_int8
 from kernels.ops.layout import host_layout
@@ -50,13 +50,16 @@ def int4_linear_impl(
     edge.measure.kernel_params; a keyword with a default so the op's schema stays readable).
     avx2_rows: batches of up to this many rows run the AVX2 int4 kernel on the row-major copy
     (quantization_config's decode_kernel "avx2" or "avx2-w4a8", kernels/ops/avx2_int4.py); 0: never.
-    avx2_bits: that kernel's activations, 16 (int16) or 8 (int8)."""
+    avx2_bits: that kernel's activations, 16 (int16) or 8 (int8). A layer of a GGUF's own Q4_K blocks
+    (kernels/ops/q4k.py) passes their meta uint8 [N/8, K/256, 128] as `scales` and runs q4k_linear there instead."""
     n = scales_and_zeros.shape[1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
     rows = x2.shape[0]
     if rows == 0:
         return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
-    if rows <= avx2_rows:
+    if rows <= avx2_rows and scales.dtype == torch.uint8:  # a GGUF's own Q4_K blocks: scales is their meta
+        y = q4k.linear(x2, qweight, scales)  # [M, N] bf16
+    elif rows <= avx2_rows:
         y = avx2_int4.linear(x2, qweight, scales, zeros, group, avx2_bits)  # [M, N] bf16; loads the op here
     elif mode == KERNEL_ONLY or rows < dequant_threshold:
         y = linear(x2, packed, scales_and_zeros, group)  # [M, N]

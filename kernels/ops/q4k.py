@@ -30,10 +30,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-BLOCK = 256  # weights per Q4_K block
-BLOCK_BYTES = 144  # the file's: d, dmin, 12 scale bytes, 128 bytes of codes
+from edge.model.gguf_metadata import GGML_BLOCKS
+
+BLOCK, BLOCK_BYTES = GGML_BLOCKS["Q4_K"]  # 256 weights in the file's 144 bytes: d, dmin, 12 scale bytes, 128 of codes
 META_BYTES = 16  # d, dmin and the 12 scale bytes, kept as they are
-_SCALE_BYTES = 12
 
 
 def from_blocks(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +48,19 @@ def from_blocks(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(qweight)), torch.from_numpy(meta)
 
 
-def six_bit_values(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sc, m) uint8 [N, K/256, 8] each: each sub-block's 6-bit scale and min, from the 12 bytes a block."""
-    n = meta.shape[0]
-    m = meta.numpy().reshape(n, -1, META_BYTES)
-    low, high, mixed = (m[..., 4 + 4 * i : 8 + 4 * i] for i in range(_SCALE_BYTES // 4))
+def k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A block's 12 scale bytes [..., 12] -> (sc, m) uint8 [..., 8], 6 bits each: as 32-bit lanes [L, H, X],
+    sc_0..3 = L & 63, m_0..3 = H & 63, sc_4..7 = X's low nibbles with L's top 2 bits above them, m_4..7 = X's high
+    nibbles with H's top 2 bits above them (ggml's get_scale_min_k4)."""
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)
     mins = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 6) << 4)], axis=-1)
+    return sc, mins
+
+
+def six_bit_values(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sc, m) uint8 [N, K/256, 8] each: each sub-block's 6-bit scale and min, from the 12 bytes a block."""
+    sc, mins = k_scales(meta.numpy().reshape(meta.shape[0], -1, META_BYTES)[..., 4:])
     return torch.from_numpy(sc), torch.from_numpy(mins)
 
 
@@ -106,6 +112,31 @@ def decode_layout(qweight: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tens
     top = values >> 4
     pairs = top[..., 0:32] | (top[..., 32:64] << 2) | (top[..., 64:96] << 4) | (top[..., 96:128] << 6)
     return interleaved_codes(qweight), torch.cat([d, dmin, low, pairs], dim=-1).contiguous()
+
+
+def decode_layout_(
+    qweight: torch.Tensor, meta: torch.Tensor, chunk_rows: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_layout in the tensors' own storage (contiguous), chunk_rows output channels at a time (a block of 8
+    channels' bytes are those rows' own), so a load holds one chunk's temporaries beyond the layer, as the int4
+    kernels' avx2_int4.decode_layout_. Returns views of the same storage."""
+    assert qweight.is_contiguous() and meta.is_contiguous(), "in place needs contiguous tensors"
+    n, half_k = qweight.shape
+    step = max(X8, chunk_rows - chunk_rows % X8)
+    for r0 in range(0, n, step):
+        rows = slice(r0, min(n, r0 + step))
+        codes, moved = decode_layout(qweight[rows], meta[rows])
+        qweight[rows].view(-1).copy_(codes.view(-1))
+        meta[rows].view(-1).copy_(moved.view(-1))
+    return qweight.view(n // X8, half_k // 4, 32), meta.view(n // X8, half_k // 128, X8_META_BYTES)
+
+
+def int4_grid(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zeros) bf16 [N, K/32]: the cpu_int4 grid of the same codes (w = (q - 8) scale + zero, so scale
+    = d sc_j and zero = 8 scale - dmin m_j), computed in float32 and rounded once to bf16 as
+    kernels.source.gguf_source.cpu_int4_tensors writes them: what the prefill path's tinygemm buffer is built from."""
+    scales, mins = scales_and_mins(meta)
+    return scales.to(torch.bfloat16), (8 * scales - mins).to(torch.bfloat16)
 
 
 def linear(x: torch.Tensor, qweight: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

@@ -35,9 +35,10 @@ HASHES_FILE = "file-hashes.json"
 _NUMERIC_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 # This project's files whose code runs in a candidate's forward pass (kernels/eval_*.py build the model from them).
 _KERNELS_DIR = Path(__file__).resolve().parents[1]
-_NUMERIC_SOURCES = ("ops/avx2_int4.cpp", "ops/avx2_int4.py", "ops/int4_ops.py", "ops/int8.py", "ops/tinygemm.py",
-                    "ops/layout.py", "scoring/eval_cpu_int4.py", "scoring/eval_cpu_w4a8.py", "scoring/eval_gptq.py",
-                    "scoring/eval_model.py", "scoring/eval_modules.py", "scoring/eval_score.py")  # fmt: skip
+_NUMERIC_SOURCES = ("ops/avx2_int4.cpp", "ops/avx2_int4.py", "ops/int4_ops.py", "ops/int8.py", "ops/q4k.py",
+                    "ops/tinygemm.py", "ops/layout.py", "scoring/eval_cpu_int4.py", "scoring/eval_cpu_w4a8.py",
+                    "scoring/eval_gptq.py", "scoring/eval_model.py", "scoring/eval_modules.py",
+                    "scoring/eval_score.py")  # fmt: skip
 
 
 def quality_dir() -> Path:

@@ -20,7 +20,7 @@ from torch import nn
 
 from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.errors import InputError
-from kernels.ops import avx2_int4
+from kernels.ops import avx2_int4, q4k
 from kernels.ops.int4_ops import (
     DIRECT,
     DUAL,
@@ -76,18 +76,23 @@ class Int4Linear(nn.Module):
         *,
         mode: int | None = None,
         bias: torch.Tensor | None = None,
+        meta: torch.Tensor | None = None,  # [N, K/256 * 16] uint8: a GGUF's own Q4_K blocks (scales, zeros their grid)
     ) -> None:
         super().__init__()
         n, group = qweight.shape[0], settings.group
         mode = settings.mode if mode is None else mode
-        if mode == DIRECT and not tiles(n, host_layout()):
+        if meta is not None:  # as kernels.vllm_plugin.cpu_int4.CpuQ4kLinearMethod: no bf16 grid kept for dual
+            mode = DIRECT if mode != KERNEL_ONLY and tiles(n, host_layout()) else KERNEL_ONLY
+        elif mode == DIRECT and not tiles(n, host_layout()):
             # as kernels.vllm_plugin.cpu_int4._repack: the direct dequantizer cannot read a narrower last block
             mode = DUAL
         packed, scales_and_zeros = to_tinygemm(qweight, scales, zeros, group)
         self.register_buffer("packed", packed)  # [N, K/2] uint8, host layout
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/g, N, 2] bf16
         keep = mode == DUAL or settings.avx2_bits is not None  # the engine drops it elsewhere
-        if mode != DUAL and settings.avx2_bits is not None:  # as the engine (kernels.vllm_plugin.cpu_int4._repack)
+        if meta is not None and settings.avx2_bits is not None:  # the blocks in the decode layout, meta as `scales`
+            (qweight, scales), zeros = q4k.decode_layout(qweight, meta), torch.empty(0, dtype=torch.bfloat16)
+        elif mode != DUAL and settings.avx2_bits is not None:  # as the engine (kernels.vllm_plugin.cpu_int4._repack)
             qweight, scales, zeros = avx2_int4.decode_layout(qweight, scales, zeros, settings.avx2_bits)
         self.register_buffer("qweight", qweight if keep else torch.empty(0, dtype=torch.uint8))
         self.register_buffer("scales", scales if keep else torch.empty(0, dtype=torch.bfloat16))
@@ -98,8 +103,11 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         settings = self.settings
         if settings.avx2_bits is not None and self.qweight.numel():
-            y = avx2_int4.linear(x.to(torch.bfloat16), self.qweight, self.scales, self.zeros, self.group,
-                                 settings.avx2_bits)  # fmt: skip
+            x = x.to(torch.bfloat16)
+            if self.scales.dtype == torch.uint8:  # Q4_K blocks
+                y = q4k.linear(x, self.qweight, self.scales)
+            else:
+                y = avx2_int4.linear(x, self.qweight, self.scales, self.zeros, self.group, settings.avx2_bits)
             return y if self.bias is None else y + self.bias
         y = int4_linear_impl(x, self.packed, self.scales_and_zeros, self.qweight, self.scales, self.zeros, self.group,
                          self.mode, settings.dequant_threshold, fp32_prefill=settings.fp32_prefill)  # fmt: skip
@@ -199,6 +207,12 @@ def install_cpu_int4(
             int8.append(prefix)
             weights = (parts["qweight"], parts["scales"])
             embedding, linear = Int8Embedding(*weights), Int8Linear(*weights, settings, bias=bias)
+        elif "meta" in parts:  # a GGUF's own Q4_K blocks (quantization_config.q4k): a linear, never the embedding
+            int4.append(prefix)
+            scales, zeros = q4k.int4_grid(parts["meta"])
+            replace_module(model, prefix, Int4Linear(parts["qweight"], scales, zeros, settings, bias=bias,
+                                                     meta=parts["meta"]))  # fmt: skip
+            continue
         else:
             int4.append(prefix)
             weights = (parts["qweight"], parts["scales"], parts["zeros"], settings)
@@ -215,7 +229,8 @@ def install_cpu_int4(
 
 
 def _check_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Module, group: int, eight_bit: bool) -> None:
-    needed = ("qweight", "scales") if eight_bit else ("qweight", "scales", "zeros")
+    blocks = "meta" in parts
+    needed = ("qweight", "scales") if eight_bit else ("qweight", "meta") if blocks else ("qweight", "scales", "zeros")
     missing = [s for s in needed if s not in parts]
     if missing:
         raise InputError(f"{prefix}.{missing[0]}", "missing", f"{', '.join(needed)} for each cpu_int4 layer")
@@ -230,6 +245,8 @@ def _check_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Module,
 
         expected = {"qweight": ((n, k), torch.int8)}
         check_params(parts["qweight"], parts["scales"], prefix)  # [N] or [N, K/g]
+    elif blocks:
+        expected = {"qweight": ((n, k // 2), torch.uint8), "meta": ((n, k // 256 * 16), torch.uint8)}
     else:
         expected = {"qweight": ((n, k // 2), torch.uint8), "scales": ((n, k // group), None),
                     "zeros": ((n, k // group), None)}  # fmt: skip

@@ -59,6 +59,7 @@ from edge.errors import InputError
 
 # codes copied: cpu_int4 at group 32, cpu_w4a8's GPTQ tensors (symmetric), int8 per group
 from edge.model.gguf_metadata import FOUR_BIT_GRIDS, INT8_GRIDS, SYMMETRIC_FOUR_BIT_GRIDS
+from kernels.ops import q4k
 
 BLOCK = 32  # weights per Q4_0 / Q4_1 / Q8_0 block and per Q4_K sub-block: the cpu_int4 group size we return
 FLOATS = ("F32", "F16", "BF16")
@@ -310,7 +311,7 @@ def _grid(t: GgufTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = _fp16(blocks, 0)  # [N, K/block] float32
     if t.type == "Q4_K":
         dmin = _fp16(blocks, 2)
-        sc, mins = _k_scales(blocks[..., 4 : 4 + _K_SCALE_BYTES])  # [N, K/256, 8] uint8 each, 0..63
+        sc, mins = q4k.k_scales(blocks[..., 4 : 4 + _K_SCALE_BYTES])  # [N, K/256, 8] uint8 each, 0..63
         qs = blocks[..., 4 + _K_SCALE_BYTES :].reshape(n, -1, 4, 32)  # [N, K/256, pair p, 32]
         codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [N, K/256, p, 2, 32]: sub-block 2p low, 2p+1 high
         scales = (d[..., None] * sc).reshape(n, -1)  # [N, K/32] float32: fp16 x 6-bit integer, exact
@@ -324,12 +325,10 @@ def _grid(t: GgufTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return codes.reshape(n, k), d, zeros
 
 
-def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 bytes [..., 12] -> (sc, m) uint8 [..., 8], 6 bits each (the layout in the module docstring)."""
-    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1)
-    mins = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 6) << 4)], axis=-1)
-    return sc, mins
+def q4k_tensors(model: GgufModel, hf_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K tensor as its own blocks (kernels/ops/q4k.py from_blocks): (qweight uint8 [N, K/2], cpu_int4_tensors'
+    codes; meta uint8 [N, K/256 * 16], each block's d, dmin and 12 scale bytes as the file holds them)."""
+    return q4k.from_blocks(np.ascontiguousarray(_blocks(_tensor(model, hf_name, ("Q4_K",), "q4k_tensors"))))
 
 
 def _blocks(t: GgufTensor) -> np.ndarray:

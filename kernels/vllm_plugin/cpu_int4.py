@@ -32,7 +32,13 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.utils import set_weight_attrs
 
-from edge.catalog.kernel_registry import DECODE_KERNELS, DEFAULT_DECODE_KERNEL, decode_rows
+from edge.catalog.kernel_registry import (
+    DECODE_KERNELS,
+    DEFAULT_DECODE_KERNEL,
+    OWN_BLOCK_DECODE_KERNELS,
+    decode_rows,
+    reads_own_blocks,
+)
 from edge.catalog.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
 from edge.catalog.shape_rules import PACK_N_MULTIPLE
 from edge.catalog.weight_paths import METHODS
@@ -159,7 +165,9 @@ class PluginConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         methods = self._methods()
         if isinstance(layer, LinearBase):
-            method = methods["linear"].get(self._linear_decision(layer, prefix).format)
+            decision = self._linear_decision(layer, prefix)
+            # an int4 layer whose decode copy keeps the file's own blocks has a method of its own (their type)
+            method = methods["linear"].get(decision.blocks or decision.format)
             return method(self) if method else UnquantizedLinearMethod()
         if not isinstance(layer, VocabParallelEmbedding):
             return None
@@ -198,6 +206,7 @@ class CpuInt4Config(PluginConfig):
         ignore: list[str] | None = None,
         decode_kernel: str = DEFAULT_DECODE_KERNEL,
         int8_group_size: int | None = None,
+        q4k: list[str] | None = None,
     ) -> None:
         super().__init__()
         TINYGEMM.check_method_config(group_size=group_size, dequant_threshold=dequant_threshold,
@@ -233,6 +242,11 @@ class CpuInt4Config(PluginConfig):
         self.avx2_rows = decode_rows(decode_kernel) if avx2 else 0
         self.avx2_bits = DECODE_KERNELS[decode_kernel].activation_bits or 16  # its activations: int16 or int8
         self.int8_group_size = int8_group_size
+        self.q4k = list(q4k or [])
+        if self.q4k and not reads_own_blocks(decode_kernel):
+            raise InputError("quantization_config.q4k", self.q4k[:3],
+                             f"empty unless decode_kernel reads Q4_K blocks ({', '.join(OWN_BLOCK_DECODE_KERNELS)}), "
+                             f"not {decode_kernel}")  # fmt: skip
         self.int8_rows = int8_rows(int8_group_size, self.dequant_threshold, self.avx2_rows)
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
@@ -275,6 +289,7 @@ class CpuInt4Config(PluginConfig):
             ignore=list(config.get("ignore", [])),
             decode_kernel=config.get("decode_kernel", DEFAULT_DECODE_KERNEL),
             int8_group_size=config.get("int8_group_size"),
+            q4k=list(config.get("q4k", [])),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,6 +306,7 @@ class CpuInt4Config(PluginConfig):
             "quantize_embedding": self.quantize_embedding,
             "int8": list(self.int8),
             **int8_group_entry(self.int8_group_size),
+            **({"q4k": list(self.q4k)} if self.q4k else {}),
             "ignore": list(self.ignore),
             **({"decode_kernel": self.decode_kernel} if self.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
         }
@@ -301,7 +317,7 @@ class CpuInt4Config(PluginConfig):
     PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.catalog.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
-        return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod},
+        return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod, "Q4_K": CpuQ4kLinearMethod},
                 "embedding": {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod}}  # fmt: skip
 
 
@@ -414,6 +430,48 @@ class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _apply(layer, self.config, x, bias)
+
+
+class CpuQ4kLinearMethod(CpuInt4LinearMethod):
+    """An int4 layer whose weights are a GGUF's own Q4_K blocks (quantization_config.q4k; kernels/ops/q4k.py):
+    qweight (cpu_int4's codes) and meta (the file's 16 scale bytes a block), 144 bytes per 256 weights. Decode rows
+    read them in the decode layout (torch.ops.edge_avx2.q4k_linear: int8 activations, the scales applied in fp32
+    from the file's fp16 and 6-bit values); wider batches read a tinygemm buffer built from the same codes and the
+    bf16 grid of those scales, as a cpu_int4 checkpoint of the file holds (direct, or kernel-only where N does not
+    tile the host block: no bf16 grid is kept for dual's dequantize)."""
+
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
+        _check_shape(n, k, self.config.group_size)
+        empty = huge_pages.empty if self.keeps_row_major() else torch.empty
+        attrs = {"input_dim": 1, "output_dim": 0, **extra}
+        layer.register_parameter(
+            "qweight", weight_param(empty(n, k // 2, dtype=torch.uint8), packed_dim=1, packed_factor=2, **attrs)
+        )  # [N, K/2]
+        layer.register_parameter("meta", weight_param(empty(n, k // 256 * 16, dtype=torch.uint8), **attrs))
+
+    def keeps_row_major(self) -> bool:
+        return self.config.avx2_rows > 0
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        from kernels.ops import q4k
+
+        scales, zeros = q4k.int4_grid(layer.meta.data)  # [N, K/32] bf16: for the tinygemm buffer only
+        packed, scales_and_zeros = to_tinygemm(layer.qweight.data, scales, zeros, self.config.group_size,
+                                               chunk_rows=self.config.repack_chunk_rows)  # fmt: skip
+        del scales, zeros
+        layer.register_parameter("tinygemm_packed", Parameter(packed, requires_grad=False))  # [N, K/2] host layout
+        layer.register_parameter("tinygemm_sz", Parameter(scales_and_zeros, requires_grad=False))  # [K/g, N, 2]
+        n = layer.qweight.shape[0]
+        layer.int4_mode = DIRECT if self.config.mode != KERNEL_ONLY and tiles(n, host_layout()) else KERNEL_ONLY
+        layer.zeros = empty_param(torch.bfloat16)
+        if self.config.avx2_rows > 0:
+            qweight, meta = q4k.decode_layout_(layer.qweight.data, layer.meta.data, self.config.repack_chunk_rows)
+            layer.qweight = Parameter(qweight, requires_grad=False)
+            layer.scales = Parameter(meta, requires_grad=False)  # the op's `scales`: uint8 says Q4_K blocks
+        else:
+            layer.qweight = empty_param(torch.uint8)
+            layer.scales = empty_param(torch.bfloat16)
+        del layer.meta
 
 
 class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):

@@ -477,3 +477,77 @@ print(prefetched == (codecache.torch_key(), codecache.triton_key()))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2], check=True).stdout.split("\n")
     assert out[:2] == ["['torch_key', 'triton_key']", "True"], out
+
+
+# --- a GGUF's own Q4_K blocks (quantization_config.q4k, kernels/ops/q4k.py) ------------------------------------------
+
+
+def q4k_config(layout: str = "direct", q4k: tuple[str, ...] = ("o_proj", "gate_proj", "up_proj")) -> dict:
+    return quant_config(layout, group_size=32, decode_kernel="avx2-w4a8", q4k=list(q4k))
+
+
+def q4k_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels.ops import q4k
+    from tests.kernels.test_q4k import random_blocks
+
+    return q4k.from_blocks(random_blocks(n, k, seed))
+
+
+def load_blocks(layer: torch.nn.Module, tensors: tuple[torch.Tensor, torch.Tensor], shard=None) -> None:
+    for name, tensor in zip(("qweight", "meta"), tensors, strict=True):
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor, *(() if shard is None else (shard,)))
+
+
+def test_the_config_refuses_blocks_for_a_kernel_that_does_not_read_them():
+    assert CpuInt4Config.from_config(q4k_config()).to_dict()["q4k"] == ["o_proj", "gate_proj", "up_proj"]
+    with pytest.raises(InputError, match=r"quantization_config\.q4k.*unless decode_kernel reads Q4_K blocks"):
+        CpuInt4Config.from_config({**q4k_config(), "decode_kernel": "avx2"})
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_layer_of_q4_k_blocks_decodes_on_them_and_prefills_on_their_grid(layout):
+    from kernels.ops import q4k
+    from kernels.vllm_plugin.cpu_int4 import CpuQ4kLinearMethod
+
+    config = CpuInt4Config.from_config(q4k_config(layout))
+    layer = ReplicatedLinear(HIDDEN * 4, HIDDEN, bias=False, quant_config=config,
+                             prefix="model.layers.0.self_attn.o_proj", disable_tp=True)  # fmt: skip
+    assert isinstance(layer.quant_method, CpuQ4kLinearMethod)
+    blocks = q4k_blocks(HIDDEN, HIDDEN * 4, seed=8)
+    load_blocks(layer, blocks)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "meta") and layer.zeros.numel() == 0
+    assert layer.int4_mode == (KERNEL_ONLY if layout == "kernel-only" else DIRECT)  # no bf16 grid kept for dual
+    reference = lambda x: x.float() @ q4k.dequantize(*blocks).t()  # noqa: E731
+    wide = torch.randn(64, HIDDEN * 4, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    assert snr_db(layer.quant_method.apply(layer, wide), reference(wide)) > 35  # tinygemm on the bf16 grid
+    one = wide[:1]
+    if config.avx2_rows:  # the blocks in the decode layout, read by q4k_linear
+        assert layer.scales.dtype == torch.uint8 and layer.qweight.dim() == 3
+        assert torch.equal(layer.quant_method.apply(layer, one), q4k.linear(one, *q4k.decode_layout(*blocks)))
+    else:  # no AVX2 kernel here: tinygemm for every row, no decode copy
+        assert layer.qweight.numel() == 0
+    assert snr_db(layer.quant_method.apply(layer, one), reference(one)) > 30
+
+
+def test_a_fused_layer_of_q4_k_blocks_loads_each_shard_into_its_rows():
+    from kernels.ops import q4k
+
+    config = CpuInt4Config.from_config(q4k_config())
+    layer = MergedColumnParallelLinear(HIDDEN * 4, [INTERMEDIATE, INTERMEDIATE], bias=False, quant_config=config,
+                                       prefix="model.layers.0.mlp.gate_up_proj", disable_tp=True)  # fmt: skip
+    gate, up = q4k_blocks(INTERMEDIATE, HIDDEN * 4, seed=10), q4k_blocks(INTERMEDIATE, HIDDEN * 4, seed=11)
+    load_blocks(layer, gate, shard=0)
+    load_blocks(layer, up, shard=1)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(1, HIDDEN * 4, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    expected = torch.cat([x.float() @ q4k.dequantize(*gate).t(), x.float() @ q4k.dequantize(*up).t()], dim=1)
+    assert snr_db(layer.quant_method.apply(layer, x), expected) > 30
+
+
+def test_a_fused_layer_with_one_shard_off_the_blocks_keeps_the_grid():
+    config = CpuInt4Config.from_config(q4k_config(q4k=("gate_proj",)))  # up_proj is not named
+    layer = MergedColumnParallelLinear(HIDDEN, [INTERMEDIATE, INTERMEDIATE], bias=False, quant_config=config,
+                                       prefix="model.layers.0.mlp.gate_up_proj", disable_tp=True)  # fmt: skip
+    assert type(layer.quant_method) is CpuInt4LinearMethod and hasattr(layer, "scales")

@@ -1,0 +1,147 @@
+"""A GGUF's Q4_K tensors kept as the file's own blocks (quantization_config.q4k) where the plan decodes on the
+int8-activation kernel: the plan names them (and only where every weight vLLM fuses into the layer is Q4_K), the
+ledger counts them at the file's 144 bytes per 256 weights, the converter writes the file's bytes, and the vLLM
+method and edge-eval's module run them.
+
+The file is test_mixed_grid's generated Q4_K_M-like llama (attn_v Q6_K on layers 0, 4, 5; ffn_gate Q8_0 but Q4_0 on
+layer 3; ffn_down Q4_0 but Q5_0 on layer 2 and Q4_K on layer 4; every other linear Q4_K). What the plan should keep
+as blocks is written out here from that table: q, k and v where v is Q4_K (layers 1-3), o on every layer, down on
+layer 4; never up, whose layer-3 sibling gate is Q4_0 (one vLLM layer, one kind of decode copy) and which is int8
+with its Q8_0 gate elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from edge.errors import InputError  # noqa: E402
+from kernels.ops import avx2_int4, q4k  # noqa: E402
+from tests.kernels.test_mixed_grid import DATA, hf_name, linears, mixed_gguf  # noqa: E402
+
+EXPECTED_BLOCKS = {
+    *(f"model.layers.{i}.self_attn.{p}" for i in (1, 2, 3) for p in ("q_proj", "k_proj", "v_proj")),
+    *(f"model.layers.{i}.self_attn.o_proj" for i in range(6)),
+    "model.layers.4.mlp.down_proj",
+}
+needs_kernel = pytest.mark.skipif(avx2_int4.load() is not None, reason=f"AVX2 kernels: {avx2_int4.load()}")
+
+
+def _record(plan, decode_kernel: str):
+    """An edge-eval record of this model with int8 activations, as the planner looks it up (values made up: the
+    planner only needs one within --max-kld)."""
+    from edge.measure.quality import QualityRecord, quality_key
+
+    qconfig = {**plan.quantization_config, "decode_kernel": decode_kernel}
+    return QualityRecord(model=plan.model.name, key=quality_key(plan.path, qconfig), kld_mean=0.01, kld_mean_se=0.001,
+                         top1_agreement=0.95, top1_agreement_se=0.01, ppl_ratio=1.01, ppl_ratio_se=0.001,
+                         confident_flip_rate=0.01, confident_flip_rate_se=0.001, tokens=1024, evaluator=2)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory, tokenizer_source):
+    """(the file, its speed plan on the AVX2 host as is, the same with a record that lets it decode on int8
+    activations)."""
+    from edge.device.describe import load_device_file
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
+
+    path = mixed_gguf(tmp_path_factory.mktemp("mixed"), tokenizer_source)
+    device, model = load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path)
+    plain = make_plan(device, model, path="w4a16-tinygemm")
+    lossy = make_plan(device, model, path="w4a16-tinygemm", quality=[_record(plain, "avx2-w4a8")])
+    return path, plain, lossy
+
+
+def test_only_a_plan_on_the_int8_activation_kernel_keeps_the_blocks_and_names_them_as_the_table_says(plans):
+    _, plain, lossy = plans
+    assert plain.quantization_config.get("decode_kernel") == "avx2" and "q4k" not in plain.quantization_config
+    assert lossy.quantization_config["decode_kernel"] == "avx2-w4a8"
+    named = lossy.quantization_config["q4k"]
+    expanded = {f"model.layers.{i}.self_attn.o_proj" for i in range(6)} if "o_proj" in named else set()
+    assert {entry for entry in named if entry != "o_proj"} | expanded == EXPECTED_BLOCKS
+    assert not set(named) & set(lossy.quantization_config["int8"])
+    for layer in lossy.layers:  # the plan's layers say the same, part by part
+        if layer.blocks:
+            assert layer.format == "int4" and layer.blocks == "Q4_K" and layer.source == {"Q4_K": layer.count}
+
+
+def test_the_ledger_counts_the_blocks_at_the_files_bytes(plans):
+    path, plain, lossy = plans
+    shapes = {hf_name(t.name).removesuffix(".weight"): tuple(int(d) for d in reversed(t.shape))
+              for t in gguf.GGUFReader(path).tensors if t.name in linears()}  # fmt: skip
+    file_bytes = sum(shapes[p][0] * shapes[p][1] // 256 * 144 for p in EXPECTED_BLOCKS)
+    grid_bytes = sum(shapes[p][0] * (shapes[p][1] // 2 + 2 * 2 * shapes[p][1] // 32) for p in EXPECTED_BLOCKS)
+    blocks = [item for item in lossy.memory.items if item.name.endswith("Q4_K blocks (decode copy)")]
+    assert sum(item.bytes for item in blocks) == file_bytes
+    rest = {p.memory.resident_bytes - sum(i.bytes for i in p.memory.items if i.kind == "row-major-copy")
+            for p in (plain, lossy)}  # fmt: skip
+    assert len(rest) == 1  # everything but the decode copies is the same
+    plain_copies = sum(i.bytes for i in plain.memory.items if i.kind == "row-major-copy")
+    lossy_copies = sum(i.bytes for i in lossy.memory.items if i.kind == "row-major-copy")
+    assert plain_copies - lossy_copies == grid_bytes - file_bytes > 0
+
+
+def test_the_converter_writes_the_files_own_blocks_and_the_grid_for_the_rest(plans, tmp_path):
+    from safetensors.torch import load_file
+
+    from kernels.convert.convert import convert
+    from tests.kernels.test_mixed_grid import _files_weights
+
+    path, _, lossy = plans
+    dst = convert(path, tmp_path / "dst", lossy.quantization_config, path=lossy.path, log=lambda message: None)
+    written = {}
+    for file in sorted(dst.glob("*.safetensors")):
+        written |= load_file(file)
+    reference = _files_weights(path)
+    raw = {hf_name(t.name).removesuffix(".weight"): t for t in gguf.GGUFReader(path).tensors if t.name in linears()}
+    for prefix in EXPECTED_BLOCKS:
+        assert f"{prefix}.scales" not in written and f"{prefix}.zeros" not in written, prefix
+        qweight, meta = written[f"{prefix}.qweight"], written[f"{prefix}.meta"]
+        # exactly gguf-py's values, bit for bit (the grid's bf16 scales would not be)
+        assert torch.equal(q4k.dequantize(qweight, meta), reference[f"{prefix}.weight"]), prefix
+        n = qweight.shape[0]
+        assert qweight.nbytes + meta.nbytes == np.asarray(raw[prefix].data).nbytes == n * qweight.shape[1] // 128 * 144
+    for name in linears():  # every other 4-bit tensor keeps the grid
+        prefix = hf_name(name).removesuffix(".weight")
+        if prefix not in EXPECTED_BLOCKS and written[f"{prefix}.qweight"].dtype == torch.uint8:
+            assert f"{prefix}.zeros" in written and f"{prefix}.meta" not in written, prefix
+    config = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert config["q4k"] == lossy.quantization_config["q4k"]
+
+
+def test_the_converter_refuses_blocks_the_file_does_not_hold_as_q4_k(plans, tmp_path):
+    from kernels.convert.convert import convert
+
+    path, _, lossy = plans
+    named = [*lossy.quantization_config["q4k"], "model.layers.0.mlp.down_proj"]  # held as Q4_0
+    qconfig = {**lossy.quantization_config, "q4k": named}
+    with pytest.raises(InputError, match=r"quantization_config\.q4k.*model\.layers\.0\.mlp\.down_proj.*Q4_0"):
+        convert(path, tmp_path / "dst", qconfig, path=lossy.path, log=lambda message: None)
+    assert not (tmp_path / "dst").exists()
+
+
+def _blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from tests.kernels.test_q4k import random_blocks
+
+    return q4k.from_blocks(random_blocks(n, k, seed))
+
+
+@needs_kernel
+def test_edge_evals_module_decodes_on_the_blocks_and_prefills_on_their_grid():
+    from kernels.ops.int4_ops import DIRECT
+    from kernels.scoring.eval_cpu_int4 import Int4Linear, Int4Settings
+
+    qweight, meta = _blocks(64, 512, seed=1)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    decode = Int4Linear(qweight, *q4k.int4_grid(meta), Int4Settings(32, DIRECT, 2, False, avx2_bits=8), meta=meta)
+    assert decode.scales.dtype == torch.uint8  # the blocks in the decode layout
+    assert torch.equal(decode(x), q4k.linear(x, *q4k.decode_layout(qweight, meta)))
+    prefill = Int4Linear(qweight, *q4k.int4_grid(meta), Int4Settings(32, DIRECT, 2, False), meta=meta)
+    reference = x.float() @ q4k.dequantize(qweight, meta).t()
+    assert ((prefill(x).float() - reference).norm() / reference.norm()) < 0.02  # bf16 grid and bf16 GEMM
