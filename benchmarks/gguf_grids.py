@@ -16,6 +16,8 @@ wall time of the call (the read loop is timed the same way):
   - w4a16-g32  torch.ops.edge_avx2.w4a16_linear on those codes (int16 activations: the `avx2` decode kernel);
   - int8-g16   torch.ops.edge_avx2.w8a16_linear on int8 codes with float32 scales per 16 (today's path for a Q6_K
                tensor, 10 bits a weight; random codes of the same shape), for the prefetch comparison;
+  - q6k-x8     torch.ops.edge_avx2.q6k_linear on random Q6_K blocks of the same shape in the decode layout
+               (kernels/ops/q6k.py: the file's 210 bytes per 256 weights, 6.5625 bits a weight);
   - read       benchmarks/read_bandwidth.cpp's 256-bit loop over a buffer the size of the q4k weights' copies.
 Every call reads the next of enough weight copies to exceed 2x the last-level cache, so weights come from memory
 as in serving. GB/s = the bytes the variant's weights hold / median time; `of bound` = that over the read loop's
@@ -44,7 +46,7 @@ import torch
 
 # N x K of a ~1B's merged linears (make_random_gguf --preset 1b: qkv, o, gate_up, down) and the 4096x4096 reference
 SHAPES = [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (4096, 4096)]
-VARIANTS = ("q4k", "q4k-x8", "w4a8-g32", "w4a8-x8", "w4a16-g32", "int8-g16", "read")
+VARIANTS = ("q4k", "q4k-x8", "w4a8-g32", "w4a8-x8", "w4a16-g32", "int8-g16", "q6k-x8", "read")
 KERNELS = VARIANTS[:-1]
 BLOCK_BYTES = 144
 
@@ -56,6 +58,14 @@ def random_q4k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     blocks[..., 0:2] = (rng.random((n, nb)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
     blocks[..., 2:4] = (rng.random((n, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
     return blocks.reshape(n, nb * BLOCK_BYTES)
+
+
+def random_q6k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [N, K/256, 210]: random codes and int8 scales (any bytes are a valid Q6_K block), d in [1e-5, 1e-3)."""
+    nb = k // 256
+    blocks = rng.integers(0, 256, size=(n, nb, 210), dtype=np.uint8)
+    blocks[..., 208:210] = (rng.random((n, nb)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    return blocks
 
 
 def cpu_int4_of(blocks: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,7 +87,7 @@ def q4k_of(blocks: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tens
 def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict:
     from benchmarks.read_bandwidth import extension
     from kernels.calibrate.calibration_timers import last_level_cache_bytes
-    from kernels.ops import avx2_int4
+    from kernels.ops import avx2_int4, q6k
     from kernels.ops.q4k import decode_layout
 
     torch.set_num_threads(1)
@@ -100,7 +110,8 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
                 "w4a8-x8": [avx2_int4.decode_layout(*cpu_int4_of(b, n, k), 8) for b in files],
                 "w4a16-g32": [cpu_int4_of(b, n, k) for b in files],
                 "int8-g16": [(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator),
-                              torch.rand(n, k // 16, generator=generator) * 1e-3) for _ in files]}  # fmt: skip
+                              torch.rand(n, k // 16, generator=generator) * 1e-3) for _ in files],
+                "q6k-x8": [(q6k.decode_layout(*q6k.from_blocks(random_q6k(n, k, rng))),) for _ in files]}  # fmt: skip
         nbytes = {variant: sum(t.nbytes for t in held[variant][0]) for variant in held}
         buffer = torch.ones(copies * files[0].nbytes // 4, dtype=torch.float32)
         del files
@@ -113,6 +124,7 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
                 "w4a8-x8": lambda i, x=x, h=held["w4a8-x8"]: w4a8(x, *h[i % len(h)], 32),
                 "w4a16-g32": lambda i, x=x, h=held["w4a16-g32"]: w4a16(x, *h[i % len(h)], 32),
                 "int8-g16": lambda i, x=x, h=held["int8-g16"]: w8a16(x, *h[i % len(h)]),
+                "q6k-x8": lambda i, x=x, h=held["q6k-x8"]: ops.q6k_linear(x, *h[i % len(h)]),
                 "read": lambda i, b=buffer: reader.read_seconds(b, 256, 1),
             }
             for call in calls.values():  # warm up
@@ -132,6 +144,7 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
                                 "of_bound": round(gb_s / read_gb_s, 3)}  # fmt: skip
             row["time_q4k_over_w4a8"] = round(row["q4k"]["ms"] / row["w4a8-g32"]["ms"], 3)
             row["time_q4k_x8_over_w4a8_x8"] = round(row["q4k-x8"]["ms"] / row["w4a8-x8"]["ms"], 3)
+            row["time_q6k_x8_over_int8_g16"] = round(row["q6k-x8"]["ms"] / row["int8-g16"]["ms"], 3)
             results.append(row)
     build = "plain AVX2" if not torch.ops.edge_avx2.uses_vnni() else "VNNI (AVX-VNNI or AVX512-VNNI, 256-bit)"
     return {"build": build, "llc_bytes": llc, "results": results}
@@ -142,12 +155,13 @@ def table(runs: dict) -> str:
 
     lines = [
         f"CPU: {host_model_name()}; 1 thread; bytes: q4k and q4k-x8 4.5 bits a weight, w4a8/w4a16-g32 and w4a8-x8 5, "
-        "int8-g16 10",
+        "q6k-x8 6.5625, int8-g16 10",
         "",
         "| build | N x K | M | read GB/s | q4k ms (GB/s, of bound) | w4a8-g32 ms (GB/s, of bound) | q4k / w4a8 time "
         "| w4a8-x8 ms (GB/s, of bound) | x8 / w4a8 time | q4k-x8 ms (GB/s, of bound) | q4k-x8 / w4a8-x8 time "
-        "| w4a16-g32 ms (GB/s, of bound) | int8-g16 ms (GB/s, of bound) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| w4a16-g32 ms (GB/s, of bound) | int8-g16 ms (GB/s, of bound) | q6k-x8 ms (GB/s, of bound) "
+        "| q6k-x8 / int8-g16 time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, run in runs.items():
         for r in run["results"]:
@@ -157,7 +171,8 @@ def table(runs: dict) -> str:
                 f"| {label} ({run['build']}) | {r['n']}x{r['k']} | {r['m']} | {r['read_gb_s']:.1f} | "
                 f"{cell(**a)} | {cell(**b)} | {r['time_q4k_over_w4a8']:.2f}x | {cell(**r['w4a8-x8'])} | "
                 f"{r['w4a8-x8']['ms'] / b['ms']:.2f}x | {cell(**r['q4k-x8'])} | {r['time_q4k_x8_over_w4a8_x8']:.2f}x | "
-                f"{cell(**r['w4a16-g32'])} | {cell(**c)} |"
+                f"{cell(**r['w4a16-g32'])} | {cell(**c)} | {cell(**r['q6k-x8'])} | "
+                f"{r['time_q6k_x8_over_int8_g16']:.2f}x |"
             )
     return "\n".join(lines)
 

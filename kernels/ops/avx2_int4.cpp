@@ -335,10 +335,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
 
 // The decode-layout ops' common part: x's rows [M, K] quantized to int8 per group of `group` (scratch kept per
 // thread across calls: a decode step makes ~120 of them, and each allocation costs as much as a few channels'
-// arithmetic), then run(codes, a, xs, y, yb, begin, end, m) over blocks [begin, end) of 8 output channels, writing
-// fp32 y, or bf16 yb (y null) straight into a bf16 output.
+// arithmetic), then run(codes, a, xs, xs16, y, yb, begin, end, m) over blocks [begin, end) of 8 output channels,
+// writing fp32 y, or bf16 yb (y null) straight into a bf16 output. With sums16, xs16 [M, K/16] = a * the sum of
+// each 16 codes (a weight grid of 16 with an offset: Q6_K); else null.
 template <typename Run>
-at::Tensor x8_call(const at::Tensor& x, int64_t n, int64_t k, int64_t group, const Run& run) {
+at::Tensor x8_call(const at::Tensor& x, int64_t n, int64_t k, int64_t group, const Run& run, bool sums16 = false) {
   const auto rows = rows_of(x, k, n);
   const at::Tensor& x2 = std::get<0>(rows);  // [M, K]
   const std::vector<int64_t>& out_shape = std::get<1>(rows);  // [..., N]
@@ -349,10 +350,12 @@ at::Tensor x8_call(const at::Tensor& x, int64_t n, int64_t k, int64_t group, con
   thread_local std::vector<float> scratch;
   const bool bf16_out = x2.scalar_type() == at::kBFloat16;
   codes.resize(static_cast<size_t>(m * k));
-  scratch.resize(static_cast<size_t>(2 * m * groups + (bf16_out ? 0 : m * n)));
+  const int64_t n16 = sums16 ? m * (k / 16) : 0;
+  scratch.resize(static_cast<size_t>(2 * m * groups + n16 + (bf16_out ? 0 : m * n)));
   float* a_w = scratch.data();
   float* xs_w = a_w + m * groups;
-  float* yp = bf16_out ? nullptr : xs_w + m * groups;
+  float* xs16 = sums16 ? xs_w + m * groups : nullptr;
+  float* yp = bf16_out ? nullptr : xs_w + m * groups + n16;
   // activations per weight group, as the row-major kernel rounds them: the same integer sums, the same numbers
   if (bf16_out) {
     quantize_i8_bf16(reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>()), m, k, group, codes.data(), a_w,
@@ -362,10 +365,20 @@ at::Tensor x8_call(const at::Tensor& x, int64_t n, int64_t k, int64_t group, con
       quantize_acts<int8_t>(x2.data_ptr<scalar_t>(), m, k, group, 127, codes.data(), nullptr, a_w, xs_w);
     });
   }
+  if (sums16) {
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t j = 0; j < k / 16; ++j) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < 16; ++i) sum += codes[r * k + 16 * j + i];
+        xs16[r * (k / 16) + j] = a_w[r * groups + 16 * j / group] * static_cast<float>(sum);
+      }
+    }
+  }
   uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   const int8_t* cp = codes.data();
   const int64_t grain = std::max<int64_t>(1, 16384 / (k * 4));  // ~16 KB of weights a task
-  at::parallel_for(0, n / 8, grain, [&](int64_t begin, int64_t end) { run(cp, a_w, xs_w, yp, ob, begin, end, m); });
+  at::parallel_for(0, n / 8, grain,
+                   [&](int64_t begin, int64_t end) { run(cp, a_w, xs_w, xs16, yp, ob, begin, end, m); });
   if (!bf16_out) {
     copy_out(yp, out);
   }
@@ -393,8 +406,8 @@ at::Tensor w4a8_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const 
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(ze.data_ptr<at::BFloat16>());
   const auto kernel = pick(isa_plain::blocks8_a8, isa_vnni::blocks8_a8, isa_vnni512::blocks8_a8);
-  return x8_call(x, n, k, group, [&](const int8_t* cp, const float* a, const float* xs, float* yp, uint16_t* ob,
-                                     int64_t begin, int64_t end, int64_t m) {
+  return x8_call(x, n, k, group, [&](const int8_t* cp, const float* a, const float* xs, const float*, float* yp,
+                                     uint16_t* ob, int64_t begin, int64_t end, int64_t m) {
     kernel(wp, sp, zp, cp, a, xs, yp, ob, group, begin, end, m, n, k);
   });
 }
@@ -414,10 +427,26 @@ at::Tensor q4k_linear_x8(const at::Tensor& x, const at::Tensor& qweight, const a
   const uint8_t* wp = qw.data_ptr<uint8_t>();
   const uint8_t* mp = me.data_ptr<uint8_t>();
   const auto kernel = pick(isa_plain::blocks8_q4k, isa_vnni::blocks8_q4k, isa_vnni512::blocks8_q4k);
-  return x8_call(x, n, k, 32, [&](const int8_t* cp, const float* a, const float* xs, float* yp, uint16_t* ob,
-                                  int64_t begin, int64_t end, int64_t m) {
+  return x8_call(x, n, k, 32, [&](const int8_t* cp, const float* a, const float* xs, const float*, float* yp,
+                                  uint16_t* ob, int64_t begin, int64_t end, int64_t m) {
     kernel(wp, mp, cp, a, xs, yp, ob, begin, end, m, n, k);
   });
+}
+
+// A GGUF's Q6_K tensor in the decode layout (kernels/ops/q6k.py): blocks uint8 [N/8, K/256, 1680], the 8 channels'
+// 210 bytes a block each rearranged (block8_q6k). int8 activations per group of 32, as the other x8 kernels.
+at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == 1680,
+              "blocks: expected uint8 [N/8, K/256, 1680], got ", blocks.scalar_type(), " ", blocks.sizes());
+  const int64_t n = blocks.size(0) * 8, k = blocks.size(1) * 256;
+  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
+  at::Tensor bl = blocks.contiguous();
+  const uint8_t* bp = bl.data_ptr<uint8_t>();
+  const auto kernel = pick(isa_plain::blocks8_q6k, isa_vnni::blocks8_q6k, isa_vnni512::blocks8_q6k);
+  return x8_call(x, n, k, 32, [&](const int8_t* cp, const float* a, const float*, const float* xs16, float* yp,
+                                  uint16_t* ob, int64_t begin, int64_t end, int64_t m) {
+    kernel(bp, cp, a, xs16, yp, ob, begin, end, m, n, k);
+  }, /*sums16=*/true);
 }
 
 at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -543,6 +572,7 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("w4a8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def("w8a16_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("q4k_linear(Tensor x, Tensor qweight, Tensor meta) -> Tensor");
+  m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
         "Tensor zeros, int group, int mode, int dequant_threshold, bool fp32_prefill, int avx2_rows, "
@@ -554,6 +584,7 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("w4a8_linear", &w4a8_linear);
   m.impl("w8a16_linear", &w8a16_linear);
   m.impl("q4k_linear", &q4k_linear);
+  m.impl("q6k_linear", &q6k_linear);
   m.impl("int4_linear", &int4_linear);
 }
 
@@ -950,6 +981,91 @@ void block8_q4k(const uint8_t* wq, const uint8_t* meta, const int8_t* xq, const 
     }
   }
   store8<MB>(total, y, b, m0, n);
+}
+
+// ---- Q6_K in the decode layout (kernels/ops/q6k.py decode_layout). Per block of 8 channels and 256 weights, 1680
+// bytes (the 8 channels' 210): fp16 d[8] | int8 sc[16 sub-blocks][8 channels] | per sub-block s of 16 weights, 96
+// bytes: the low nibbles of weights 16s..16s+7 and of 16s+8..16s+15 as the int4 decode layout's two chunks (byte
+// 4c+t: k = 8j+t low, 8j+4+t high), then the top two bits of the four 32-byte vectors those make, at bits 0, 2, 4,
+// 6 of the same byte. w = d sc_s (q - 32) with q in 0..63: y += d sc_s (a sum q xq - 32 a sum_16 xq).
+// vpdpbusd takes the unsigned 6-bit codes as it takes the 4-bit ones (4 products <= 4*63*127: no saturation; the
+// plain AVX2 build's vpmaddubsw pairs <= 2*63*127 = 16002, two of them summed in 16 bits <= 32004).
+template <int MB, typename Out>
+void block8_q6k(const uint8_t* bp, const int8_t* xq, const float* a, const float* xs16, Out* y, int64_t b, int64_t m0,
+                int64_t n, int64_t k) {
+  const int64_t nblocks = k / 256, groups = k / 32;
+  const uint8_t* base = bp + b * nblocks * 1680;
+  const __m256i four = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[MB];
+  for (int r = 0; r < MB; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const uint8_t* me = base + blk * 1680;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(me)));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(me + 16);
+    const uint8_t* q = me + 144;
+    for (int s = 0; s < 16; ++s) {
+      const uint8_t* p = q + 96 * s;
+      // the stream ~8 KB ahead, as group8_a8 prefetches the int4 codes
+      prefetch_line(reinterpret_cast<const char*>(p + 8192));
+      prefetch_line(reinterpret_cast<const char*>(p + 8192 + 64));
+      const __m256i v0 = loadu(p), v1 = loadu(p + 32), h = loadu(p + 64);
+      const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(v0, four), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+      const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), four),
+                                          _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+      const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(v1, four), _mm256_and_si256(h, top));
+      const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), four),
+                                          _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
+      const __m256 s8 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * s)))));
+      const int64_t kk = blk * 256 + 16 * s;
+      for (int r = 0; r < MB; ++r) {
+        const int8_t* x = xq + (m0 + r) * k + kk;
+        int32_t x0, x1, x2, x3;
+        std::memcpy(&x0, x, 4);
+        std::memcpy(&x1, x + 4, 4);
+        std::memcpy(&x2, x + 8, 4);
+        std::memcpy(&x3, x + 12, 4);
+#if EDGE_AVX2_VNNI
+        __m256i acc0 = EDGE_DPBUSD(_mm256_setzero_si256(), lo0, _mm256_set1_epi32(x0));
+        __m256i acc1 = EDGE_DPBUSD(_mm256_setzero_si256(), hi0, _mm256_set1_epi32(x1));
+        acc0 = EDGE_DPBUSD(acc0, lo1, _mm256_set1_epi32(x2));
+        acc1 = EDGE_DPBUSD(acc1, hi1, _mm256_set1_epi32(x3));
+        const __m256i sum = _mm256_add_epi32(acc0, acc1);
+#else
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_set1_epi32(x0)),
+                                            _mm256_maddubs_epi16(hi0, _mm256_set1_epi32(x1)));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, _mm256_set1_epi32(x2)),
+                                            _mm256_maddubs_epi16(hi1, _mm256_set1_epi32(x3)));
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+#endif
+        const float ag = a[(m0 + r) * groups + kk / 32];
+        const float off = -32.f * xs16[(m0 + r) * (k / 16) + kk / 16];
+        total[r] = _mm256_fmadd_ps(_mm256_mul_ps(s8, _mm256_set1_ps(ag)), _mm256_cvtepi32_ps(sum), total[r]);
+        total[r] = _mm256_fmadd_ps(s8, _mm256_set1_ps(off), total[r]);
+      }
+    }
+  }
+  store8<MB>(total, y, b, m0, n);
+}
+
+template <typename Out>
+void blocks8_q6k_out(const uint8_t* bp, const int8_t* xq, const float* a, const float* xs16, Out* y, int64_t begin,
+                     int64_t end, int64_t m, int64_t n, int64_t k) {
+  for (int64_t b = begin; b < end; ++b) {
+    int64_t m0 = 0;
+    for (; m0 + 2 <= m; m0 += 2) block8_q6k<2, Out>(bp, xq, a, xs16, y, b, m0, n, k);
+    if (m0 < m) block8_q6k<1, Out>(bp, xq, a, xs16, y, b, m0, n, k);
+  }
+}
+
+void blocks8_q6k(const uint8_t* bp, const int8_t* xq, const float* a, const float* xs16, float* y, uint16_t* yb,
+                 int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  if (y == nullptr) {
+    blocks8_q6k_out(bp, xq, a, xs16, yb, begin, end, m, n, k);
+  } else {
+    blocks8_q6k_out(bp, xq, a, xs16, y, begin, end, m, n, k);
+  }
 }
 
 template <typename Out>

@@ -109,7 +109,11 @@ def _register_fake() -> None:
 
     @torch.library.register_fake(f"{OP_NAMESPACE}::q4k_linear")
     def _fake_q4k(x, qweight, meta):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+        return x.new_empty((*x.shape[:-1], out_features(qweight)))
+
+    @torch.library.register_fake(f"{OP_NAMESPACE}::q6k_linear")
+    def _fake_q6k(x, blocks):
+        return x.new_empty((*x.shape[:-1], blocks.shape[0] * X8_CHANNELS))
 
     @torch.library.register_fake(f"{OP_NAMESPACE}::int4_linear")
     def _fake_layer(x, packed, scales_and_zeros, *rest):
