@@ -29,6 +29,8 @@ Variants:
                   the plugin's (kernels/vllm_plugin/attention.py)
     edge:MODE+no-huge-pages  the same with the decode kernels' weights where vLLM loaded them (EDGE_HUGE_PAGES=0)
                   instead of in slabs advised for transparent huge pages (kernels/ops/huge_pages.py)
+    edge:MODE+grid  the same with a GGUF's Q4_K tensors on the int4 grid for decode too, not the file's own
+                  blocks (EDGE_OWN_BLOCKS=0: the plan leaves out quantization_config.q4k)
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
@@ -98,7 +100,8 @@ STREAMS = 4
 EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {"EDGE_EARLY_ENGINE": "0"},
                   "uncalibrated": {"EDGE_CALIBRATION": "off"}, "prefetch-l1": {"EDGE_AVX2_PREFETCH": "l1"},
                   "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"},
-                  "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}, "no-huge-pages": {"EDGE_HUGE_PAGES": "0"}}
+                  "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}, "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
+                  "grid": {"EDGE_OWN_BLOCKS": "0"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names

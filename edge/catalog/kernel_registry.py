@@ -22,6 +22,7 @@ A kernel that serves no plan path is timed for the record all the same: it is wh
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -193,12 +194,14 @@ LOSSY_DECODE_KERNELS: tuple[str, ...] = tuple(name for name, spec in DECODE_KERN
 # kernel's layout of 8 channels, torch.ops.edge_avx2.q4k_linear), so a plan on one keeps them for the int4 layers the
 # file holds so (edge.catalog.quantized_layers.rules_for's own_blocks): 4.5 bits a weight where the int4 grid
 # holds 5, and the file's scales unrounded.
+# EDGE_OWN_BLOCKS=0 plans the int4 grid for them instead (benchmarks compare the two: bench_serve's +grid).
 OWN_BLOCK_DECODE_KERNELS: tuple[str, ...] = ("avx2-w4a8",)
+OWN_BLOCKS_ENV = "EDGE_OWN_BLOCKS"
 
 
 def reads_own_blocks(decode: str) -> bool:
-    """Whether decode rows on this decode kernel read a Q4_K layer's own blocks."""
-    return decode in OWN_BLOCK_DECODE_KERNELS
+    """Whether a plan whose decode rows run on this decode kernel keeps a GGUF's Q4_K blocks for them."""
+    return decode in OWN_BLOCK_DECODE_KERNELS and os.environ.get(OWN_BLOCKS_ENV) != "0"
 
 
 def default_decode_kernel(capability: str | None, isa_class: str) -> str:

@@ -145,3 +145,16 @@ def test_edge_evals_module_decodes_on_the_blocks_and_prefills_on_their_grid():
     prefill = Int4Linear(qweight, *q4k.int4_grid(meta), Int4Settings(32, DIRECT, 2, False), meta=meta)
     reference = x.float() @ q4k.dequantize(qweight, meta).t()
     assert ((prefill(x).float() - reference).norm() / reference.norm()) < 0.02  # bf16 grid and bf16 GEMM
+
+
+def test_edge_own_blocks_0_plans_the_grid_instead(plans, monkeypatch):
+    from edge.device.describe import load_device_file
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
+
+    path, plain, lossy = plans
+    monkeypatch.setenv("EDGE_OWN_BLOCKS", "0")
+    grid = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
+                     path="w4a16-tinygemm", quality=[_record(plain, "avx2-w4a8")])  # fmt: skip
+    assert grid.quantization_config["decode_kernel"] == "avx2-w4a8" and "q4k" not in grid.quantization_config
+    assert grid.quantization_config == {k: v for k, v in lossy.quantization_config.items() if k != "q4k"}
