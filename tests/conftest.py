@@ -61,6 +61,8 @@ CORE_SLOW = {
     "tests/kernels/test_decode_plugin_slow.py":
         "the real vLLM engine: the plugin's C++ and Python attention generate vLLM's own greedy text, eager and "
         "compiled with the plan's C++ wrapper; the int8 kernel's decode layout the row-major layout's first tokens",
+    "tests/kernels/test_q4k_serve_slow.py":
+        "the real vLLM engine serving a GGUF's Q4_K tensors as the file's own blocks (quantization_config.q4k)",
 }
 
 
