@@ -962,8 +962,8 @@ void block8_q4k(const uint8_t* wq, const uint8_t* meta, const int8_t* xq, const 
   for (int r = 0; r < MB; ++r) total[r] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const uint8_t* me = mb + blk * 128;
-    prefetch_line(reinterpret_cast<const char*>(me + 1024));  // the scales ~8 blocks ahead, as the codes 8 KB
-    prefetch_line(reinterpret_cast<const char*>(me + 1024 + 64));
+    prefetch_line(reinterpret_cast<const char*>(me + 2048));  // the scales 16 blocks (~18 KB of codes) ahead
+    prefetch_line(reinterpret_cast<const char*>(me + 2048 + 64));
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(me)));
     const __m256 nd = _mm256_sub_ps(_mm256_setzero_ps(),
                                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(me + 16))));
@@ -1014,9 +1014,8 @@ void block8_q6k(const uint8_t* bp, const int8_t* xq, const float* a, const int32
       for (int half = 0; half < 2; ++half) {
         const int s = 2 * g + half;
         const uint8_t* p = q + 96 * s;
-        // the stream ~8 KB ahead, as group8_a8 prefetches the int4 codes
-        prefetch_line(reinterpret_cast<const char*>(p + 8192));
-        prefetch_line(reinterpret_cast<const char*>(p + 8192 + 64));
+        // no software prefetch: with two lines 8 KB ahead a sub-block (as group8_a8's) it read 10-12 GB/s from
+        // memory, without 18-23 (benchmarks/gguf_grids, Zen 4, 2026-12-06): the hardware's stream prefetch keeps up
         const __m256i v0 = loadu(p), v1 = loadu(p + 32), h = loadu(p + 64);
         const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(v0, four), _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
         const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), four),
