@@ -277,6 +277,8 @@ def edge_argv(mode: str, args: argparse.Namespace, *extra: str, threads: int | N
         argv += ["--model", str(args.model)]
     if getattr(args, "path", None):
         argv += ["--path", args.path]
+    if getattr(args, "max_kld", None) is not None:
+        argv += ["--max-kld", str(args.max_kld)]
     if (threads := threads or getattr(args, "threads", None)) and mode != "three-process":
         argv += ["--threads", str(threads)]
     return argv
@@ -411,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-q4_1", type=Path, help="llama:Q4_1's file (default: the default model's own)")
     parser.add_argument("--gguf-q4_0", type=Path, help="llama:Q4_0's file (default: made from the Q4_1 one)")
     parser.add_argument("--threads", type=int, help="both servers' compute threads (default: the edge plan's)")
+    parser.add_argument("--max-kld", type=float, help="edge-serve's --max-kld (a model whose measured quality with "
+                        "int8 activations is over the default floor still decodes on them)")
     parser.add_argument("--llama-python", type=Path, default=LLAMA_PYTHON)
     parser.add_argument("--together", action="store_true",
                         help="start every variant's server once, idle side by side, and alternate their measurements "

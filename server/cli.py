@@ -44,6 +44,7 @@ from edge.device.calibration import cached_records as cached_calibrations
 from edge.device.describe import load_device_file, parse_size
 from edge.device.probe import probe
 from edge.errors import InputError
+from edge.measure.quality import DEFAULT_MAX_KLD
 from edge.model.reader import is_gguf, read_model, resolve_model
 from edge.paths import converted_dir
 from edge.plan.inputs import PlanInputs, gather
@@ -151,6 +152,7 @@ def plan_for_serving(
             force=args.force,
             serving_mode=getattr(args, "serving_mode", None),
             threads=getattr(args, "threads", None),
+            max_kld=DEFAULT_MAX_KLD if getattr(args, "max_kld", None) is None else args.max_kld,
         )
 
     plan = plan_from(inputs)
@@ -342,6 +344,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, metavar="N", help="the one- or two-process engine's "
                    "compute threads (default: the calibration's choice, else every core but one)")
     p.add_argument("--force", action="store_true", help="start a plan over its memory budget or a refused pin")
+    p.add_argument("--max-kld", type=float, metavar="NATS",
+                   help=f"speed trades quality only within this measured mean KL divergence per token (default "
+                        f"{DEFAULT_MAX_KLD}, as edge-select's)")
     p.add_argument("--dry-run", action="store_true", help="plan and convert, print, do not serve")
     p.add_argument("--plan-only", action="store_true",
                    help="serve only the planner (/plan, /probe, /status) for fleet tooling: no model, no engine")
