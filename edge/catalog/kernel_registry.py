@@ -190,17 +190,17 @@ def decode_rows(name: str) -> int | None:
 LOSSY_DECODE_KERNELS: tuple[str, ...] = tuple(name for name, spec in DECODE_KERNELS.items() if spec.lossy)
 
 
-# Decode kernels that also read a GGUF's own Q4_K blocks (kernels/ops/q4k.py decode_layout: the int8-activation
-# kernel's layout of 8 channels, torch.ops.edge_avx2.q4k_linear), so a plan on one keeps them for the int4 layers the
-# file holds so (edge.catalog.quantized_layers.rules_for's own_blocks): 4.5 bits a weight where the int4 grid
-# holds 5, and the file's scales unrounded.
-# EDGE_OWN_BLOCKS=0 plans the int4 grid for them instead (benchmarks compare the two: bench_serve's +grid).
+# Decode kernels that come with kernels reading a GGUF's own Q4_K and Q6_K blocks (kernels/ops/q4k.py, q6k.py: int8
+# activations, the decode layout of 8 channels; torch.ops.edge_avx2.q4k_linear, q6k_linear), so a plan on one keeps
+# them for the weights the file holds so (edge.catalog.quantized_layers.rules_for's own_blocks): Q4_K at 4.5 bits where
+# the int4 grid holds 5, Q6_K at 6.5625 where the 8-bit set holds 10, the file's scales unrounded.
+# EDGE_OWN_BLOCKS=0 plans the grids for them instead (benchmarks compare the two: bench_serve's +grid).
 OWN_BLOCK_DECODE_KERNELS: tuple[str, ...] = ("avx2-w4a8",)
 OWN_BLOCKS_ENV = "EDGE_OWN_BLOCKS"
 
 
 def reads_own_blocks(decode: str) -> bool:
-    """Whether a plan whose decode rows run on this decode kernel keeps a GGUF's Q4_K blocks for them."""
+    """Whether a plan whose decode rows run on this decode kernel keeps a GGUF's Q4_K and Q6_K blocks for them."""
     return decode in OWN_BLOCK_DECODE_KERNELS and os.environ.get(OWN_BLOCKS_ENV) != "0"
 
 

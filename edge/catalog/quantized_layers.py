@@ -153,14 +153,14 @@ class LayerDecision(BaseModel):
     source: dict[str, int] | None = None  # what a GGUF source holds them as: {GGML type: how many}
     indices: list[int] | None = None  # the decoder layers (model.layers.N) of a kind split in parts; None: all
     group: int | None = None  # int8: one scale per this many weights along K (int8_group_size); None: per channel
-    blocks: str | None = None  # int4: the decode copy holds the file's own blocks of this type (OWN_BLOCKS)
+    blocks: str | None = None  # int4/int8: the decode copy holds the file's own blocks of this type (OWN_BLOCKS)
 
 
 @dataclass(frozen=True)
 class Decision:
     format: Format
     why: str
-    blocks: str | None = None  # int4 only: the decode copy keeps the file's own blocks of this GGML type
+    blocks: str | None = None  # the decode copy keeps the file's own blocks of this GGML type (OWN_BLOCKS)
 
     @property
     def quantized(self) -> bool:
@@ -168,12 +168,14 @@ class Decision:
 
 
 INT4 = Decision("int4", "quantized")
-# The GGML types whose blocks an int4 layer's decode copy can keep as the file holds them (kernels/ops/q4k.py: Q4_K
-# at its own 4.5 bits, read by the int8-activation kernel in the decode layout), and the shape its kernel needs:
-# K in whole 256-weight blocks, N in blocks of 8 channels. Prefill reads the tinygemm buffer as for any int4 layer.
-OWN_BLOCKS: tuple[str, ...] = ("Q4_K",)
+# The GGML types whose blocks a layer can keep as the file holds them, read by int8-activation kernels in the decode
+# layout, by the format they stand in for: an int4 layer's decode copy as Q4_K (kernels/ops/q4k.py, 4.5 bits; prefill
+# reads the tinygemm buffer as for any int4 layer), an 8-bit-set layer as Q6_K (kernels/ops/q6k.py, 6.5625 bits
+# where the set holds 10). The shape their kernels need: K in whole 256-weight blocks, N in blocks of 8 channels.
+OWN_BLOCKS: dict[str, str] = {"Q4_K": "int4", "Q6_K": "int8"}
 OWN_BLOCK_K, OWN_BLOCK_N = 256, 8
 Q4K = Decision("int4", "quantized; its decode copy the file's own Q4_K blocks (quantization_config.q4k)", "Q4_K")
+Q6K = Decision("int8", "in the 8-bit set as the file's own Q6_K blocks (quantization_config.q6k)", "Q6_K")
 INT8 = Decision("int8", "in the 8-bit set (quantization_config.int8)")
 
 
@@ -222,6 +224,7 @@ class QuantRules:
     int8_group: int | None = None  # its scales per this many weights (`int8_group_size`); None: per channel
     # the int4 weights whose decode copy keeps the file's own Q4_K blocks (`quantization_config.q4k`), as `int8`
     q4k: tuple[str, ...] = ()
+    q6k: tuple[str, ...] = ()  # the 8-bit set's weights kept as the file's own Q6_K blocks (`quantization_config.q6k`)
     tied: bool = False
     # the checkpoint's quant_method; None: the path's own (cpu_int4 for w4a16, vLLM's gptq for w4a8)
     quant_method: str | None = None
@@ -245,7 +248,7 @@ class QuantRules:
         if not rules.eight_bit:
             return rules
         return replace(rules, int8=tuple(qconfig.get("int8") or ()), int8_group=qconfig.get("int8_group_size"),
-                       q4k=tuple(qconfig.get("q4k") or ()))  # fmt: skip
+                       q4k=tuple(qconfig.get("q4k") or ()), q6k=tuple(qconfig.get("q6k") or ()))  # fmt: skip
 
     @property
     def method(self) -> MethodSpec:
@@ -268,7 +271,7 @@ class QuantRules:
     def per_layer(self) -> bool:
         """Whether an entry of `ignore` or `int8` can tell one layer of a kind from another: a glob, or a name
         with a layer index (model.layers.3.self_attn.v_proj). Without one, every layer of a kind is decided alike."""
-        entries = self.ignore + self.int8 + self.q4k
+        entries = self.ignore + self.int8 + self.q4k + self.q6k
         return any(_patterns(entries)[1]) or any(part.isdecimal() for entry in entries for part in entry.split("."))
 
     def weight(self, prefix: str, n: int, k: int) -> Decision:
@@ -285,7 +288,8 @@ class QuantRules:
         if self.ignored(prefix):
             return Decision("bf16", "listed in quantization_config.ignore")
         if matches(prefix, self.int8):
-            return INT8
+            own = self.q6k and matches(prefix, self.q6k) and k % OWN_BLOCK_K == 0 and n % OWN_BLOCK_N == 0
+            return Q6K if own else INT8
         if name == HEAD and not self.method.int4_head:
             return Decision("bf16", f"{self.method.name} runs the head in int8 (quantization_config.int8) or bf16")
         decision = self._shape(prefix, n, k)
@@ -350,11 +354,18 @@ class QuantRules:
                         decision.format,
                         f"fused with {kind(prefix)} in vLLM's {fused}, which is {decision.format} ({decision.why})",
                     )
-                elif (other is not None and other.format == decision.format == "int4" and other.blocks
-                      and not decision.blocks):
-                    decided[base + sibling] = Decision(
-                        "int4", f"fused with {kind(prefix)} in vLLM's {fused}, whose decode copy is the int4 grid "
-                        "(one layer keeps one kind of decode copy)")  # fmt: skip
+        # one vLLM layer keeps one kind of decode copy: where its weights (now of one format) do not all keep the
+        # file's blocks, none does
+        for prefix, decision in list(decided.items()):
+            fused = FUSED.get(kind(prefix))
+            if fused is None or not decision.blocks:
+                continue
+            base = prefix.removesuffix(kind(prefix))
+            plain = next((s for s in SHARDS[fused] if base + s in decided and decided[base + s].blocks is None), None)
+            if plain is not None:
+                decided[prefix] = Decision(decision.format, f"fused with {plain} in vLLM's {fused}, which is not the "
+                                           f"file's {decision.blocks} blocks (one layer keeps one kind of decode "
+                                           "copy)")  # fmt: skip
         return decided
 
 
@@ -393,8 +404,14 @@ def rules_for(
         sensitive = off_grid if own_grid else SENSITIVE_SET
     wide = wide_source_weights(model) if eight_bit else ()
     int8 = tuple(dict.fromkeys((EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive + wide))
-    copies_q4k = own_grid and spec is not None and set(OWN_BLOCKS) <= set(spec.source_codes)
-    q4k = source_weights(model, lambda type_name: type_name in OWN_BLOCKS) if own_blocks and copies_q4k else ()
+    copies_q4k = own_grid and spec is not None and "Q4_K" in spec.source_codes
+    q4k = source_weights(model, lambda type_name: type_name == "Q4_K") if own_blocks and copies_q4k else ()
+    # the 8-bit set's Q6_K weights, per group of 16 (the set's group where the file holds Q6_K) as their kernel's
+    # int8 activations run; an untied head too (a tied one is the embedding's lookup table)
+    held_q6k = (model.source_types or {}).get(HEAD, {})
+    head_q6k = (HEAD,) if head_format == "int8" and not model.tie_word_embeddings and set(held_q6k) == {"Q6_K"} else ()
+    q6k = (source_weights(model, lambda type_name: type_name == "Q6_K") + head_q6k
+           if own_blocks and eight_bit and int8_groups and own_grid else ())  # fmt: skip
     return QuantRules(
         path=path,
         group_size=group_size,
@@ -405,6 +422,7 @@ def rules_for(
         int8=int8,
         int8_group=eight_bit_group(model, int8) if int8_groups else None,
         q4k=q4k,
+        q6k=q6k,
         tied=model.tie_word_embeddings,
         strict=False,
         quant_method=method,
@@ -525,9 +543,10 @@ def eight_bit_group_size(layers: Sequence[LayerDecision]) -> int | None:
     return next(iter(groups), None)
 
 
-def own_block_set(layers: Sequence[LayerDecision]) -> list[str]:
-    """The int4 weights whose decode copy keeps the file's own Q4_K blocks, as `quantization_config.q4k` names them."""
-    return _named(layers, "int4", lambda layer: layer.blocks == "Q4_K")
+def own_block_set(layers: Sequence[LayerDecision], blocks: str) -> list[str]:
+    """The weights kept as the file's own `blocks` (Q4_K: int4 layers' decode copies, Q6_K: the 8-bit set's), as
+    `quantization_config.q4k` / `.q6k` name them."""
+    return _named(layers, OWN_BLOCKS[blocks], lambda layer: layer.blocks == blocks)
 
 
 def kept_bf16(layers: Sequence[LayerDecision]) -> list[str]:

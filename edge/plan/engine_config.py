@@ -73,7 +73,9 @@ def _cpu_int4(
         "int8": eight_bit_set(layers),
         **_int8_group(layers),
         # the int4 weights whose decode copy keeps the file's own Q4_K blocks (only where the decode kernel reads them)
-        **({"q4k": own_block_set(layers)} if own_block_set(layers) else {}),
+        # and the 8-bit set's weights kept as the file's own Q6_K blocks
+        **{key: names for key, blocks in (("q4k", "Q4_K"), ("q6k", "Q6_K"))
+           if (names := own_block_set(layers, blocks))},  # fmt: skip
         "ignore": kept_bf16(layers),
     }
 

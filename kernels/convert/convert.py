@@ -123,7 +123,8 @@ class Decisions:
     exact: set[str] = field(default_factory=set)  # 4-bit tensors whose codes are read from `grid`
     int8_group: int | None = None  # the 8-bit set's scales per this many weights (int8_group_size); None: per channel
     int8_exact: set[str] = field(default_factory=set)  # 8-bit-set tensors whose codes are read from `grid`
-    own_blocks: set[str] = field(default_factory=set)  # 4-bit tensors written as `grid`'s own Q4_K blocks (q4k)
+    # tensors written as `grid`'s own blocks, by type: Q4_K (4-bit, quantization_config.q4k), Q6_K (the 8-bit set, q6k)
+    own_blocks: dict[str, str] = field(default_factory=dict)
 
 
 def read_source(src: Path) -> Source:
@@ -215,12 +216,12 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
         name = f"{prefix}.weight"
         if name == embedding and not decision.quantized and not quant.quantize_embedding:
             continue  # an embedding nobody asked to quantize is passed through, not "kept"
+        if decision.blocks:
+            decisions.own_blocks[name] = decision.blocks
         if decision.format == "int8":
             decisions.int8[name] = prefix
         elif decision.quantized:
             decisions.quantize[name] = prefix
-            if decision.blocks:
-                decisions.own_blocks.add(name)
         else:
             decisions.kept[name] = decision.why
     # a method whose head takes 4 bits but whose embedding cannot (vLLM's gptq) unties a tied head
@@ -243,12 +244,16 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
 
 
 def _check_own_blocks(decisions: Decisions) -> None:
-    """A tensor named in quantization_config.q4k must be one whose codes come from the file, held as Q4_K there."""
-    for name in sorted(decisions.own_blocks):
-        held = decisions.grid.tensors[name].type if decisions.grid is not None and name in decisions.exact else None
-        if held != "Q4_K":
-            why = f"held as {held}" if held else "its codes not copied from a GGUF (codes_from_source)"
-            raise InputError("quantization_config.q4k", name, f"weights the GGUF holds as Q4_K ({name}: {why})")
+    """A tensor named in quantization_config.q4k (q6k) must be one the file holds as Q4_K (Q6_K), its 4-bit codes
+    copied from the file (codes_from_source) for Q4_K."""
+    for name, blocks in sorted(decisions.own_blocks.items()):
+        copied = name in decisions.exact if blocks == "Q4_K" else name in decisions.int8
+        grid = decisions.grid
+        held = grid.tensors[name].type if grid is not None and copied and name in grid.tensors else None
+        if held != blocks:
+            why = f"held as {held}" if held else "not read from a GGUF's own grid (codes_from_source)"
+            raise InputError(f"quantization_config.{blocks.lower().replace('_', '')}", name,
+                             f"weights the GGUF holds as {blocks} ({name}: {why})")  # fmt: skip
 
 
 def _read_int8_from_source(source: Source, group: int, decisions: Decisions) -> None:
@@ -465,7 +470,8 @@ def _tensors(source: Source, decisions: Decisions) -> Iterator[tuple[str, Callab
         from kernels.source.gguf_source import dequantized
 
         for name in source.gguf.tensors:
-            if name in decisions.exact or name in decisions.int8_exact:  # codes copied from the file: no float copy
+            if name in decisions.exact or name in decisions.int8_exact or name in decisions.own_blocks:
+                # codes copied from the file: no float copy
                 yield name, lambda: None
                 continue
             # a tensor that is re-quantized is read in float32 (the file's values, not bf16-rounded ones)
@@ -493,8 +499,10 @@ def _convert_tensor(
 ) -> dict[str, torch.Tensor]:
     from kernels.formats import bf16, int8, torch_half  # each format's converter step (torch)
 
-    if name in decisions.own_blocks:  # the file's own Q4_K blocks: its codes and its 16 scale bytes a block
+    if decisions.own_blocks.get(name) == "Q4_K":  # the file's own Q4_K blocks: its codes and 16 scale bytes a block
         return torch_half(format_of(path).name).from_source_blocks(decisions.quantize[name], decisions.grid, name)
+    if decisions.own_blocks.get(name) == "Q6_K":  # the 8-bit set's weight as the file's own Q6_K blocks
+        return int8.from_source_blocks(decisions.int8[name], decisions.grid, name)
     if name in decisions.exact:  # the source's own 4-bit codes, group 32
         return torch_half(format_of(path).name).from_source(decisions.quantize[name], decisions.grid, name)
     if name in decisions.int8:

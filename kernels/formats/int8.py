@@ -25,6 +25,14 @@ def from_source(prefix: str, grid, name: str, group: int | None) -> dict[str, to
     return {f"{prefix}.qweight": qweight, f"{prefix}.scales": scales}
 
 
+def from_source_blocks(prefix: str, grid, name: str) -> dict[str, torch.Tensor]:
+    """A GGUF Q6_K tensor as the file's own blocks (kernels/ops/q6k.py): `{prefix}.blocks` uint8 [N, K/256 * 210],
+    rows in HF order, each row's blocks as the file holds them."""
+    from kernels.source.gguf_source import own_blocks
+
+    return {f"{prefix}.blocks": own_blocks(grid, name, "Q6_K")}
+
+
 def _int8(w: torch.Tensor, group: int) -> Weights:
     qweight, scales = quantize_int8(w)  # [N, K] int8, [N] bf16
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ops import avx2_int4, q4k
+from kernels.ops import avx2_int4, q4k, q6k
 from kernels.ops.int4 import apply_scales, dequantize, unpack_nibbles
 from kernels.ops.int8 import dequantize_int8
 from kernels.ops.layout import host_layout
@@ -138,6 +138,20 @@ def _int8_linear_fake(
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.bfloat16)
 
 
+def q6k_linear_impl(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0) -> torch.Tensor:
+    """x [..., K] -> [..., N] bf16 for an 8-bit-set layer kept as a GGUF's own Q6_K blocks (kernels/ops/q6k.py,
+    uint8 [N/8, K/256, 1680]): batches of up to avx2_rows rows (below dequant_threshold, as the 8-bit set's own)
+    run q6k_linear (int8 activations per group of 32); wider ones dequantize to bf16 and run the GEMM."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
+    narrow = x2.shape[0] <= avx2_rows
+    y = q6k.linear(x2, blocks) if narrow else torch.mm(x2, q6k.dequantize_x8(blocks).t())  # [M, N] bf16
+    return y.view(*x.shape[:-1], blocks.shape[0] * q6k.X8)
+
+
+def _q6k_linear_fake(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0):
+    return x.new_empty((*x.shape[:-1], blocks.shape[0] * q6k.X8), dtype=torch.bfloat16)
+
+
 def int8_embedding_impl(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """ids [...] -> [..., H] bf16: gather the int8 rows and their scales ([N] or [N, K/g]), dequantize only those."""
     flat = ids.reshape(-1)  # [T]
@@ -158,6 +172,7 @@ def _register() -> None:
     direct_register_custom_op("cpu_int4_embedding", embedding_impl, fake_impl=_embedding_fake)
     direct_register_custom_op("cpu_int8_linear", int8_linear_impl, fake_impl=_int8_linear_fake)
     direct_register_custom_op("cpu_int8_embedding", int8_embedding_impl, fake_impl=_int8_embedding_fake)
+    direct_register_custom_op("cpu_q6k_linear", q6k_linear_impl, fake_impl=_q6k_linear_fake)
 
 
 _register()
@@ -196,6 +211,10 @@ def int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
 ) -> torch.Tensor:
     return torch.ops.vllm.cpu_int8_linear(x, qweight, scales, dequant_threshold, avx2_rows)
+
+
+def q6k_linear(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0) -> torch.Tensor:
+    return torch.ops.vllm.cpu_q6k_linear(x, blocks, dequant_threshold, avx2_rows)
 
 
 def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-BLOCK, BLOCK_BYTES = 256, 210  # ggml's block_q6_K: ql 128 | qh 64 | int8 scales 16 | fp16 d
+from edge.model.gguf_metadata import GGML_BLOCKS
+
+BLOCK, BLOCK_BYTES = GGML_BLOCKS["Q6_K"]  # 256 in 210 bytes, ggml's block_q6_K: ql 128 | qh 64 | int8 scales 16 | d
 X8 = 8  # output channels a block of the decode layout interleaves
 X8_BLOCK_BYTES = X8 * BLOCK_BYTES  # 1680
 
@@ -78,6 +80,39 @@ def decode_layout(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tor
     pairs = tops[..., 0, :] | (tops[..., 1, :] << 2) | (tops[..., 2, :] << 4) | (tops[..., 3, :] << 6)
     sub = torch.cat([nibbles, pairs], dim=-1).reshape(b, nb, 16 * 96)
     return torch.cat([d8, sc8, sub], dim=-1).contiguous()
+
+
+def decode_layout_(raw: torch.Tensor, chunk_rows: int = 512) -> torch.Tensor:
+    """The file's blocks as converted (uint8 [N, K/256 * 210], kernels.source.gguf_source.own_blocks) rearranged into
+    decode_layout's in their own storage, chunk_rows output channels at a time (8 channels' blocks are those rows'
+    bytes): a load holds one chunk's temporaries beyond the layer. Returns a [N/8, K/256, 1680] view of it."""
+    assert raw.is_contiguous(), "in place needs a contiguous tensor"
+    n, row_bytes = raw.shape
+    step = max(X8, chunk_rows - chunk_rows % X8)
+    for r0 in range(0, n, step):
+        rows = raw[r0 : min(n, r0 + step)]
+        blocks = rows.numpy().reshape(rows.shape[0], row_bytes // BLOCK_BYTES, BLOCK_BYTES)
+        rows.view(-1).copy_(decode_layout(*from_blocks(blocks)).view(-1))
+    return raw.view(n // X8, row_bytes // BLOCK_BYTES, X8_BLOCK_BYTES)
+
+
+def dequantize_x8(blocks: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[N, K] in `dtype`: the weights decode_layout's blocks stand for (d sc_j (q - 32) in float32, then cast), what
+    wide batches multiply by."""
+    b, nb, _ = blocks.shape
+    d = blocks[..., :16].contiguous().view(torch.float16).float()  # [b, block, c]
+    sc = blocks[..., 16:144].contiguous().view(torch.int8).view(b, nb, 16, X8).float()  # [b, block, s, c]
+    sub = blocks[..., 144:].reshape(b, nb, 16, 96)
+    nibbles = sub[..., :64].reshape(b, nb, 16, 2, X8, 4)  # [b, block, s, j, c, t]
+    pairs = sub[..., 64:].reshape(b, nb, 16, 1, X8, 4)  # [b, block, s, -, c, t]
+    shifts = torch.arange(4, dtype=torch.uint8).view(2, 2, 1, 1)  # (j, part) -> bit pair j*2 + part
+    tops = (pairs.unsqueeze(4) >> (2 * shifts)) & 0x03  # [b, block, s, j, part, c, t]
+    low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4)  # [b, block, s, j, part, c, t]
+    q = (low | (tops << 4)).float() - 32
+    scale = (d.view(b, nb, 1, X8) * sc).view(b, nb, 16, 1, 1, X8, 1)
+    w = (q * scale).permute(0, 5, 1, 2, 3, 4, 6)  # [b, c, block, s, j, part, t]
+
+    return w.reshape(b * X8, nb * BLOCK).to(dtype)
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.errors import InputError
-from kernels.ops import avx2_int4, q4k
+from kernels.ops import avx2_int4, q4k, q6k
 from kernels.ops.int4_ops import (
     DIRECT,
     DUAL,
@@ -30,12 +30,14 @@ from kernels.ops.int4_ops import (
     int4_linear_impl,
     int8_embedding_impl,
     int8_linear_impl,
+    q6k_linear_impl,
 )
 from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
 from kernels.scoring.eval_modules import prefix_of, replace_embedding, replace_module, submodule
 
-__all__ = ["Int4Embedding", "Int4Linear", "Int4Settings", "Int8Embedding", "Int8Linear", "install_cpu_int4"]
+__all__ = ["Int4Embedding", "Int4Linear", "Int4Settings", "Int8Embedding", "Int8Linear", "Q6kLinear",
+           "install_cpu_int4"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,23 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Q6kLinear(nn.Module):
+    """y = x @ w.T (+ bias) through kernels.ops.int4_ops.q6k_linear_impl on a GGUF's own Q6_K blocks
+    (quantization_config.q6k), rearranged as the engine rearranges them; every row on the kernel when the settings
+    say so (as Int8Linear's), else as the engine: the 8-bit set's rows on it, wider batches dequantized."""
+
+    def __init__(self, blocks: torch.Tensor, settings: Int4Settings, *, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("blocks", q6k.decode_layout_(blocks.clone()))  # [N/8, K/256, 1680]
+        self.register_buffer("bias", None if bias is None else bias.detach())
+        self.dequant_threshold = settings.dequant_threshold
+        self.rows = 1 << 30 if settings.avx2_bits is not None else settings.int8_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = q6k_linear_impl(x, self.blocks, self.dequant_threshold, self.rows)
+        return y if self.bias is None else y + self.bias
+
+
 class Int8Embedding(nn.Module):
     """ids -> rows through kernels.ops.int4_ops.int8_embedding_impl (dequantizes only the gathered rows)."""
 
@@ -207,6 +226,10 @@ def install_cpu_int4(
             int8.append(prefix)
             weights = (parts["qweight"], parts["scales"])
             embedding, linear = Int8Embedding(*weights), Int8Linear(*weights, settings, bias=bias)
+        elif "blocks" in parts:  # a GGUF's own Q6_K blocks (quantization_config.q6k): a linear or an untied head
+            int8.append(prefix)
+            replace_module(model, prefix, Q6kLinear(parts["blocks"], settings, bias=bias))
+            continue
         elif "meta" in parts:  # a GGUF's own Q4_K blocks (quantization_config.q4k): a linear, never the embedding
             int4.append(prefix)
             scales, zeros = q4k.int4_grid(parts["meta"])
@@ -229,6 +252,12 @@ def install_cpu_int4(
 
 
 def _check_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Module, group: int, eight_bit: bool) -> None:
+    if "blocks" in parts:  # Q6_K blocks: [N, K/256 * 210]
+        n, k = (module.out_features, module.in_features) if isinstance(module, nn.Linear) else (0, 0)
+        if tuple(parts["blocks"].shape) != (n, k // 256 * 210) or parts["blocks"].dtype != torch.uint8:
+            raise InputError(f"{prefix}.blocks", f"{parts['blocks'].dtype} {list(parts['blocks'].shape)}",
+                             f"uint8 [{n}, {k // 256 * 210}]: Q6_K blocks of a linear [N, K] = [{n}, {k}]")  # fmt: skip
+        return
     blocks = "meta" in parts
     needed = ("qweight", "scales") if eight_bit else ("qweight", "meta") if blocks else ("qweight", "scales", "zeros")
     missing = [s for s in needed if s not in parts]

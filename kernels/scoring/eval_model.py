@@ -39,7 +39,7 @@ from kernels.scoring.eval_cpu_int4 import install_cpu_int4
 from kernels.scoring.eval_cpu_w4a8 import install_cpu_w4a8
 from kernels.scoring.eval_gptq import install_gptq
 
-_QUANT_SUFFIXES = ("qweight", "scales", "zeros", "meta", "qzeros", "g_idx")
+_QUANT_SUFFIXES = ("qweight", "scales", "zeros", "meta", "blocks", "qzeros", "g_idx")
 # By the checkpoint's quant_method: what replaces its quantized layers (a bf16 checkpoint has none).
 INSTALLERS = {
     "cpu_int4": install_cpu_int4,

@@ -331,6 +331,13 @@ def q4k_tensors(model: GgufModel, hf_name: str) -> tuple[torch.Tensor, torch.Ten
     return q4k.from_blocks(np.ascontiguousarray(_blocks(_tensor(model, hf_name, ("Q4_K",), "q4k_tensors"))))
 
 
+def own_blocks(model: GgufModel, hf_name: str, type_name: str) -> torch.Tensor:
+    """A tensor's blocks as the file holds them, uint8 [N, K/block * block bytes], rows in HF order; InputError when
+    the file holds it in another type than `type_name`."""
+    t = _tensor(model, hf_name, (type_name,), "own_blocks")
+    return torch.from_numpy(np.ascontiguousarray(_blocks(t)).reshape(t.shape[0], -1))
+
+
 def _blocks(t: GgufTensor) -> np.ndarray:
     """The tensor's blocks as uint8 [N, K/block, block bytes], rows in HF order."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType

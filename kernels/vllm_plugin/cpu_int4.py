@@ -37,7 +37,6 @@ from edge.catalog.kernel_registry import (
     DEFAULT_DECODE_KERNEL,
     OWN_BLOCK_DECODE_KERNELS,
     decode_rows,
-    reads_own_blocks,
 )
 from edge.catalog.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
 from edge.catalog.shape_rules import PACK_N_MULTIPLE
@@ -46,7 +45,16 @@ from edge.errors import InputError
 from edge.formats.tinygemm import TINYGEMM
 from edge.measure import kernel_params
 from kernels.ops import huge_pages
-from kernels.ops.int4_ops import DIRECT, DUAL, KERNEL_ONLY, int4_embedding, int4_linear, int8_embedding, int8_linear
+from kernels.ops.int4_ops import (
+    DIRECT,
+    DUAL,
+    KERNEL_ONLY,
+    int4_embedding,
+    int4_linear,
+    int8_embedding,
+    int8_linear,
+    q6k_linear,
+)
 from kernels.ops.int8 import check_group as check_int8_group
 from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
@@ -173,7 +181,7 @@ class PluginConfig(QuantizationConfig):
             return None
         name = prefix or ("lm_head" if isinstance(layer, ParallelLMHead) else "model.embed_tokens")
         decision = self.rules.weight(name, layer.org_vocab_size, layer.embedding_dim)
-        method = methods["embedding"].get(decision.format)
+        method = methods["embedding"].get(decision.blocks or decision.format)
         assert method or decision.format == "bf16", f"{self.get_name()} has no {decision.format} {name}"
         return method(self) if method else None
 
@@ -207,6 +215,7 @@ class CpuInt4Config(PluginConfig):
         decode_kernel: str = DEFAULT_DECODE_KERNEL,
         int8_group_size: int | None = None,
         q4k: list[str] | None = None,
+        q6k: list[str] | None = None,
     ) -> None:
         super().__init__()
         TINYGEMM.check_method_config(group_size=group_size, dequant_threshold=dequant_threshold,
@@ -242,11 +251,12 @@ class CpuInt4Config(PluginConfig):
         self.avx2_rows = decode_rows(decode_kernel) if avx2 else 0
         self.avx2_bits = DECODE_KERNELS[decode_kernel].activation_bits or 16  # its activations: int16 or int8
         self.int8_group_size = int8_group_size
-        self.q4k = list(q4k or [])
-        if self.q4k and not reads_own_blocks(decode_kernel):
-            raise InputError("quantization_config.q4k", self.q4k[:3],
-                             f"empty unless decode_kernel reads Q4_K blocks ({', '.join(OWN_BLOCK_DECODE_KERNELS)}), "
-                             f"not {decode_kernel}")  # fmt: skip
+        self.q4k, self.q6k = list(q4k or []), list(q6k or [])
+        for key, names in (("q4k", self.q4k), ("q6k", self.q6k)):
+            if names and decode_kernel not in OWN_BLOCK_DECODE_KERNELS:
+                raise InputError(f"quantization_config.{key}", names[:3],
+                                 f"empty unless decode_kernel reads a GGUF's own blocks "
+                                 f"({', '.join(OWN_BLOCK_DECODE_KERNELS)}), not {decode_kernel}")  # fmt: skip
         self.int8_rows = int8_rows(int8_group_size, self.dequant_threshold, self.avx2_rows)
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
@@ -290,6 +300,7 @@ class CpuInt4Config(PluginConfig):
             decode_kernel=config.get("decode_kernel", DEFAULT_DECODE_KERNEL),
             int8_group_size=config.get("int8_group_size"),
             q4k=list(config.get("q4k", [])),
+            q6k=list(config.get("q6k", [])),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -307,6 +318,7 @@ class CpuInt4Config(PluginConfig):
             "int8": list(self.int8),
             **int8_group_entry(self.int8_group_size),
             **({"q4k": list(self.q4k)} if self.q4k else {}),
+            **({"q6k": list(self.q6k)} if self.q6k else {}),
             "ignore": list(self.ignore),
             **({"decode_kernel": self.decode_kernel} if self.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
         }
@@ -317,8 +329,10 @@ class CpuInt4Config(PluginConfig):
     PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.catalog.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
-        return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod, "Q4_K": CpuQ4kLinearMethod},
-                "embedding": {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod}}  # fmt: skip
+        return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod, "Q4_K": CpuQ4kLinearMethod,
+                           "Q6_K": CpuQ6kLinearMethod},
+                "embedding": {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod,
+                              "Q6_K": CpuQ6kHeadMethod}}  # fmt: skip
 
 
 def _avx2_available() -> bool:
@@ -551,6 +565,41 @@ class _Int8Weights(PluginWeights):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = int8_linear(x, layer.qweight, layer.scales, self.config.dequant_threshold, self.config.int8_rows)
         return y if bias is None else y + bias
+
+
+class _Q6kWeights(PluginWeights):
+    """An 8-bit-set weight kept as a GGUF's own Q6_K blocks (quantization_config.q6k; kernels/ops/q6k.py): `blocks`
+    uint8 [N, K/256 * 210] as the file holds them, rearranged in place at load into the decode layout (8 channels
+    interleaved, the same bytes), which q6k_linear reads for batches the 8-bit set runs on its AVX2 kernel (int8
+    activations per 32, the scales applied in fp32 from the file's values); wider batches dequantize to bf16."""
+
+    def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
+        if k % 256 or n % 8:
+            raise InputError("input_size/output_size", (k, n), "K a multiple of 256 and N of 8 for Q6_K blocks")
+        layer.register_parameter("blocks", weight_param(huge_pages.empty(n, k // 256 * 210, dtype=torch.uint8),
+                                                        input_dim=1, output_dim=0, **extra))  # fmt: skip
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        from kernels.ops import q6k
+
+        rows = layer.blocks.shape[0] - layer.blocks.shape[0] % 8  # a head's padded rows beyond N stay zero
+        packed = q6k.decode_layout_(layer.blocks.data[:rows], self.config.repack_chunk_rows)
+        layer.blocks = Parameter(packed, requires_grad=False)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = q6k_linear(x, layer.blocks, self.config.dequant_threshold, self.config.int8_rows)
+        return y if bias is None else y + bias
+
+
+class CpuQ6kLinearMethod(_Q6kWeights, LinearMethodBase):
+    """A linear layer of the 8-bit set kept as Q6_K blocks (every shard of a fused one: the plan's rule)."""
+
+
+class CpuQ6kHeadMethod(_Q6kWeights, QuantizeMethodBase):
+    """An untied head kept as Q6_K blocks (the plan never keeps a tied one so: the embedding looks rows up)."""
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a Q6_K head is never an embedding: quantization_config.q6k names untied heads only")
 
 
 class CpuInt8LinearMethod(_Int8Weights, LinearMethodBase):

@@ -67,8 +67,8 @@ def test_only_a_plan_on_the_int8_activation_kernel_keeps_the_blocks_and_names_th
     assert {entry for entry in named if entry != "o_proj"} | expanded == EXPECTED_BLOCKS
     assert not set(named) & set(lossy.quantization_config["int8"])
     for layer in lossy.layers:  # the plan's layers say the same, part by part
-        if layer.blocks:
-            assert layer.format == "int4" and layer.blocks == "Q4_K" and layer.source == {"Q4_K": layer.count}
+        if layer.blocks == "Q4_K":
+            assert layer.format == "int4" and layer.source == {"Q4_K": layer.count}
 
 
 def test_the_ledger_counts_the_blocks_at_the_files_bytes(plans):
@@ -79,9 +79,9 @@ def test_the_ledger_counts_the_blocks_at_the_files_bytes(plans):
     grid_bytes = sum(shapes[p][0] * (shapes[p][1] // 2 + 2 * 2 * shapes[p][1] // 32) for p in EXPECTED_BLOCKS)
     blocks = [item for item in lossy.memory.items if item.name.endswith("Q4_K blocks (decode copy)")]
     assert sum(item.bytes for item in blocks) == file_bytes
-    rest = {p.memory.resident_bytes - sum(i.bytes for i in p.memory.items if i.kind == "row-major-copy")
-            for p in (plain, lossy)}  # fmt: skip
-    assert len(rest) == 1  # everything but the decode copies is the same
+    rest = {p.memory.resident_bytes - sum(i.bytes for i in p.memory.items if i.kind == "row-major-copy"
+                                          or i.layer == "lm_head") for p in (plain, lossy)}  # fmt: skip
+    assert len(rest) == 1  # everything but the decode copies and the head (its Q6_K blocks, below) is the same
     plain_copies = sum(i.bytes for i in plain.memory.items if i.kind == "row-major-copy")
     lossy_copies = sum(i.bytes for i in lossy.memory.items if i.kind == "row-major-copy")
     assert plain_copies - lossy_copies == grid_bytes - file_bytes > 0
@@ -157,4 +157,49 @@ def test_edge_own_blocks_0_plans_the_grid_instead(plans, monkeypatch):
     grid = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
                      path="w4a16-tinygemm", quality=[_record(plain, "avx2-w4a8")])  # fmt: skip
     assert grid.quantization_config["decode_kernel"] == "avx2-w4a8" and "q4k" not in grid.quantization_config
-    assert grid.quantization_config == {k: v for k, v in lossy.quantization_config.items() if k != "q4k"}
+    assert grid.quantization_config == {k: v for k, v in lossy.quantization_config.items() if k not in ("q4k", "q6k")}
+
+
+# --- the 8-bit set's Q6_K weights as the file's own blocks (quantization_config.q6k, kernels/ops/q6k.py) ---
+
+
+def test_the_plan_keeps_the_untied_q6_k_head_as_blocks_and_a_q6_k_v_fused_with_int8_siblings_on_the_grid(plans):
+    _, plain, lossy = plans
+    assert "q6k" not in plain.quantization_config
+    assert lossy.quantization_config["q6k"] == ["lm_head"]  # v_proj's Q6_K layers sit in qkv_proj with int8 q, k
+    head = next(layer for layer in lossy.layers if layer.name == "lm_head")
+    assert head.format == "int8" and head.blocks == "Q6_K"
+    item = next(i for i in lossy.memory.items if i.layer == "lm_head" and i.kind == "int8-weights")
+    assert item.bytes == head.n * head.k // 256 * 210  # the file's bytes, where the 8-bit set's are n k (1 + 4/16)
+    plain_head = next(i for i in plain.memory.items if i.layer == "lm_head" and i.kind == "int8-weights")
+    assert plain_head.bytes == head.n * head.k + 4 * head.n * head.k // 16
+
+
+def test_the_rules_keep_an_unfused_q6_k_weight_and_drop_blocks_a_fused_sibling_does_not_share():
+    from edge.catalog.quantized_layers import QuantRules
+
+    rules = QuantRules(path="w4a16-tinygemm", group_size=32, int8=("down_proj", "v_proj", "q_proj", "k_proj"),
+                       int8_group=16, q6k=("down_proj", "v_proj"), quant_method="cpu_int4")  # fmt: skip
+    assert rules.weight("model.layers.0.mlp.down_proj", 2048, 5632).blocks == "Q6_K"
+    assert rules.weight("model.layers.0.mlp.down_proj", 2048, 5600).blocks is None  # K not in whole blocks
+    shapes = {f"model.layers.0.self_attn.{p}": (n, 2048) for p, n in (("q_proj", 2048), ("k_proj", 256),
+                                                                      ("v_proj", 256))}  # fmt: skip
+    decided = rules.weights(shapes)
+    assert {d.format for d in decided.values()} == {"int8"} and not any(d.blocks for d in decided.values())
+    assert "one layer keeps one kind of decode copy" in decided["model.layers.0.self_attn.v_proj"].why
+
+
+def test_the_converter_writes_the_heads_own_q6_k_blocks(plans, tmp_path):
+    from safetensors.torch import load_file
+
+    from kernels.convert.convert import convert
+
+    path, _, lossy = plans
+    dst = convert(path, tmp_path / "dst", lossy.quantization_config, path=lossy.path, log=lambda message: None)
+    written = {}
+    for file in sorted(dst.glob("*.safetensors")):
+        written |= load_file(file)
+    assert "lm_head.qweight" not in written and "lm_head.scales" not in written
+    output = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output.weight")
+    raw = np.asarray(output.data).reshape(written["lm_head.blocks"].shape)
+    assert torch.equal(written["lm_head.blocks"], torch.from_numpy(raw.copy()))  # the file's bytes, row by row

@@ -103,3 +103,13 @@ def test_the_kernel_names_the_tensor_whose_shape_is_wrong():
         q6k.linear(torch.zeros(1, 512), packed[..., :1000])
     with pytest.raises(RuntimeError, match="x: expected last dim K=512"):
         q6k.linear(torch.zeros(1, 256), packed)
+
+
+def test_the_layout_made_in_place_and_dequantized_back_is_the_files_weights():
+    n, k = 24, 512
+    blocks = random_blocks(n, k, seed=4)
+    raw = torch.from_numpy(blocks.reshape(n, -1).copy())
+    storage = raw.data_ptr()
+    packed = q6k.decode_layout_(raw, chunk_rows=8)
+    assert packed.data_ptr() == storage and torch.equal(packed, q6k.decode_layout(*q6k.from_blocks(blocks)))
+    assert torch.equal(q6k.dequantize_x8(packed, torch.float32), gguf_weights(blocks))
