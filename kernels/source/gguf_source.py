@@ -335,7 +335,7 @@ def own_blocks(model: GgufModel, hf_name: str, type_name: str) -> torch.Tensor:
     """A tensor's blocks as the file holds them, uint8 [N, K/block * block bytes], rows in HF order; InputError when
     the file holds it in another type than `type_name`."""
     t = _tensor(model, hf_name, (type_name,), "own_blocks")
-    return torch.from_numpy(np.ascontiguousarray(_blocks(t)).reshape(t.shape[0], -1))
+    return torch.from_numpy(np.array(_blocks(t), copy=True).reshape(t.shape[0], -1))  # out of the read-only map
 
 
 def _blocks(t: GgufTensor) -> np.ndarray:

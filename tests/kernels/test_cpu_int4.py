@@ -501,7 +501,7 @@ def load_blocks(layer: torch.nn.Module, tensors: tuple[torch.Tensor, torch.Tenso
 
 def test_the_config_refuses_blocks_for_a_kernel_that_does_not_read_them():
     assert CpuInt4Config.from_config(q4k_config()).to_dict()["q4k"] == ["o_proj", "gate_proj", "up_proj"]
-    with pytest.raises(InputError, match=r"quantization_config\.q4k.*unless decode_kernel reads Q4_K blocks"):
+    with pytest.raises(InputError, match=r"quantization_config\.q4k.*unless decode_kernel reads a GGUF.s own"):
         CpuInt4Config.from_config({**q4k_config(), "decode_kernel": "avx2"})
 
 
@@ -551,3 +551,60 @@ def test_a_fused_layer_with_one_shard_off_the_blocks_keeps_the_grid():
     layer = MergedColumnParallelLinear(HIDDEN, [INTERMEDIATE, INTERMEDIATE], bias=False, quant_config=config,
                                        prefix="model.layers.0.mlp.gate_up_proj", disable_tp=True)  # fmt: skip
     assert type(layer.quant_method) is CpuInt4LinearMethod and hasattr(layer, "scales")
+
+
+# --- the 8-bit set's weights as a GGUF's own Q6_K blocks (quantization_config.q6k, kernels/ops/q6k.py) -------------
+
+
+def q6k_config(**overrides) -> dict:
+    return quant_config("direct", **{"group_size": 32, "decode_kernel": "avx2-w4a8", "int8": ["down_proj", "lm_head"],
+                                     "int8_group_size": 16, "q6k": ["down_proj", "lm_head"], **overrides})
+
+
+def q6k_raw(n: int, k: int, seed: int) -> torch.Tensor:
+    from tests.kernels.test_q6k import random_blocks
+
+    return torch.from_numpy(random_blocks(n, k, seed).reshape(n, -1))
+
+
+def test_a_q6_k_linear_decodes_on_its_blocks_and_dequantizes_wide_batches():
+    from kernels.ops import q6k
+    from kernels.vllm_plugin.cpu_int4 import CpuQ6kLinearMethod
+
+    config = CpuInt4Config.from_config(q6k_config())
+    assert config.to_dict()["q6k"] == ["down_proj", "lm_head"]
+    layer = ReplicatedLinear(HIDDEN * 4, HIDDEN, bias=False, quant_config=config,
+                             prefix="model.layers.0.mlp.down_proj", disable_tp=True)  # fmt: skip
+    assert isinstance(layer.quant_method, CpuQ6kLinearMethod)
+    raw = q6k_raw(HIDDEN, HIDDEN * 4, seed=13)
+    layer.blocks.weight_loader(layer.blocks, raw)
+    layer.quant_method.process_weights_after_loading(layer)
+    codes = q6k.from_blocks(raw.numpy().reshape(HIDDEN, -1, 210))
+    assert torch.equal(layer.blocks, q6k.decode_layout(*codes))
+    w = q6k.dequantize(*codes)
+    x = torch.randn(64, HIDDEN * 4, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    assert snr_db(layer.quant_method.apply(layer, x), x.float() @ w.t()) > 35  # 64 rows: dequantized, bf16 GEMM
+    one = x[:1]
+    if config.int8_rows:  # the 8-bit set's rows on the AVX2 kernels: q6k_linear
+        assert torch.equal(layer.quant_method.apply(layer, one), q6k.linear(one, layer.blocks))
+    assert snr_db(layer.quant_method.apply(layer, one), one.float() @ w.t()) > 30
+
+
+def test_an_untied_q6_k_head_runs_its_blocks():
+    from kernels.ops import q6k
+    from kernels.vllm_plugin.cpu_int4 import CpuQ6kHeadMethod
+
+    config = CpuInt4Config.from_config(q6k_config())
+    head = ParallelLMHead(VOCAB // 16, HIDDEN * 4, quant_config=config, prefix="lm_head", disable_tp=True)
+    assert isinstance(head.quant_method, CpuQ6kHeadMethod)
+    raw = q6k_raw(VOCAB // 16, HIDDEN * 4, seed=15)
+    head.blocks.weight_loader(head.blocks, raw)
+    head.quant_method.process_weights_after_loading(head)
+    w = q6k.dequantize(*q6k.from_blocks(raw.numpy().reshape(VOCAB // 16, -1, 210)))
+    x = torch.randn(1, HIDDEN * 4, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    assert snr_db(head.quant_method.apply(head, x), x.float() @ w.t()) > 30
+
+
+def test_the_config_refuses_q6_k_blocks_for_a_kernel_that_does_not_read_them():
+    with pytest.raises(InputError, match=r"quantization_config\.q6k.*reads a GGUF's own blocks"):
+        CpuInt4Config.from_config(q6k_config(decode_kernel="avx2"))

@@ -203,3 +203,21 @@ def test_the_converter_writes_the_heads_own_q6_k_blocks(plans, tmp_path):
     output = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output.weight")
     raw = np.asarray(output.data).reshape(written["lm_head.blocks"].shape)
     assert torch.equal(written["lm_head.blocks"], torch.from_numpy(raw.copy()))  # the file's bytes, row by row
+
+
+@needs_kernel
+def test_edge_evals_module_runs_q6_k_blocks_as_the_engine_does():
+    from kernels.ops import q6k
+    from kernels.ops.int4_ops import DIRECT
+    from kernels.scoring.eval_cpu_int4 import Int4Settings, Q6kLinear
+    from tests.kernels.test_q6k import random_blocks
+
+    blocks = random_blocks(64, 512, seed=5)
+    raw = torch.from_numpy(blocks.reshape(64, -1).copy())
+    w = q6k.dequantize(*q6k.from_blocks(blocks))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    decode = Q6kLinear(raw, Int4Settings(32, DIRECT, 2, False, avx2_bits=8))
+    assert torch.equal(decode(x), q6k.linear(x, q6k.decode_layout(*q6k.from_blocks(blocks))))
+    wide = Q6kLinear(raw, Int4Settings(32, DIRECT, 2, False, int8_rows=1))  # 3 rows: dequantized, bf16 GEMM
+    assert torch.equal(wide(x), torch.mm(x, w.to(torch.bfloat16).t()))
+    assert torch.equal(raw, torch.from_numpy(blocks.reshape(64, -1)))  # the checkpoint's tensor left as it was
