@@ -582,8 +582,7 @@ class _Q6kWeights(PluginWeights):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from kernels.ops import q6k
 
-        rows = layer.blocks.shape[0] - layer.blocks.shape[0] % 8  # a head's padded rows beyond N stay zero
-        packed = q6k.decode_layout_(layer.blocks.data[:rows], self.config.repack_chunk_rows)
+        packed = q6k.decode_layout_(layer.blocks.data, self.config.repack_chunk_rows)  # N a multiple of 8: register
         layer.blocks = Parameter(packed, requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

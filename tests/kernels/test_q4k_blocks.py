@@ -87,17 +87,27 @@ def test_the_ledger_counts_the_blocks_at_the_files_bytes(plans):
     assert plain_copies - lossy_copies == grid_bytes - file_bytes > 0
 
 
-def test_the_converter_writes_the_files_own_blocks_and_the_grid_for_the_rest(plans, tmp_path):
+@pytest.fixture(scope="module")
+def converted(plans, tmp_path_factory) -> tuple:
+    """(the converted directory, its tensors by name): the file converted once by the plan with blocks."""
     from safetensors.torch import load_file
 
     from kernels.convert.convert import convert
-    from tests.kernels.test_mixed_grid import _files_weights
 
     path, _, lossy = plans
-    dst = convert(path, tmp_path / "dst", lossy.quantization_config, path=lossy.path, log=lambda message: None)
+    dst = convert(path, tmp_path_factory.mktemp("converted") / "dst", lossy.quantization_config, path=lossy.path,
+                  log=lambda message: None)  # fmt: skip
     written = {}
     for file in sorted(dst.glob("*.safetensors")):
         written |= load_file(file)
+    return dst, written
+
+
+def test_the_converter_writes_the_files_own_blocks_and_the_grid_for_the_rest(plans, converted):
+    from tests.kernels.test_mixed_grid import _files_weights
+
+    path, _, lossy = plans
+    dst, written = converted
     reference = _files_weights(path)
     raw = {hf_name(t.name).removesuffix(".weight"): t for t in gguf.GGUFReader(path).tensors if t.name in linears()}
     for prefix in EXPECTED_BLOCKS:
@@ -189,16 +199,9 @@ def test_the_rules_keep_an_unfused_q6_k_weight_and_drop_blocks_a_fused_sibling_d
     assert "one layer keeps one kind of decode copy" in decided["model.layers.0.self_attn.v_proj"].why
 
 
-def test_the_converter_writes_the_heads_own_q6_k_blocks(plans, tmp_path):
-    from safetensors.torch import load_file
-
-    from kernels.convert.convert import convert
-
-    path, _, lossy = plans
-    dst = convert(path, tmp_path / "dst", lossy.quantization_config, path=lossy.path, log=lambda message: None)
-    written = {}
-    for file in sorted(dst.glob("*.safetensors")):
-        written |= load_file(file)
+def test_the_converter_writes_the_heads_own_q6_k_blocks(plans, converted):
+    path, _, _ = plans
+    _, written = converted
     assert "lm_head.qweight" not in written and "lm_head.scales" not in written
     output = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output.weight")
     raw = np.asarray(output.data).reshape(written["lm_head.blocks"].shape)
