@@ -18,6 +18,10 @@ wall time of the call (the read loop is timed the same way):
                tensor, 10 bits a weight; random codes of the same shape), for the prefetch comparison;
   - q6k-x8     torch.ops.edge_avx2.q6k_linear on random Q6_K blocks of the same shape in the decode layout
                (kernels/ops/q6k.py: the file's 210 bytes per 256 weights, 6.5625 bits a weight);
+  - q8_0-x8    torch.ops.edge_avx2.g32_linear on random Q8_0 blocks of the same shape in the decode layout
+               (kernels/ops/g32.py: the file's 34 bytes per 32 weights, 8.5 bits a weight);
+  - q5_0-x8    the same op on random Q5_0 blocks (22 bytes per 32 weights, 5.5 bits a weight); today's path for both
+               is int8-g16's kernel (Q5_0 at 10 bits a weight, Q8_0 at 9 or 10);
   - read       benchmarks/read_bandwidth.cpp's 256-bit loop over a buffer the size of the q4k weights' copies.
 Every call reads the next of enough weight copies to exceed 2x the last-level cache, so weights come from memory
 as in serving. GB/s = the bytes the variant's weights hold / median time; `of bound` = that over the read loop's
@@ -46,7 +50,7 @@ import torch
 
 # N x K of a ~1B's merged linears (make_random_gguf --preset 1b: qkv, o, gate_up, down) and the 4096x4096 reference
 SHAPES = [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (4096, 4096)]
-VARIANTS = ("q4k", "q4k-x8", "w4a8-g32", "w4a8-x8", "w4a16-g32", "int8-g16", "q6k-x8", "read")
+VARIANTS = ("q4k", "q4k-x8", "w4a8-g32", "w4a8-x8", "w4a16-g32", "int8-g16", "q6k-x8", "q8_0-x8", "q5_0-x8", "read")
 KERNELS = VARIANTS[:-1]
 BLOCK_BYTES = 144
 
@@ -65,6 +69,16 @@ def random_q6k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     nb = k // 256
     blocks = rng.integers(0, 256, size=(n, nb, 210), dtype=np.uint8)
     blocks[..., 208:210] = (rng.random((n, nb)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    return blocks
+
+
+def random_g32(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [N, K/32, 34 or 22]: random codes (any bytes are a valid Q8_0 or Q5_0 block's), d in [1e-5, 1e-3)."""
+    from kernels.ops import g32
+
+    nb = k // 32
+    blocks = rng.integers(0, 256, size=(n, nb, g32.kind(type_name).bytes), dtype=np.uint8)
+    blocks[..., 0:2] = (rng.random((n, nb)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
     return blocks
 
 
@@ -87,7 +101,7 @@ def q4k_of(blocks: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tens
 def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict:
     from benchmarks.read_bandwidth import extension
     from kernels.calibrate.calibration_timers import last_level_cache_bytes
-    from kernels.ops import avx2_int4, q6k
+    from kernels.ops import avx2_int4, g32, q6k
     from kernels.ops.q4k import decode_layout
 
     torch.set_num_threads(1)
@@ -111,7 +125,9 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
                 "w4a16-g32": [cpu_int4_of(b, n, k) for b in files],
                 "int8-g16": [(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator),
                               torch.rand(n, k // 16, generator=generator) * 1e-3) for _ in files],
-                "q6k-x8": [(q6k.decode_layout(*q6k.from_blocks(random_q6k(n, k, rng))),) for _ in files]}  # fmt: skip
+                "q6k-x8": [(q6k.decode_layout(*q6k.from_blocks(random_q6k(n, k, rng))),) for _ in files],
+                **{f"{t.lower()}-x8": [(g32.decode_layout(t, *g32.from_blocks(t, random_g32(t, n, k, rng))),)
+                                       for _ in files] for t in g32.KINDS}}  # fmt: skip
         nbytes = {variant: sum(t.nbytes for t in held[variant][0]) for variant in held}
         buffer = torch.ones(copies * files[0].nbytes // 4, dtype=torch.float32)
         del files
@@ -125,6 +141,8 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
                 "w4a16-g32": lambda i, x=x, h=held["w4a16-g32"]: w4a16(x, *h[i % len(h)], 32),
                 "int8-g16": lambda i, x=x, h=held["int8-g16"]: w8a16(x, *h[i % len(h)]),
                 "q6k-x8": lambda i, x=x, h=held["q6k-x8"]: ops.q6k_linear(x, *h[i % len(h)]),
+                "q8_0-x8": lambda i, x=x, h=held["q8_0-x8"]: ops.g32_linear(x, *h[i % len(h)], 8),
+                "q5_0-x8": lambda i, x=x, h=held["q5_0-x8"]: ops.g32_linear(x, *h[i % len(h)], 5),
                 "read": lambda i, b=buffer: reader.read_seconds(b, 256, 1),
             }
             for call in calls.values():  # warm up
@@ -145,6 +163,8 @@ def measure(rounds: int, rows: list[int], shapes: list[tuple[int, int]]) -> dict
             row["time_q4k_over_w4a8"] = round(row["q4k"]["ms"] / row["w4a8-g32"]["ms"], 3)
             row["time_q4k_x8_over_w4a8_x8"] = round(row["q4k-x8"]["ms"] / row["w4a8-x8"]["ms"], 3)
             row["time_q6k_x8_over_int8_g16"] = round(row["q6k-x8"]["ms"] / row["int8-g16"]["ms"], 3)
+            for t in ("q8_0", "q5_0"):
+                row[f"time_{t}_x8_over_int8_g16"] = round(row[f"{t}-x8"]["ms"] / row["int8-g16"]["ms"], 3)
             results.append(row)
     build = "plain AVX2" if not torch.ops.edge_avx2.uses_vnni() else "VNNI (AVX-VNNI or AVX512-VNNI, 256-bit)"
     return {"build": build, "llc_bytes": llc, "results": results}
@@ -155,13 +175,14 @@ def table(runs: dict) -> str:
 
     lines = [
         f"CPU: {host_model_name()}; 1 thread; bytes: q4k and q4k-x8 4.5 bits a weight, w4a8/w4a16-g32 and w4a8-x8 5, "
-        "q6k-x8 6.5625, int8-g16 10",
+        "q6k-x8 6.5625, q8_0-x8 8.5, q5_0-x8 5.5, int8-g16 10",
         "",
         "| build | N x K | M | read GB/s | q4k ms (GB/s, of bound) | w4a8-g32 ms (GB/s, of bound) | q4k / w4a8 time "
         "| w4a8-x8 ms (GB/s, of bound) | x8 / w4a8 time | q4k-x8 ms (GB/s, of bound) | q4k-x8 / w4a8-x8 time "
         "| w4a16-g32 ms (GB/s, of bound) | int8-g16 ms (GB/s, of bound) | q6k-x8 ms (GB/s, of bound) "
-        "| q6k-x8 / int8-g16 time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| q6k-x8 / int8-g16 time | q8_0-x8 ms (GB/s, of bound) | q8_0-x8 / int8-g16 time "
+        "| q5_0-x8 ms (GB/s, of bound) | q5_0-x8 / int8-g16 time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, run in runs.items():
         for r in run["results"]:
@@ -172,7 +193,9 @@ def table(runs: dict) -> str:
                 f"{cell(**a)} | {cell(**b)} | {r['time_q4k_over_w4a8']:.2f}x | {cell(**r['w4a8-x8'])} | "
                 f"{r['w4a8-x8']['ms'] / b['ms']:.2f}x | {cell(**r['q4k-x8'])} | {r['time_q4k_x8_over_w4a8_x8']:.2f}x | "
                 f"{cell(**r['w4a16-g32'])} | {cell(**c)} | {cell(**r['q6k-x8'])} | "
-                f"{r['time_q6k_x8_over_int8_g16']:.2f}x |"
+                f"{r['time_q6k_x8_over_int8_g16']:.2f}x | {cell(**r['q8_0-x8'])} | "
+                f"{r['time_q8_0_x8_over_int8_g16']:.2f}x | {cell(**r['q5_0-x8'])} | "
+                f"{r['time_q5_0_x8_over_int8_g16']:.2f}x |"
             )
     return "\n".join(lines)
 

@@ -40,7 +40,7 @@ from pydantic import BaseModel
 from edge.catalog.shape_rules import copied_grid
 from edge.catalog.weight_paths import METHODS, QUANTIZED_PATHS, MethodSpec, own_method, quant_method
 from edge.errors import InputError
-from edge.model.gguf_metadata import GRID_GROUP, INT8_GRIDS, WIDE_SOURCE_TYPES
+from edge.model.gguf_metadata import GGML_BLOCKS, GRID_GROUP, INT8_GRIDS, WIDE_SOURCE_TYPES
 from edge.model.shapes import LinearShape, ModelShape
 
 Format = Literal["int4", "int8", "bf16"]
@@ -168,14 +168,42 @@ class Decision:
 
 
 INT4 = Decision("int4", "quantized")
-# The GGML types whose blocks a layer can keep as the file holds them, read by int8-activation kernels in the decode
-# layout, by the format they stand in for: an int4 layer's decode copy as Q4_K (kernels/ops/q4k.py, 4.5 bits; prefill
-# reads the tinygemm buffer as for any int4 layer), an 8-bit-set layer as Q6_K (kernels/ops/q6k.py, 6.5625 bits
-# where the set holds 10). The shape their kernels need: K in whole 256-weight blocks, N in blocks of 8 channels.
-OWN_BLOCKS: dict[str, str] = {"Q4_K": "int4", "Q6_K": "int8"}
-OWN_BLOCK_K, OWN_BLOCK_N = 256, 8
-Q4K = Decision("int4", "quantized; its decode copy the file's own Q4_K blocks (quantization_config.q4k)", "Q4_K")
-Q6K = Decision("int8", "in the 8-bit set as the file's own Q6_K blocks (quantization_config.q6k)", "Q6_K")
+
+
+@dataclass(frozen=True)
+class OwnBlocks:
+    """A GGML type whose blocks a layer can keep as the file holds them, read by an int8-activation kernel in the
+    decode layout: the format it stands in for (int4: a layer's decode copy, prefill reading the tinygemm buffer as
+    for any int4 layer; int8: an 8-bit-set layer), the `quantization_config` key that names its weights, and its
+    block (K must be whole blocks; N whole blocks of OWN_BLOCK_N channels)."""
+
+    type: str
+    format: Format
+    key: str
+    ops: str  # the module of kernels/ops that reads it
+
+    @property
+    def k_multiple(self) -> int:
+        return GGML_BLOCKS[self.type][0]
+
+    @property
+    def decision(self) -> Decision:
+        where = "its decode copy" if self.format == "int4" else "in the 8-bit set as"
+        return Decision(self.format, f"{'quantized; ' if self.format == 'int4' else ''}{where} the file's own "
+                        f"{self.type} blocks (quantization_config.{self.key})", self.type)  # fmt: skip
+
+
+# Q4_K at 4.5 bits where the int4 grid holds 5 (kernels/ops/q4k.py); for the 8-bit set, which holds 10 bits a weight
+# per group of 16 (9 per 32): Q6_K at 6.5625 (kernels/ops/q6k.py), Q8_0 at 8.5 and Q5_0 at 5.5 (kernels/ops/g32.py).
+OWN_BLOCK_TYPES: dict[str, OwnBlocks] = {
+    b.type: b for b in (OwnBlocks("Q4_K", "int4", "q4k", "q4k"), OwnBlocks("Q6_K", "int8", "q6k", "q6k"),
+                        OwnBlocks("Q8_0", "int8", "q8_0", "g32"), OwnBlocks("Q5_0", "int8", "q5_0", "g32"))
+}  # fmt: skip
+OWN_BLOCKS: dict[str, str] = {t: b.format for t, b in OWN_BLOCK_TYPES.items()}
+OWN_BLOCK_N = 8
+# A type whose weights another holds unrounded: a Q5_0 block is a Q8_0 block with narrower codes (the same d, q - 16
+# as its int8), so a Q5_0 weight fused with Q8_0 ones is written as Q8_0 blocks and the layer keeps one kind.
+WIDENS_TO: dict[str, str] = {"Q5_0": "Q8_0"}
 INT8 = Decision("int8", "in the 8-bit set (quantization_config.int8)")
 
 
@@ -222,9 +250,9 @@ class QuantRules:
     quantize_head: bool = True  # w4a8-gptq: `lm_head`
     int8: tuple[str, ...] = ()  # the 8-bit set, as kinds, prefixes or globs (`quantization_config.int8`)
     int8_group: int | None = None  # its scales per this many weights (`int8_group_size`); None: per channel
-    # the int4 weights whose decode copy keeps the file's own Q4_K blocks (`quantization_config.q4k`), as `int8`
-    q4k: tuple[str, ...] = ()
-    q6k: tuple[str, ...] = ()  # the 8-bit set's weights kept as the file's own Q6_K blocks (`quantization_config.q6k`)
+    # the weights kept as the file's own blocks, per GGML type (OWN_BLOCK_TYPES; `quantization_config.q4k`, `.q6k`,
+    # `.q8_0`, `.q5_0`), named as `int8`: (type, names) pairs
+    blocks: tuple[tuple[str, tuple[str, ...]], ...] = ()
     tied: bool = False
     # the checkpoint's quant_method; None: the path's own (cpu_int4 for w4a16, vLLM's gptq for w4a8)
     quant_method: str | None = None
@@ -247,8 +275,9 @@ class QuantRules:
         )
         if not rules.eight_bit:
             return rules
+        blocks = tuple((t, tuple(names)) for t, b in OWN_BLOCK_TYPES.items() if (names := qconfig.get(b.key)))
         return replace(rules, int8=tuple(qconfig.get("int8") or ()), int8_group=qconfig.get("int8_group_size"),
-                       q4k=tuple(qconfig.get("q4k") or ()), q6k=tuple(qconfig.get("q6k") or ()))  # fmt: skip
+                       blocks=blocks)  # fmt: skip
 
     @property
     def method(self) -> MethodSpec:
@@ -271,7 +300,7 @@ class QuantRules:
     def per_layer(self) -> bool:
         """Whether an entry of `ignore` or `int8` can tell one layer of a kind from another: a glob, or a name
         with a layer index (model.layers.3.self_attn.v_proj). Without one, every layer of a kind is decided alike."""
-        entries = self.ignore + self.int8 + self.q4k + self.q6k
+        entries = self.ignore + self.int8 + tuple(name for _, names in self.blocks for name in names)
         return any(_patterns(entries)[1]) or any(part.isdecimal() for entry in entries for part in entry.split("."))
 
     def weight(self, prefix: str, n: int, k: int) -> Decision:
@@ -288,13 +317,20 @@ class QuantRules:
         if self.ignored(prefix):
             return Decision("bf16", "listed in quantization_config.ignore")
         if matches(prefix, self.int8):
-            own = self.q6k and matches(prefix, self.q6k) and k % OWN_BLOCK_K == 0 and n % OWN_BLOCK_N == 0
-            return Q6K if own else INT8
+            return self._own_blocks(prefix, "int8", n, k) or INT8
         if name == HEAD and not self.method.int4_head:
             return Decision("bf16", f"{self.method.name} runs the head in int8 (quantization_config.int8) or bf16")
         decision = self._shape(prefix, n, k)
-        own = decision == INT4 and self.q4k and matches(prefix, self.q4k)
-        return Q4K if own and k % OWN_BLOCK_K == 0 and n % OWN_BLOCK_N == 0 else decision
+        return (self._own_blocks(prefix, "int4", n, k) or decision) if decision == INT4 else decision
+
+    def _own_blocks(self, prefix: str, fmt: Format, n: int, k: int) -> Decision | None:
+        """The file's own blocks a weight of `fmt` keeps: the first type of that format whose entries name it, where
+        its shape is whole blocks; None where none does."""
+        for type_name, names in self.blocks:
+            own = OWN_BLOCK_TYPES[type_name]
+            if own.format == fmt and matches(prefix, names) and k % own.k_multiple == 0 and n % OWN_BLOCK_N == 0:
+                return own.decision
+        return None
 
     def _embedding(self, prefix: str, n: int, k: int) -> Decision:
         if not self.eight_bit:
@@ -354,18 +390,30 @@ class QuantRules:
                         decision.format,
                         f"fused with {kind(prefix)} in vLLM's {fused}, which is {decision.format} ({decision.why})",
                     )
-        # one vLLM layer keeps one kind of decode copy: where its weights (now of one format) do not all keep the
-        # file's blocks, none does
+        # one vLLM layer keeps one kind of decode copy: where its weights (now of one format) keep blocks of types one
+        # of which holds the others unrounded (WIDENS_TO), they take that type; where not all keep blocks, or their
+        # types differ otherwise, none does
         for prefix, decision in list(decided.items()):
             fused = FUSED.get(kind(prefix))
             if fused is None or not decision.blocks:
                 continue
             base = prefix.removesuffix(kind(prefix))
-            plain = next((s for s in SHARDS[fused] if base + s in decided and decided[base + s].blocks is None), None)
-            if plain is not None:
-                decided[prefix] = Decision(decision.format, f"fused with {plain} in vLLM's {fused}, which is not the "
+            siblings = {s: decided[base + s].blocks for s in SHARDS[fused] if base + s in decided}
+            types = set(siblings.values())
+            if types == {decision.blocks}:
+                continue
+            wide = next((t for t in types if t is not None and all(o == t or WIDENS_TO.get(o) == t for o in types)),
+                        None)  # fmt: skip
+            other = next(s for s, t in siblings.items() if t != decision.blocks)
+            if wide is None:
+                decided[prefix] = Decision(decision.format, f"fused with {other} in vLLM's {fused}, which is not the "
                                            f"file's {decision.blocks} blocks (one layer keeps one kind of decode "
                                            "copy)")  # fmt: skip
+            elif wide != decision.blocks:
+                decided[prefix] = Decision(decision.format, f"the file's {decision.blocks} written as {wide} blocks, "
+                                           f"unrounded: fused with {other} in vLLM's {fused}, which keeps {wide} "
+                                           "blocks (one layer keeps one kind of decode copy; quantization_config."
+                                           f"{OWN_BLOCK_TYPES[wide].key})", wide)  # fmt: skip
         return decided
 
 
@@ -405,13 +453,18 @@ def rules_for(
     wide = wide_source_weights(model) if eight_bit else ()
     int8 = tuple(dict.fromkeys((EIGHT_BIT_SET if head_format == "int8" else ()) + sensitive + wide))
     copies_q4k = own_grid and spec is not None and "Q4_K" in spec.source_codes
-    q4k = source_weights(model, lambda type_name: type_name == "Q4_K") if own_blocks and copies_q4k else ()
-    # the 8-bit set's Q6_K weights, per group of 16 (the set's group where the file holds Q6_K) as their kernel's
-    # int8 activations run; an untied head too (a tied one is the embedding's lookup table)
-    held_q6k = (model.source_types or {}).get(HEAD, {})
-    head_q6k = (HEAD,) if head_format == "int8" and not model.tie_word_embeddings and set(held_q6k) == {"Q6_K"} else ()
-    q6k = (source_weights(model, lambda type_name: type_name == "Q6_K") + head_q6k
-           if own_blocks and eight_bit and int8_groups and own_grid else ())  # fmt: skip
+    blocks: list[tuple[str, tuple[str, ...]]] = []
+    if own_blocks and copies_q4k and (q4k := source_weights(model, lambda type_name: type_name == "Q4_K")):
+        blocks.append(("Q4_K", q4k))
+    # the 8-bit set's weights held as Q6_K, Q8_0 or Q5_0, as their kernels' int8 activations per group of 32 run
+    # them; an untied head too (a tied one is the embedding's lookup table)
+    held_head = set((model.source_types or {}).get(HEAD, {}))
+    for own in OWN_BLOCK_TYPES.values():
+        if own.format != "int8" or not (own_blocks and eight_bit and int8_groups and own_grid):
+            continue
+        head = (HEAD,) if head_format == "int8" and not model.tie_word_embeddings and held_head == {own.type} else ()
+        if names := source_weights(model, lambda type_name, t=own.type: type_name == t) + head:
+            blocks.append((own.type, names))
     return QuantRules(
         path=path,
         group_size=group_size,
@@ -421,8 +474,7 @@ def rules_for(
         quantize_head=True,
         int8=int8,
         int8_group=eight_bit_group(model, int8) if int8_groups else None,
-        q4k=q4k,
-        q6k=q6k,
+        blocks=tuple(blocks),
         tied=model.tie_word_embeddings,
         strict=False,
         quant_method=method,
@@ -543,10 +595,12 @@ def eight_bit_group_size(layers: Sequence[LayerDecision]) -> int | None:
     return next(iter(groups), None)
 
 
-def own_block_set(layers: Sequence[LayerDecision], blocks: str) -> list[str]:
-    """The weights kept as the file's own `blocks` (Q4_K: int4 layers' decode copies, Q6_K: the 8-bit set's), as
-    `quantization_config.q4k` / `.q6k` name them."""
-    return _named(layers, OWN_BLOCKS[blocks], lambda layer: layer.blocks == blocks)
+def own_block_sets(layers: Sequence[LayerDecision]) -> dict[str, list[str]]:
+    """The weights kept as the file's own blocks, per `quantization_config` key (OWN_BLOCK_TYPES: q4k for int4 layers'
+    decode copies, q6k, q8_0, q5_0 for the 8-bit set's), as the keys name them; a type no weight keeps is left out."""
+    sets = {own.key: _named(layers, own.format, lambda layer, t=own.type: layer.blocks == t)
+            for own in OWN_BLOCK_TYPES.values()}  # fmt: skip
+    return {key: names for key, names in sets.items() if names}
 
 
 def kept_bf16(layers: Sequence[LayerDecision]) -> list[str]:

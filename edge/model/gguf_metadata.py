@@ -364,8 +364,9 @@ def tensor_types(header: GgufHeader) -> dict[str, int]:
 # The types whose 4-bit codes lie on a group-32 grid that cpu_int4 holds exactly (scale and zero per 32 weights):
 # Weights a block and its bytes, for the types whose blocks a plan may keep as the file holds them (ggml's
 # block_q4_K: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit codes a 256 weights;
-# block_q6_K: 128 bytes of low nibbles, 64 of top bit pairs, 16 int8 scales, fp16 d).
-GGML_BLOCKS: dict[str, tuple[int, int]] = {"Q4_K": (256, 144), "Q6_K": (256, 210)}
+# block_q6_K: 128 bytes of low nibbles, 64 of top bit pairs, 16 int8 scales, fp16 d; block_q5_0: fp16 d, 32 fifth
+# bits, 16 bytes of low nibbles a 32 weights; block_q8_0: fp16 d, 32 int8).
+GGML_BLOCKS: dict[str, tuple[int, int]] = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q5_0": (32, 22), "Q8_0": (32, 34)}
 # Q4_0 and Q4_1 blocks of 32, and Q4_K's 8 sub-blocks of 32 (kernels.source.gguf_source reads their codes).
 FOUR_BIT_GRIDS = ("Q4_0", "Q4_1", "Q4_K")
 # Of those, the symmetric one: Q4_0's w = d * (q - 8) is GPTQ's uint4b8 (code q, zero 8, scale d), which the W4A8

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
-from edge.catalog.quantized_layers import LayerDecision, eight_bit_group_size, eight_bit_set, kept_bf16, own_block_set
+from edge.catalog.quantized_layers import LayerDecision, eight_bit_group_size, eight_bit_set, kept_bf16, own_block_sets
 from edge.catalog.shape_rules import copied_grid
 from edge.catalog.weight_paths import METHODS, PATHS, quant_method
 from edge.device.profile import DeviceProfile
@@ -73,9 +73,8 @@ def _cpu_int4(
         "int8": eight_bit_set(layers),
         **_int8_group(layers),
         # the int4 weights whose decode copy keeps the file's own Q4_K blocks (only where the decode kernel reads them)
-        # and the 8-bit set's weights kept as the file's own Q6_K blocks
-        **{key: names for key, blocks in (("q4k", "Q4_K"), ("q6k", "Q6_K"))
-           if (names := own_block_set(layers, blocks))},  # fmt: skip
+        # and the 8-bit set's weights kept as the file's own Q6_K, Q8_0 or Q5_0 blocks
+        **own_block_sets(layers),
         "ignore": kept_bf16(layers),
     }
 

@@ -123,7 +123,8 @@ class Decisions:
     exact: set[str] = field(default_factory=set)  # 4-bit tensors whose codes are read from `grid`
     int8_group: int | None = None  # the 8-bit set's scales per this many weights (int8_group_size); None: per channel
     int8_exact: set[str] = field(default_factory=set)  # 8-bit-set tensors whose codes are read from `grid`
-    # tensors written as `grid`'s own blocks, by type: Q4_K (4-bit, quantization_config.q4k), Q6_K (the 8-bit set, q6k)
+    # tensors written as `grid`'s own blocks, by type (edge.catalog.quantized_layers.OWN_BLOCK_TYPES): Q4_K (4-bit,
+    # quantization_config.q4k), Q6_K, Q8_0, Q5_0 (the 8-bit set: q6k, q8_0, q5_0)
     own_blocks: dict[str, str] = field(default_factory=dict)
 
 
@@ -244,16 +245,20 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
 
 
 def _check_own_blocks(decisions: Decisions) -> None:
-    """A tensor named in quantization_config.q4k (q6k) must be one the file holds as Q4_K (Q6_K), its 4-bit codes
-    copied from the file (codes_from_source) for Q4_K."""
+    """A tensor named in quantization_config.q4k (q6k, q8_0, q5_0) must be one the file holds as Q4_K (Q6_K, Q8_0 or a
+    type it holds unrounded: WIDENS_TO, Q5_0), its 4-bit codes copied from the file (codes_from_source) for Q4_K."""
+    from edge.catalog.quantized_layers import OWN_BLOCK_TYPES, WIDENS_TO
+
     for name, blocks in sorted(decisions.own_blocks.items()):
-        copied = name in decisions.exact if blocks == "Q4_K" else name in decisions.int8
+        own = OWN_BLOCK_TYPES[blocks]
+        copied = name in decisions.exact if own.format == "int4" else name in decisions.int8
         grid = decisions.grid
         held = grid.tensors[name].type if grid is not None and copied and name in grid.tensors else None
-        if held != blocks:
+        if held != blocks and (held is None or WIDENS_TO.get(held) != blocks):
             why = f"held as {held}" if held else "not read from a GGUF's own grid (codes_from_source)"
-            raise InputError(f"quantization_config.{blocks.lower().replace('_', '')}", name,
-                             f"weights the GGUF holds as {blocks} ({name}: {why})")  # fmt: skip
+            widened = "".join(f" or {t}" for t, wide in WIDENS_TO.items() if wide == blocks)
+            raise InputError(f"quantization_config.{own.key}", name,
+                             f"weights the GGUF holds as {blocks}{widened} ({name}: {why})")  # fmt: skip
 
 
 def _read_int8_from_source(source: Source, group: int, decisions: Decisions) -> None:
@@ -501,8 +506,8 @@ def _convert_tensor(
 
     if decisions.own_blocks.get(name) == "Q4_K":  # the file's own Q4_K blocks: its codes and 16 scale bytes a block
         return torch_half(format_of(path).name).from_source_blocks(decisions.quantize[name], decisions.grid, name)
-    if decisions.own_blocks.get(name) == "Q6_K":  # the 8-bit set's weight as the file's own Q6_K blocks
-        return int8.from_source_blocks(decisions.int8[name], decisions.grid, name)
+    if name in decisions.own_blocks:  # the 8-bit set's weight as the file's own Q6_K, Q8_0 or Q5_0 blocks
+        return int8.from_source_blocks(decisions.int8[name], decisions.grid, name, decisions.own_blocks[name])
     if name in decisions.exact:  # the source's own 4-bit codes, group 32
         return torch_half(format_of(path).name).from_source(decisions.quantize[name], decisions.grid, name)
     if name in decisions.int8:

@@ -25,12 +25,22 @@ def from_source(prefix: str, grid, name: str, group: int | None) -> dict[str, to
     return {f"{prefix}.qweight": qweight, f"{prefix}.scales": scales}
 
 
-def from_source_blocks(prefix: str, grid, name: str) -> dict[str, torch.Tensor]:
-    """A GGUF Q6_K tensor as the file's own blocks (kernels/ops/q6k.py): `{prefix}.blocks` uint8 [N, K/256 * 210],
-    rows in HF order, each row's blocks as the file holds them."""
+def from_source_blocks(prefix: str, grid, name: str, type_name: str) -> dict[str, torch.Tensor]:
+    """A GGUF Q6_K, Q8_0 or Q5_0 tensor as the file's own blocks (kernels/ops/q6k.py, g32.py): `{prefix}.blocks` uint8
+    [N, K/block * block bytes], rows in HF order, each row's blocks as the file holds them. A Q5_0 tensor planned as
+    Q8_0 (fused with Q8_0 ones: edge.catalog.quantized_layers.WIDENS_TO) is written as Q8_0 blocks of the same
+    weights."""
     from kernels.source.gguf_source import own_blocks
 
-    return {f"{prefix}.blocks": own_blocks(grid, name, "Q6_K")}
+    held = grid.tensors[name].type
+    if held == type_name:
+        return {f"{prefix}.blocks": own_blocks(grid, name, type_name)}
+    from kernels.ops import g32
+
+    raw = own_blocks(grid, name, held).numpy()
+    q, d = g32.from_blocks(held, raw.reshape(raw.shape[0], -1, g32.kind(held).bytes))
+    assert type_name == "Q8_0", f"{name}: {held} written as {type_name}"
+    return {f"{prefix}.blocks": g32.q8_0_blocks(q, d)}
 
 
 def _int8(w: torch.Tensor, group: int) -> Weights:

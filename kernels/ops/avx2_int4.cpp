@@ -450,6 +450,24 @@ at::Tensor q6k_linear(const at::Tensor& x, const at::Tensor& blocks) {
   }, /*sums16=*/true);
 }
 
+// A GGUF's Q8_0 (bits 8) or Q5_0 (bits 5) tensor in the decode layout (kernels/ops/g32.py): blocks uint8
+// [N/8, K/32, 272 or 176], the 8 channels' 34 or 22 bytes a block rearranged (block8_g32).
+at::Tensor g32_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 5, "bits: expected 8 (Q8_0) or 5 (Q5_0), got ", bits);
+  const int64_t bytes = bits == 8 ? 272 : 176;
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == bytes,
+              "blocks: expected uint8 [N/8, K/32, ", bytes, "], got ", blocks.scalar_type(), " ", blocks.sizes());
+  const int64_t n = blocks.size(0) * 8, k = blocks.size(1) * 32;
+  TORCH_CHECK(x.size(-1) == k, "x: expected last dim K=", k, ", got ", x.size(-1));
+  at::Tensor bl = blocks.contiguous();
+  const uint8_t* bp = bl.data_ptr<uint8_t>();
+  const auto kernel = pick(isa_plain::blocks8_g32, isa_vnni::blocks8_g32, isa_vnni512::blocks8_g32);
+  return x8_call(x, n, k, 32, [&](const int8_t* cp, const float* a, const float*, const int32_t* xs16, float* yp,
+                                  uint16_t* ob, int64_t begin, int64_t end, int64_t m) {
+    kernel(bp, cp, a, xs16, yp, ob, bits, begin, end, m, n, k);
+  }, /*sums16=*/true);
+}
+
 at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& zeros, int64_t group) {
   return linear<int16_t>(x, qweight, scales, zeros, group, 32767, isa_plain::channels_a16, isa_vnni::channels_a16,
@@ -566,6 +584,27 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   wide.callBoxed(&stack);
   return stack[0].toTensor();
 }
+
+// An 8-bit-set layer kept as a GGUF's own blocks (kernels/ops/int4_ops.py blocks_linear_impl's arguments; Q6_K, Q8_0
+// or Q5_0 in their decode layouts, told apart by the last dimension: 1680, 272, 176): rows as a decode step passes
+// them, [M <= avx2_rows, K] bf16, run the kernel without leaving C++; any other batch goes to the Python op
+// vllm::cpu_blocks_linear (dequantize + GEMM), as int4_linear does.
+at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t dequant_threshold, int64_t avx2_rows) {
+  if (x.dim() == 2 && x.size(0) > 0 && x.size(0) <= avx2_rows && x.scalar_type() == at::kBFloat16 &&
+      blocks.dim() == 3) {
+    switch (blocks.size(2)) {
+      case 1680: return q6k_linear(x, blocks);
+      case 272: return g32_linear(x, blocks, 8);
+      case 176: return g32_linear(x, blocks, 5);
+      default: break;
+    }
+  }
+  static const c10::OperatorHandle wide =
+      c10::Dispatcher::singleton().findSchemaOrThrow("vllm::cpu_blocks_linear", "");
+  std::vector<c10::IValue> stack{x, blocks, dequant_threshold, avx2_rows};
+  wide.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 }  // namespace
 
 TORCH_LIBRARY(edge_avx2, m) {
@@ -574,6 +613,8 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("w8a16_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("q4k_linear(Tensor x, Tensor qweight, Tensor meta) -> Tensor");
   m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor");
+  m.def("g32_linear(Tensor x, Tensor blocks, int bits) -> Tensor");
+  m.def("blocks_linear(Tensor x, Tensor blocks, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
         "Tensor zeros, int group, int mode, int dequant_threshold, bool fp32_prefill, int avx2_rows, "
@@ -586,6 +627,8 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("w8a16_linear", &w8a16_linear);
   m.impl("q4k_linear", &q4k_linear);
   m.impl("q6k_linear", &q6k_linear);
+  m.impl("g32_linear", &g32_linear);
+  m.impl("blocks_linear", &blocks_linear);
   m.impl("int4_linear", &int4_linear);
 }
 
@@ -1076,6 +1119,127 @@ void blocks8_q6k(const uint8_t* bp, const int8_t* xq, const float* a, const int3
     blocks8_q6k_out(bp, xq, a, xs16, yb, begin, end, m, n, k);
   } else {
     blocks8_q6k_out(bp, xq, a, xs16, y, begin, end, m, n, k);
+  }
+}
+
+// ---- Q8_0 and Q5_0 in the decode layout (kernels/ops/g32.py): ggml's symmetric blocks of 32 weights, one fp16 d
+// each, w = d q with q = the file's int8 (Q8_0) or its 5-bit code - 16 (Q5_0). Per 8 channels and 32 weights, fp16
+// d[8] and then
+//   Q8_0, 256 bytes (272 in all, the 8 channels' 34): vector v (32 bytes) byte 4c+t = channel c's q at k = 4v+t;
+//   Q5_0, 160 bytes (176, the 8 channels' 22): 4 chunks of 32 bytes as the int4 decode layout's (byte 4c+t: the low
+//         4 bits of k = 8j+t in its low nibble, of 8j+4+t in its high one), then 32 bytes of fifth bits: byte 4c+t
+//         bit 2j that of k = 8j+t, bit 2j+1 that of 8j+4+t.
+// vpdpbusd takes unsigned codes: Q8_0's q + 128 (q xor 0x80) and Q5_0's 0..31, the offset (-128 or -16 times the
+// group's activation sum) put in first. The plain AVX2 build multiplies Q8_0 as |q| by the activations with q's sign
+// (vpmaddubsw pairs <= 2*128*127 = 32512: no saturation); Q5_0's pairs <= 2*31*127, four of them summed in 16 bits
+// <= 31496.
+template <int BITS, int MB, typename Out>
+void block8_g32(const uint8_t* bp, const int8_t* xq, const float* a, const int32_t* xs16, Out* y, int64_t b,
+                int64_t m0, int64_t n, int64_t k) {
+  constexpr int64_t BYTES = BITS == 8 ? 272 : 176;
+  [[maybe_unused]] constexpr int32_t OFFSET = BITS == 8 ? 128 : 16;
+  const int64_t groups = k / 32;
+  const uint8_t* base = bp + b * groups * BYTES;
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[MB];
+  for (int r = 0; r < MB; ++r) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = base + g * BYTES;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const uint8_t* q = blk + 16;
+    __m256i acc[MB];
+    for (int r = 0; r < MB; ++r) {
+#if EDGE_AVX2_VNNI
+      const int32_t* s16 = xs16 + (m0 + r) * (k / 16) + 2 * g;
+      acc[r] = _mm256_set1_epi32(-OFFSET * (s16[0] + s16[1]));
+#else
+      acc[r] = BITS == 8 ? _mm256_setzero_si256()
+                         : _mm256_set1_epi32(-OFFSET * (xs16[(m0 + r) * (k / 16) + 2 * g] +
+                                                        xs16[(m0 + r) * (k / 16) + 2 * g + 1]));
+#endif
+    }
+    const int8_t* x = xq + m0 * k + g * 32;
+    if constexpr (BITS == 8) {
+      [[maybe_unused]] const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int v = 0; v < 8; ++v) {
+        const __m256i w = loadu(q + 32 * v);
+#if EDGE_AVX2_VNNI
+        const __m256i u = _mm256_xor_si256(w, flip);
+#else
+        const __m256i u = _mm256_abs_epi8(w);
+#endif
+        for (int r = 0; r < MB; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, x + r * k + 4 * v, 4);
+#if EDGE_AVX2_VNNI
+          acc[r] = EDGE_DPBUSD(acc[r], u, _mm256_set1_epi32(x4));
+#else
+          const __m256i p = _mm256_maddubs_epi16(u, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));
+#endif
+        }
+      }
+    } else {
+      const __m256i four = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+      const __m256i h = loadu(q + 128);
+      // bit i of each byte moved to bit 4 (16-bit shifts; the mask drops what crosses a byte)
+      const __m256i top[8] = {
+          _mm256_and_si256(_mm256_slli_epi16(h, 4), fifth), _mm256_and_si256(_mm256_slli_epi16(h, 3), fifth),
+          _mm256_and_si256(_mm256_slli_epi16(h, 2), fifth), _mm256_and_si256(_mm256_slli_epi16(h, 1), fifth),
+          _mm256_and_si256(h, fifth),                        _mm256_and_si256(_mm256_srli_epi16(h, 1), fifth),
+          _mm256_and_si256(_mm256_srli_epi16(h, 2), fifth), _mm256_and_si256(_mm256_srli_epi16(h, 3), fifth)};
+#if !EDGE_AVX2_VNNI
+      __m256i sum16[MB];
+#endif
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = loadu(q + 32 * j);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, four), top[2 * j]);
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), four), top[2 * j + 1]);
+        for (int r = 0; r < MB; ++r) {
+          int32_t x0, x1;
+          std::memcpy(&x0, x + r * k + 8 * j, 4);
+          std::memcpy(&x1, x + r * k + 8 * j + 4, 4);
+#if EDGE_AVX2_VNNI
+          acc[r] = EDGE_DPBUSD(acc[r], lo, _mm256_set1_epi32(x0));
+          acc[r] = EDGE_DPBUSD(acc[r], hi, _mm256_set1_epi32(x1));
+#else
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+          sum16[r] = j == 0 ? p : _mm256_add_epi16(sum16[r], p);
+#endif
+        }
+      }
+#if !EDGE_AVX2_VNNI
+      for (int r = 0; r < MB; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(sum16[r], ones));
+#endif
+    }
+    for (int r = 0; r < MB; ++r) {
+      const __m256 da = _mm256_mul_ps(d, _mm256_set1_ps(a[(m0 + r) * groups + g]));
+      total[r] = _mm256_fmadd_ps(da, _mm256_cvtepi32_ps(acc[r]), total[r]);
+    }
+  }
+  store8<MB>(total, y, b, m0, n);
+}
+
+template <int BITS, typename Out>
+void blocks8_g32_out(const uint8_t* bp, const int8_t* xq, const float* a, const int32_t* xs16, Out* y, int64_t begin,
+                     int64_t end, int64_t m, int64_t n, int64_t k) {
+  for (int64_t b = begin; b < end; ++b) {
+    int64_t m0 = 0;
+    for (; m0 + 2 <= m; m0 += 2) block8_g32<BITS, 2, Out>(bp, xq, a, xs16, y, b, m0, n, k);
+    if (m0 < m) block8_g32<BITS, 1, Out>(bp, xq, a, xs16, y, b, m0, n, k);
+  }
+}
+
+// bits: 8 (Q8_0) or 5 (Q5_0); fp32 y, or bf16 (yb) when y is null.
+void blocks8_g32(const uint8_t* bp, const int8_t* xq, const float* a, const int32_t* xs16, float* y, uint16_t* yb,
+                 int64_t bits, int64_t begin, int64_t end, int64_t m, int64_t n, int64_t k) {
+  if (bits == 8) {
+    if (y == nullptr) blocks8_g32_out<8>(bp, xq, a, xs16, yb, begin, end, m, n, k);
+    else blocks8_g32_out<8>(bp, xq, a, xs16, y, begin, end, m, n, k);
+  } else {
+    if (y == nullptr) blocks8_g32_out<5>(bp, xq, a, xs16, yb, begin, end, m, n, k);
+    else blocks8_g32_out<5>(bp, xq, a, xs16, y, begin, end, m, n, k);
   }
 }
 

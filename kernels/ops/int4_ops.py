@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ops import avx2_int4, q4k, q6k
+from kernels.ops import avx2_int4, g32, q4k, q6k
 from kernels.ops.int4 import apply_scales, dequantize, unpack_nibbles
 from kernels.ops.int8 import dequantize_int8
 from kernels.ops.layout import host_layout
@@ -138,17 +138,27 @@ def _int8_linear_fake(
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.bfloat16)
 
 
-def q6k_linear_impl(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0) -> torch.Tensor:
-    """x [..., K] -> [..., N] bf16 for an 8-bit-set layer kept as a GGUF's own Q6_K blocks (kernels/ops/q6k.py,
-    uint8 [N/8, K/256, 1680]): batches of up to avx2_rows rows (below dequant_threshold, as the 8-bit set's own)
-    run q6k_linear (int8 activations per group of 32); wider ones dequantize to bf16 and run the GEMM."""
+def _blocks_ops(blocks: torch.Tensor):
+    """The module of kernels/ops whose decode layout `blocks` is in: q6k ([N/8, K/256, 1680]) or g32 ([N/8, K/32,
+    272 or 176])."""
+    return q6k if blocks.shape[-1] == q6k.X8_BLOCK_BYTES else g32
+
+
+def blocks_linear_impl(
+    x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] bf16 for an 8-bit-set layer kept as a GGUF's own Q6_K, Q8_0 or Q5_0 blocks in their
+    decode layout (kernels/ops/q6k.py, g32.py): batches of up to avx2_rows rows (below dequant_threshold, as the
+    8-bit set's own) run the type's kernel (int8 activations per group of 32); wider ones dequantize to bf16 and run
+    the GEMM."""
+    ops = _blocks_ops(blocks)
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
     narrow = x2.shape[0] <= avx2_rows
-    y = q6k.linear(x2, blocks) if narrow else torch.mm(x2, q6k.dequantize_x8(blocks).t())  # [M, N] bf16
-    return y.view(*x.shape[:-1], blocks.shape[0] * q6k.X8)
+    y = ops.linear(x2, blocks) if narrow else torch.mm(x2, ops.dequantize_x8(blocks).t())  # [M, N] bf16
+    return y.view(*x.shape[:-1], blocks.shape[0] * ops.X8)
 
 
-def _q6k_linear_fake(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0):
+def _blocks_linear_fake(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0):
     return x.new_empty((*x.shape[:-1], blocks.shape[0] * q6k.X8), dtype=torch.bfloat16)
 
 
@@ -172,7 +182,7 @@ def _register() -> None:
     direct_register_custom_op("cpu_int4_embedding", embedding_impl, fake_impl=_embedding_fake)
     direct_register_custom_op("cpu_int8_linear", int8_linear_impl, fake_impl=_int8_linear_fake)
     direct_register_custom_op("cpu_int8_embedding", int8_embedding_impl, fake_impl=_int8_embedding_fake)
-    direct_register_custom_op("cpu_q6k_linear", q6k_linear_impl, fake_impl=_q6k_linear_fake)
+    direct_register_custom_op("cpu_blocks_linear", blocks_linear_impl, fake_impl=_blocks_linear_fake)
 
 
 _register()
@@ -213,8 +223,11 @@ def int8_linear(
     return torch.ops.vllm.cpu_int8_linear(x, qweight, scales, dequant_threshold, avx2_rows)
 
 
-def q6k_linear(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0) -> torch.Tensor:
-    return torch.ops.vllm.cpu_q6k_linear(x, blocks, dequant_threshold, avx2_rows)
+def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0) -> torch.Tensor:
+    """The registered op for a layer of a GGUF's own 8-bit-set blocks; with avx2_rows, the C++ op
+    edge_avx2::blocks_linear stands in front of it, as int4_linear's: decode rows never enter Python."""
+    op = torch.ops.edge_avx2.blocks_linear if avx2_rows else torch.ops.vllm.cpu_blocks_linear
+    return op(x, blocks, dequant_threshold, avx2_rows)
 
 
 def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -19,24 +19,26 @@ import torch
 from torch import nn
 
 from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
+from edge.catalog.quantized_layers import OWN_BLOCK_TYPES, matches
 from edge.errors import InputError
-from kernels.ops import avx2_int4, q4k, q6k
+from edge.model.gguf_metadata import GGML_BLOCKS
+from kernels.ops import avx2_int4, g32, q4k, q6k
 from kernels.ops.int4_ops import (
     DIRECT,
     DUAL,
     KERNEL_ONLY,
     MODES,
+    blocks_linear_impl,
     embedding_impl,
     int4_linear_impl,
     int8_embedding_impl,
     int8_linear_impl,
-    q6k_linear_impl,
 )
 from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
 from kernels.scoring.eval_modules import prefix_of, replace_embedding, replace_module, submodule
 
-__all__ = ["Int4Embedding", "Int4Linear", "Int4Settings", "Int8Embedding", "Int8Linear", "Q6kLinear",
+__all__ = ["BlocksLinear", "Int4Embedding", "Int4Linear", "Int4Settings", "Int8Embedding", "Int8Linear",
            "install_cpu_int4"]
 
 
@@ -154,20 +156,24 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Q6kLinear(nn.Module):
-    """y = x @ w.T (+ bias) through kernels.ops.int4_ops.q6k_linear_impl on a GGUF's own Q6_K blocks
-    (quantization_config.q6k), rearranged as the engine rearranges them; every row on the kernel when the settings
-    say so (as Int8Linear's), else as the engine: the 8-bit set's rows on it, wider batches dequantized."""
+class BlocksLinear(nn.Module):
+    """y = x @ w.T (+ bias) through kernels.ops.int4_ops.blocks_linear_impl on a GGUF's own Q6_K, Q8_0 or Q5_0 blocks
+    (quantization_config.q6k, q8_0, q5_0), rearranged as the engine rearranges them; every row on the kernel when
+    the settings say so (as Int8Linear's), else as the engine: the 8-bit set's rows on it, wider batches
+    dequantized."""
 
-    def __init__(self, blocks: torch.Tensor, settings: Int4Settings, *, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, blocks: torch.Tensor, type_name: str, settings: Int4Settings, *,
+                 bias: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.register_buffer("blocks", q6k.decode_layout_(blocks.clone()))  # [N/8, K/256, 1680]
+        raw = blocks.clone()
+        packed = q6k.decode_layout_(raw) if type_name == "Q6_K" else g32.decode_layout_(type_name, raw)
+        self.register_buffer("blocks", packed)  # [N/8, K/block, 8 x block bytes]
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.dequant_threshold = settings.dequant_threshold
         self.rows = 1 << 30 if settings.avx2_bits is not None else settings.int8_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = q6k_linear_impl(x, self.blocks, self.dequant_threshold, self.rows)
+        y = blocks_linear_impl(x, self.blocks, self.dequant_threshold, self.rows)
         return y if self.bias is None else y + self.bias
 
 
@@ -221,14 +227,15 @@ def install_cpu_int4(
         module = submodule(model, prefix)
         bias = getattr(module, "bias", None)  # an embedding has none
         eight_bit = parts.get("qweight") is not None and parts["qweight"].dtype == torch.int8
-        _check_parts(prefix, parts, module, settings.group, eight_bit)
+        _check_parts(prefix, parts, module, settings.group, eight_bit, qconfig)
         if eight_bit:
             int8.append(prefix)
             weights = (parts["qweight"], parts["scales"])
             embedding, linear = Int8Embedding(*weights), Int8Linear(*weights, settings, bias=bias)
-        elif "blocks" in parts:  # a GGUF's own Q6_K blocks (quantization_config.q6k): a linear or an untied head
+        elif "blocks" in parts:  # a GGUF's own Q6_K, Q8_0 or Q5_0 blocks: a linear or an untied head
             int8.append(prefix)
-            replace_module(model, prefix, Q6kLinear(parts["blocks"], settings, bias=bias))
+            replace_module(model, prefix, BlocksLinear(parts["blocks"], _blocks_type(prefix, qconfig), settings,
+                                                       bias=bias))  # fmt: skip
             continue
         elif "meta" in parts:  # a GGUF's own Q4_K blocks (quantization_config.q4k): a linear, never the embedding
             int4.append(prefix)
@@ -251,12 +258,26 @@ def install_cpu_int4(
     return describe(qconfig, settings, sorted(int4), sorted(int8), tied_head)
 
 
-def _check_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Module, group: int, eight_bit: bool) -> None:
-    if "blocks" in parts:  # Q6_K blocks: [N, K/256 * 210]
+def _blocks_type(prefix: str, qconfig: dict[str, Any]) -> str:
+    """The GGML type whose blocks the checkpoint holds for an 8-bit-set weight: the key of quantization_config that
+    names it (q6k, q8_0, q5_0)."""
+    for type_name, own in OWN_BLOCK_TYPES.items():
+        if own.format == "int8" and matches(prefix, qconfig.get(own.key) or ()):
+            return type_name
+    keys = ", ".join(own.key for own in OWN_BLOCK_TYPES.values() if own.format == "int8")
+    raise InputError(f"{prefix}.blocks", "present", f"a weight named in quantization_config's {keys}")
+
+
+def _check_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Module, group: int, eight_bit: bool,
+                 qconfig: dict[str, Any]) -> None:  # fmt: skip
+    if "blocks" in parts:  # a type's blocks: [N, K/block * block bytes]
+        type_name = _blocks_type(prefix, qconfig)
+        weights, nbytes = GGML_BLOCKS[type_name]
         n, k = (module.out_features, module.in_features) if isinstance(module, nn.Linear) else (0, 0)
-        if tuple(parts["blocks"].shape) != (n, k // 256 * 210) or parts["blocks"].dtype != torch.uint8:
+        if tuple(parts["blocks"].shape) != (n, k // weights * nbytes) or parts["blocks"].dtype != torch.uint8:
             raise InputError(f"{prefix}.blocks", f"{parts['blocks'].dtype} {list(parts['blocks'].shape)}",
-                             f"uint8 [{n}, {k // 256 * 210}]: Q6_K blocks of a linear [N, K] = [{n}, {k}]")  # fmt: skip
+                             f"uint8 [{n}, {k // weights * nbytes}]: {type_name} blocks of a linear [N, K] = "
+                             f"[{n}, {k}]")  # fmt: skip
         return
     blocks = "meta" in parts
     needed = ("qweight", "scales") if eight_bit else ("qweight", "meta") if blocks else ("qweight", "scales", "zeros")

@@ -21,6 +21,7 @@ int4, int8 or bf16 is asked of edge.catalog.quantized_layers, as the plan's ledg
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,28 +39,30 @@ from edge.catalog.kernel_registry import (
     OWN_BLOCK_DECODE_KERNELS,
     decode_rows,
 )
-from edge.catalog.quantized_layers import EIGHT_BIT_SET, SHARDS, Decision, QuantRules
+from edge.catalog.quantized_layers import EIGHT_BIT_SET, OWN_BLOCK_TYPES, SHARDS, Decision, QuantRules
 from edge.catalog.shape_rules import PACK_N_MULTIPLE
 from edge.catalog.weight_paths import METHODS
 from edge.errors import InputError
 from edge.formats.tinygemm import TINYGEMM
 from edge.measure import kernel_params
+from edge.model.gguf_metadata import GGML_BLOCKS
 from kernels.ops import huge_pages
 from kernels.ops.int4_ops import (
     DIRECT,
     DUAL,
     KERNEL_ONLY,
+    blocks_linear,
     int4_embedding,
     int4_linear,
     int8_embedding,
     int8_linear,
-    q6k_linear,
 )
 from kernels.ops.int8 import check_group as check_int8_group
 from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
 
 NAME = "cpu_int4"
+BLOCK_KEYS = tuple(own.key for own in OWN_BLOCK_TYPES.values())  # quantization_config's q4k, q6k, q8_0, q5_0
 
 
 # The three layouts as checkpoint quantization_config fields (module docstring).
@@ -214,8 +217,7 @@ class CpuInt4Config(PluginConfig):
         ignore: list[str] | None = None,
         decode_kernel: str = DEFAULT_DECODE_KERNEL,
         int8_group_size: int | None = None,
-        q4k: list[str] | None = None,
-        q6k: list[str] | None = None,
+        own_blocks: dict[str, list[str]] | None = None,
     ) -> None:
         super().__init__()
         TINYGEMM.check_method_config(group_size=group_size, dequant_threshold=dequant_threshold,
@@ -251,9 +253,12 @@ class CpuInt4Config(PluginConfig):
         self.avx2_rows = decode_rows(decode_kernel) if avx2 else 0
         self.avx2_bits = DECODE_KERNELS[decode_kernel].activation_bits or 16  # its activations: int16 or int8
         self.int8_group_size = int8_group_size
-        self.q4k, self.q6k = list(q4k or []), list(q6k or [])
-        for key, names in (("q4k", self.q4k), ("q6k", self.q6k)):
-            if names and decode_kernel not in OWN_BLOCK_DECODE_KERNELS:
+        # the weights kept as a GGUF's own blocks, by quantization_config key (q4k, q6k, q8_0, q5_0)
+        self.own_blocks = {key: list(names) for key, names in (own_blocks or {}).items() if names}
+        for key, names in self.own_blocks.items():
+            if key not in BLOCK_KEYS:
+                raise InputError("quantization_config", key, f"one of {tuple(BLOCK_KEYS)}")
+            if decode_kernel not in OWN_BLOCK_DECODE_KERNELS:
                 raise InputError(f"quantization_config.{key}", names[:3],
                                  f"empty unless decode_kernel reads a GGUF's own blocks "
                                  f"({', '.join(OWN_BLOCK_DECODE_KERNELS)}), not {decode_kernel}")  # fmt: skip
@@ -299,8 +304,7 @@ class CpuInt4Config(PluginConfig):
             ignore=list(config.get("ignore", [])),
             decode_kernel=config.get("decode_kernel", DEFAULT_DECODE_KERNEL),
             int8_group_size=config.get("int8_group_size"),
-            q4k=list(config.get("q4k", [])),
-            q6k=list(config.get("q6k", [])),
+            own_blocks={key: list(config[key]) for key in BLOCK_KEYS if config.get(key)},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -317,8 +321,7 @@ class CpuInt4Config(PluginConfig):
             "quantize_embedding": self.quantize_embedding,
             "int8": list(self.int8),
             **int8_group_entry(self.int8_group_size),
-            **({"q4k": list(self.q4k)} if self.q4k else {}),
-            **({"q6k": list(self.q6k)} if self.q6k else {}),
+            **{key: list(names) for key, names in self.own_blocks.items()},
             "ignore": list(self.ignore),
             **({"decode_kernel": self.decode_kernel} if self.decode_kernel != DEFAULT_DECODE_KERNEL else {}),
         }
@@ -329,10 +332,11 @@ class CpuInt4Config(PluginConfig):
     PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.catalog.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
+        blocks = [t for t, own in OWN_BLOCK_TYPES.items() if own.format == "int8"]  # the 8-bit set's: Q6_K, Q8_0, Q5_0
         return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod, "Q4_K": CpuQ4kLinearMethod,
-                           "Q6_K": CpuQ6kLinearMethod},
+                           **{t: functools.partial(CpuBlocksLinearMethod, blocks=t) for t in blocks}},
                 "embedding": {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod,
-                              "Q6_K": CpuQ6kHeadMethod}}  # fmt: skip
+                              **{t: functools.partial(CpuBlocksHeadMethod, blocks=t) for t in blocks}}}  # fmt: skip
 
 
 def _avx2_available() -> bool:
@@ -567,38 +571,52 @@ class _Int8Weights(PluginWeights):
         return y if bias is None else y + bias
 
 
-class _Q6kWeights(PluginWeights):
-    """An 8-bit-set weight kept as a GGUF's own Q6_K blocks (quantization_config.q6k; kernels/ops/q6k.py): `blocks`
-    uint8 [N, K/256 * 210] as the file holds them, rearranged in place at load into the decode layout (8 channels
-    interleaved, the same bytes), which q6k_linear reads for batches the 8-bit set runs on its AVX2 kernel (int8
-    activations per 32, the scales applied in fp32 from the file's values); wider batches dequantize to bf16."""
+class _BlocksWeights(PluginWeights):
+    """An 8-bit-set weight kept as a GGUF's own Q6_K, Q8_0 or Q5_0 blocks (quantization_config.q6k, q8_0, q5_0;
+    kernels/ops/q6k.py, g32.py): `blocks` uint8 [N, K/block * block bytes] as the file holds them, rearranged in place
+    at load into the type's decode layout (8 channels interleaved, the same bytes), which its kernel reads for batches
+    the 8-bit set runs on its AVX2 kernel (int8 activations per 32, the scales applied in fp32 from the file's
+    values); wider batches dequantize to bf16."""
+
+    def __init__(self, config: PluginConfig, blocks: str) -> None:
+        super().__init__(config)
+        self.blocks = blocks
 
     def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
-        if k % 256 or n % 8:
-            raise InputError("input_size/output_size", (k, n), "K a multiple of 256 and N of 8 for Q6_K blocks")
-        layer.register_parameter("blocks", weight_param(huge_pages.empty(n, k // 256 * 210, dtype=torch.uint8),
+        weights, nbytes = GGML_BLOCKS[self.blocks]
+        if k % weights or n % 8:
+            raise InputError("input_size/output_size", (k, n),
+                             f"K a multiple of {weights} and N of 8 for {self.blocks} blocks")  # fmt: skip
+        layer.register_parameter("blocks", weight_param(huge_pages.empty(n, k // weights * nbytes, dtype=torch.uint8),
                                                         input_dim=1, output_dim=0, **extra))  # fmt: skip
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        from kernels.ops import q6k
+        from kernels.ops import g32, q6k
 
-        packed = q6k.decode_layout_(layer.blocks.data, self.config.repack_chunk_rows)  # N a multiple of 8: register
+        chunk = self.config.repack_chunk_rows  # N a multiple of 8: register
+        raw = layer.blocks.data
+        if self.blocks == "Q6_K":
+            packed = q6k.decode_layout_(raw, chunk)
+        else:
+            packed = g32.decode_layout_(self.blocks, raw, chunk)
         layer.blocks = Parameter(packed, requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = q6k_linear(x, layer.blocks, self.config.dequant_threshold, self.config.int8_rows)
+        y = blocks_linear(x, layer.blocks, self.config.dequant_threshold, self.config.int8_rows)
         return y if bias is None else y + bias
 
 
-class CpuQ6kLinearMethod(_Q6kWeights, LinearMethodBase):
-    """A linear layer of the 8-bit set kept as Q6_K blocks (every shard of a fused one: the plan's rule)."""
+class CpuBlocksLinearMethod(_BlocksWeights, LinearMethodBase):
+    """A linear layer of the 8-bit set kept as a file's own blocks (every shard of a fused one, of one type: the plan's
+    rule)."""
 
 
-class CpuQ6kHeadMethod(_Q6kWeights, QuantizeMethodBase):
-    """An untied head kept as Q6_K blocks (the plan never keeps a tied one so: the embedding looks rows up)."""
+class CpuBlocksHeadMethod(_BlocksWeights, QuantizeMethodBase):
+    """An untied head kept as a file's own blocks (the plan never keeps a tied one so: the embedding looks rows up)."""
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("a Q6_K head is never an embedding: quantization_config.q6k names untied heads only")
+        raise NotImplementedError(f"a {self.blocks} head is never an embedding: quantization_config names untied heads "
+                                  "only")  # fmt: skip
 
 
 class CpuInt8LinearMethod(_Int8Weights, LinearMethodBase):

@@ -245,11 +245,12 @@ _PLAIN_SCRIPT = """
 import sys, torch
 from kernels.ops import avx2_int4
 from kernels.ops import q4k
-from tests.kernels.test_avx2_int4 import _int8_cases, _q4k_cases, _vnni_cases
+from tests.kernels.test_avx2_int4 import _blocks_cases, _int8_cases, _q4k_cases, _vnni_cases
 assert avx2_int4.load() is None and not torch.ops.edge_avx2.uses_vnni()
 torch.save([avx2_int4.linear(*case) for case in _vnni_cases()]
            + [avx2_int4.int8_linear(*case) for case in _int8_cases()]
-           + [q4k.linear(*case) for case in _q4k_cases()], sys.argv[1])
+           + [q4k.linear(*case) for case in _q4k_cases()]
+           + [linear(x, packed) for linear, x, packed in _blocks_cases()], sys.argv[1])
 """
 
 
@@ -282,6 +283,21 @@ def _q4k_cases():
     return [(x[:m], *from_blocks(random_blocks(200, 1024, seed=m))) for m in (1, 3)]
 
 
+def _blocks_cases():
+    """The kernels on a GGUF's own blocks in their decode layouts (Q4_K, Q6_K, Q8_0, Q5_0), bf16 activations:
+    (linear, x, packed)."""
+    from kernels.ops import g32, q4k, q6k
+    from tests.kernels import test_g32, test_q4k, test_q6k
+
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    q4k_packed = q4k.decode_layout(*q4k.from_blocks(test_q4k.random_blocks(64, 1024, seed=1)))
+    packed = [(lambda x, p: q4k.linear(x, *p), q4k_packed),
+              (q6k.linear, q6k.decode_layout(*q6k.from_blocks(test_q6k.random_blocks(64, 1024, seed=1))))]
+    packed += [(g32.linear, g32.decode_layout(t, *g32.from_blocks(t, test_g32.random_blocks(t, 64, 1024, seed=1))))
+               for t in test_g32.TYPES]
+    return [(linear, x[:m], p) for linear, p in packed for m in (1, 3)]
+
+
 @needs_kernel
 def test_the_avx_vnni_build_gives_the_plain_avx2_builds_results_bit_for_bit(tmp_path):
     """Where the CPU has AVX-VNNI the op runs vpdpwssd/vpdpbusd; EDGE_AVX2_VNNI=0 (a child process: the choice is
@@ -301,6 +317,7 @@ def test_the_avx_vnni_build_gives_the_plain_avx2_builds_results_bit_for_bit(tmp_
 
     ours = [avx2_int4.linear(*case) for case in _vnni_cases()] + [avx2_int4.int8_linear(*c) for c in _int8_cases()]
     ours += [q4k.linear(*case) for case in _q4k_cases()]
+    ours += [linear(x, packed) for linear, x, packed in _blocks_cases()]
     for i, (mine, expected) in enumerate(zip(ours, plain, strict=True)):
         assert torch.equal(mine, expected), i
 

@@ -569,13 +569,13 @@ def q6k_raw(n: int, k: int, seed: int) -> torch.Tensor:
 
 def test_a_q6_k_linear_decodes_on_its_blocks_and_dequantizes_wide_batches():
     from kernels.ops import q6k
-    from kernels.vllm_plugin.cpu_int4 import CpuQ6kLinearMethod
+    from kernels.vllm_plugin.cpu_int4 import CpuBlocksLinearMethod
 
     config = CpuInt4Config.from_config(q6k_config())
     assert config.to_dict()["q6k"] == ["down_proj", "lm_head"]
     layer = ReplicatedLinear(HIDDEN * 4, HIDDEN, bias=False, quant_config=config,
                              prefix="model.layers.0.mlp.down_proj", disable_tp=True)  # fmt: skip
-    assert isinstance(layer.quant_method, CpuQ6kLinearMethod)
+    assert isinstance(layer.quant_method, CpuBlocksLinearMethod) and layer.quant_method.blocks == "Q6_K"
     raw = q6k_raw(HIDDEN, HIDDEN * 4, seed=13)
     layer.blocks.weight_loader(layer.blocks, raw)
     layer.quant_method.process_weights_after_loading(layer)
@@ -592,11 +592,11 @@ def test_a_q6_k_linear_decodes_on_its_blocks_and_dequantizes_wide_batches():
 
 def test_an_untied_q6_k_head_runs_its_blocks():
     from kernels.ops import q6k
-    from kernels.vllm_plugin.cpu_int4 import CpuQ6kHeadMethod
+    from kernels.vllm_plugin.cpu_int4 import CpuBlocksHeadMethod
 
     config = CpuInt4Config.from_config(q6k_config())
     head = ParallelLMHead(VOCAB // 16, HIDDEN * 4, quant_config=config, prefix="lm_head", disable_tp=True)
-    assert isinstance(head.quant_method, CpuQ6kHeadMethod)
+    assert isinstance(head.quant_method, CpuBlocksHeadMethod) and head.quant_method.blocks == "Q6_K"
     raw = q6k_raw(VOCAB // 16, HIDDEN * 4, seed=15)
     head.blocks.weight_loader(head.blocks, raw)
     head.quant_method.process_weights_after_loading(head)

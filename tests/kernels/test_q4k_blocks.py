@@ -80,8 +80,10 @@ def test_the_ledger_counts_the_blocks_at_the_files_bytes(plans):
     blocks = [item for item in lossy.memory.items if item.name.endswith("Q4_K blocks (decode copy)")]
     assert sum(item.bytes for item in blocks) == file_bytes
     rest = {p.memory.resident_bytes - sum(i.bytes for i in p.memory.items if i.kind == "row-major-copy"
-                                          or i.layer == "lm_head") for p in (plain, lossy)}  # fmt: skip
-    assert len(rest) == 1  # everything but the decode copies and the head (its Q6_K blocks, below) is the same
+                                          or i.layer in ("lm_head", "down_proj")) for p in (plain, lossy)}  # fmt: skip
+    # everything but the decode copies, the head (its Q6_K blocks, below) and down_proj (layer 2's Q5_0 blocks) is
+    # the same
+    assert len(rest) == 1
     plain_copies = sum(i.bytes for i in plain.memory.items if i.kind == "row-major-copy")
     lossy_copies = sum(i.bytes for i in lossy.memory.items if i.kind == "row-major-copy")
     assert plain_copies - lossy_copies == grid_bytes - file_bytes > 0
@@ -119,6 +121,11 @@ def test_the_converter_writes_the_files_own_blocks_and_the_grid_for_the_rest(pla
         assert qweight.nbytes + meta.nbytes == np.asarray(raw[prefix].data).nbytes == n * qweight.shape[1] // 128 * 144
     for name in linears():  # every other 4-bit tensor keeps the grid
         prefix = hf_name(name).removesuffix(".weight")
+        if f"{prefix}.blocks" in written:  # the 8-bit set's own blocks: layer 2's Q5_0 down_proj, unfused
+            assert prefix == "model.layers.2.mlp.down_proj" and lossy.quantization_config["q5_0"] == [prefix]
+            file_bytes = torch.from_numpy(np.array(raw[prefix].data).reshape(written[f"{prefix}.blocks"].shape))
+            assert torch.equal(written[f"{prefix}.blocks"], file_bytes)
+            continue
         if prefix not in EXPECTED_BLOCKS and written[f"{prefix}.qweight"].dtype == torch.uint8:
             assert f"{prefix}.zeros" in written and f"{prefix}.meta" not in written, prefix
     config = json.loads((dst / "config.json").read_text())["quantization_config"]
@@ -167,7 +174,10 @@ def test_edge_own_blocks_0_plans_the_grid_instead(plans, monkeypatch):
     grid = make_plan(load_device_file(str(DATA / "cpuinfo_host_epyc_avx2.txt")), read_model(path),
                      path="w4a16-tinygemm", quality=[_record(plain, "avx2-w4a8")])  # fmt: skip
     assert grid.quantization_config["decode_kernel"] == "avx2-w4a8" and "q4k" not in grid.quantization_config
-    assert grid.quantization_config == {k: v for k, v in lossy.quantization_config.items() if k not in ("q4k", "q6k")}
+    from edge.catalog.quantized_layers import OWN_BLOCK_TYPES
+
+    keys = {own.key for own in OWN_BLOCK_TYPES.values()}
+    assert grid.quantization_config == {k: v for k, v in lossy.quantization_config.items() if k not in keys}
 
 
 # --- the 8-bit set's Q6_K weights as the file's own blocks (quantization_config.q6k, kernels/ops/q6k.py) ---
@@ -189,7 +199,7 @@ def test_the_rules_keep_an_unfused_q6_k_weight_and_drop_blocks_a_fused_sibling_d
     from edge.catalog.quantized_layers import QuantRules
 
     rules = QuantRules(path="w4a16-tinygemm", group_size=32, int8=("down_proj", "v_proj", "q_proj", "k_proj"),
-                       int8_group=16, q6k=("down_proj", "v_proj"), quant_method="cpu_int4")  # fmt: skip
+                       int8_group=16, blocks=(("Q6_K", ("down_proj", "v_proj")),), quant_method="cpu_int4")  # fmt: skip
     assert rules.weight("model.layers.0.mlp.down_proj", 2048, 5632).blocks == "Q6_K"
     assert rules.weight("model.layers.0.mlp.down_proj", 2048, 5600).blocks is None  # K not in whole blocks
     shapes = {f"model.layers.0.self_attn.{p}": (n, 2048) for p, n in (("q_proj", 2048), ("k_proj", 256),
@@ -212,15 +222,15 @@ def test_the_converter_writes_the_heads_own_q6_k_blocks(plans, converted):
 def test_edge_evals_module_runs_q6_k_blocks_as_the_engine_does():
     from kernels.ops import q6k
     from kernels.ops.int4_ops import DIRECT
-    from kernels.scoring.eval_cpu_int4 import Int4Settings, Q6kLinear
+    from kernels.scoring.eval_cpu_int4 import BlocksLinear, Int4Settings
     from tests.kernels.test_q6k import random_blocks
 
     blocks = random_blocks(64, 512, seed=5)
     raw = torch.from_numpy(blocks.reshape(64, -1).copy())
     w = q6k.dequantize(*q6k.from_blocks(blocks))
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    decode = Q6kLinear(raw, Int4Settings(32, DIRECT, 2, False, avx2_bits=8))
+    decode = BlocksLinear(raw, "Q6_K", Int4Settings(32, DIRECT, 2, False, avx2_bits=8))
     assert torch.equal(decode(x), q6k.linear(x, q6k.decode_layout(*q6k.from_blocks(blocks))))
-    wide = Q6kLinear(raw, Int4Settings(32, DIRECT, 2, False, int8_rows=1))  # 3 rows: dequantized, bf16 GEMM
+    wide = BlocksLinear(raw, "Q6_K", Int4Settings(32, DIRECT, 2, False, int8_rows=1))  # 3 rows: dequantized, bf16 GEMM
     assert torch.equal(wide(x), torch.mm(x, w.to(torch.bfloat16).t()))
     assert torch.equal(raw, torch.from_numpy(blocks.reshape(64, -1)))  # the checkpoint's tensor left as it was

@@ -41,13 +41,13 @@ def generate(model: str, out: Path) -> None:
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
 
     def blocks(model: torch.nn.Module) -> list[str]:
-        from kernels.vllm_plugin.cpu_int4 import CpuQ4kLinearMethod, _Q6kWeights
+        from kernels.vllm_plugin.cpu_int4 import CpuQ4kLinearMethod, _BlocksWeights
 
         def kept(module: torch.nn.Module) -> bool:  # in the decode layout
             method = getattr(module, "quant_method", None)
             if isinstance(method, CpuQ4kLinearMethod):
                 return module.scales.dtype == torch.uint8
-            return isinstance(method, _Q6kWeights) and module.blocks.dim() == 3
+            return isinstance(method, _BlocksWeights) and module.blocks.dim() == 3
 
         return [name for name, module in model.named_modules() if kept(module)]
 
