@@ -91,7 +91,8 @@ def q8_0_blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     nb = k // BLOCK
     d_bytes = d.contiguous().view(torch.uint8).view(n, nb, 2)
-    return torch.cat([d_bytes, q.contiguous().view(torch.uint8).view(n, nb, BLOCK)], dim=-1).reshape(n, nb * KINDS["Q8_0"].bytes)
+    codes = q.contiguous().view(torch.uint8).view(n, nb, BLOCK)
+    return torch.cat([d_bytes, codes], dim=-1).reshape(n, nb * KINDS["Q8_0"].bytes)
 
 
 def nbytes(type_name: str, n: int, k: int) -> int:

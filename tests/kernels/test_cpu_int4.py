@@ -608,3 +608,49 @@ def test_an_untied_q6_k_head_runs_its_blocks():
 def test_the_config_refuses_q6_k_blocks_for_a_kernel_that_does_not_read_them():
     with pytest.raises(InputError, match=r"quantization_config\.q6k.*reads a GGUF's own blocks"):
         CpuInt4Config.from_config(q6k_config(decode_kernel="avx2"))
+
+
+# --- the 8-bit set's weights as a GGUF's own Q8_0 and Q5_0 blocks (quantization_config.q8_0, q5_0; kernels/ops/g32.py)
+
+
+def g32_raw(type_name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    from tests.kernels.test_g32 import random_blocks
+
+    return torch.from_numpy(random_blocks(type_name, n, k, seed).reshape(n, -1))
+
+
+@pytest.mark.parametrize("type_name, key", [("Q5_0", "q5_0"), ("Q8_0", "q8_0")])
+def test_a_fused_layer_of_q8_0_or_q5_0_blocks_loads_each_shard_and_decodes_on_its_blocks(type_name, key):
+    """gate_up_proj's shards load as byte rows of one `blocks` tensor; decode rows run the C++ front
+    (edge_avx2::blocks_linear: the type's kernel), wider batches the dequantized GEMM."""
+    from kernels.ops import g32
+    from kernels.vllm_plugin.cpu_int4 import CpuBlocksLinearMethod
+
+    config = CpuInt4Config.from_config(quant_config("direct", group_size=32, decode_kernel="avx2-w4a8",
+                                                    int8=["gate_proj", "up_proj"], int8_group_size=32,
+                                                    **{key: ["gate_proj", "up_proj"]}))  # fmt: skip
+    assert config.to_dict()[key] == ["gate_proj", "up_proj"]
+    layer = MergedColumnParallelLinear(HIDDEN, [INTERMEDIATE, INTERMEDIATE], bias=False, quant_config=config,
+                                       prefix="model.layers.0.mlp.gate_up_proj", disable_tp=True)  # fmt: skip
+    assert isinstance(layer.quant_method, CpuBlocksLinearMethod) and layer.quant_method.blocks == type_name
+    gate, up = g32_raw(type_name, INTERMEDIATE, HIDDEN, seed=21), g32_raw(type_name, INTERMEDIATE, HIDDEN, seed=22)
+    layer.blocks.weight_loader(layer.blocks, gate, 0)
+    layer.blocks.weight_loader(layer.blocks, up, 1)
+    layer.quant_method.process_weights_after_loading(layer)
+    size = g32.kind(type_name).bytes
+    codes = g32.from_blocks(type_name, torch.cat([gate, up]).numpy().reshape(2 * INTERMEDIATE, -1, size))
+    assert torch.equal(layer.blocks, g32.decode_layout(type_name, *codes))
+    w = g32.dequantize(*codes)
+    x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(23)).to(torch.bfloat16)
+    assert snr_db(layer.quant_method.apply(layer, x), x.float() @ w.t()) > 35  # 64 rows: dequantized, bf16 GEMM
+    one = x[:1]
+    if config.int8_rows:  # the 8-bit set's rows on the AVX2 kernels
+        assert torch.equal(layer.quant_method.apply(layer, one), g32.linear(one, layer.blocks))
+    assert snr_db(layer.quant_method.apply(layer, one), one.float() @ w.t()) > 30
+
+
+def test_the_config_refuses_an_own_block_key_it_does_not_know_and_blocks_for_the_int16_kernel():
+    with pytest.raises(InputError, match=r"quantization_config\.q5_0.*reads a GGUF's own blocks"):
+        CpuInt4Config.from_config(quant_config("direct", decode_kernel="avx2", int8=["o_proj"], q5_0=["o_proj"]))
+    with pytest.raises(InputError, match=r"quantization_config: expected one of .*got .q4_0."):
+        CpuInt4Config(own_blocks={"q4_0": ["o_proj"]}, decode_kernel="avx2-w4a8")

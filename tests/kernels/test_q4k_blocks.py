@@ -13,6 +13,7 @@ with its Q8_0 gate elsewhere.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -234,3 +235,75 @@ def test_edge_evals_module_runs_q6_k_blocks_as_the_engine_does():
     wide = BlocksLinear(raw, "Q6_K", Int4Settings(32, DIRECT, 2, False, int8_rows=1))  # 3 rows: dequantized, bf16 GEMM
     assert torch.equal(wide(x), torch.mm(x, w.to(torch.bfloat16).t()))
     assert torch.equal(raw, torch.from_numpy(blocks.reshape(64, -1)))  # the checkpoint's tensor left as it was
+
+
+# --- the 8-bit set's Q8_0 and Q5_0 weights as the file's own blocks (quantization_config.q8_0, q5_0; ops/g32.py)
+
+
+def g32_rules(**blocks):
+    from edge.catalog.quantized_layers import QuantRules
+
+    return QuantRules(path="w4a16-tinygemm", group_size=32, int8=("q_proj", "k_proj", "v_proj", "o_proj"),
+                      int8_group=32, blocks=tuple(blocks.items()), quant_method="cpu_int4")  # fmt: skip
+
+
+QKV = {f"model.layers.0.self_attn.{p}": (n, 576) for p, n in (("q_proj", 576), ("k_proj", 192), ("v_proj", 192))}
+
+
+def test_q5_0_weights_fused_with_q8_0_ones_take_q8_0_blocks_and_say_why():
+    decided = g32_rules(Q5_0=("q_proj", "k_proj", "o_proj"), Q8_0=("v_proj",)).weights(QKV)
+    assert {d.blocks for d in decided.values()} == {"Q8_0"}
+    assert "the file's Q5_0 written as Q8_0 blocks, unrounded" in decided["model.layers.0.self_attn.q_proj"].why
+    assert decided["model.layers.0.self_attn.v_proj"].why.endswith("(quantization_config.q8_0)")
+    o_proj = g32_rules(Q5_0=("o_proj",)).weight("model.layers.0.self_attn.o_proj", 576, 576)
+    assert o_proj.blocks == "Q5_0" and o_proj.format == "int8"  # unfused: the file's own type
+    assert g32_rules(Q5_0=("o_proj",)).weight("model.layers.0.self_attn.o_proj", 576, 560).blocks is None  # K
+
+
+def test_blocks_a_type_cannot_hold_unrounded_leave_the_fused_layer_on_the_grid():
+    plain = g32_rules(Q5_0=("q_proj", "k_proj")).weights(QKV)  # v_proj plain int8
+    assert not any(d.blocks for d in plain.values())
+    assert "one layer keeps one kind of decode copy" in plain["model.layers.0.self_attn.q_proj"].why
+    mixed = g32_rules(Q6_K=("v_proj",), Q8_0=("q_proj", "k_proj")).weights(QKV)  # no type holds the other
+    assert not any(d.blocks for d in mixed.values())
+
+
+def test_the_converter_writes_a_q5_0_tensor_as_q8_0_blocks_of_the_same_weights():
+    from kernels.formats.int8 import from_source_blocks
+    from kernels.ops import g32
+    from kernels.source.gguf_source import GgufModel, GgufTensor
+    from tests.kernels.test_g32 import gguf_weights, random_blocks
+
+    blocks = random_blocks("Q5_0", 16, 576, seed=7)
+    tensor = GgufTensor("w.weight", "w.weight", "Q5_0", (16, 576), None, blocks.reshape(16, -1))
+    grid = GgufModel(Path("random.gguf"), "llama", 1, 1, {"w.weight": tensor}, ())
+    own = from_source_blocks("w", grid, "w.weight", "Q5_0")["w.blocks"]
+    assert torch.equal(own, torch.from_numpy(blocks.reshape(16, -1)))
+    widened = from_source_blocks("w", grid, "w.weight", "Q8_0")["w.blocks"]
+    assert widened.shape == (16, 18 * 34)
+    assert torch.equal(gguf_weights("Q8_0", widened.numpy().reshape(16, 18, 34)), gguf_weights("Q5_0", blocks))
+    assert torch.equal(g32.dequantize(*g32.from_blocks("Q8_0", widened.numpy().reshape(16, 18, 34))),
+                       gguf_weights("Q5_0", blocks))  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
+def test_edge_evals_module_runs_q8_0_and_q5_0_blocks_as_the_engine_does(type_name):
+    from kernels.ops import g32
+    from kernels.ops.int4_ops import DIRECT
+    from kernels.scoring.eval_cpu_int4 import BlocksLinear, Int4Settings, _blocks_type
+    from tests.kernels.test_g32 import random_blocks
+
+    blocks = random_blocks(type_name, 64, 576, seed=5)
+    raw = torch.from_numpy(blocks.reshape(64, -1).copy())
+    w = g32.dequantize(*g32.from_blocks(type_name, blocks))
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    decode = BlocksLinear(raw, type_name, Int4Settings(32, DIRECT, 2, False, avx2_bits=8))
+    assert torch.equal(decode(x), g32.linear(x, g32.decode_layout(type_name, *g32.from_blocks(type_name, blocks))))
+    wide = BlocksLinear(raw, type_name, Int4Settings(32, DIRECT, 2, False, int8_rows=1))  # 3 rows: bf16 GEMM
+    assert torch.equal(wide(x), torch.mm(x, w.to(torch.bfloat16).t()))
+    qconfig = {"q5_0": ["o_proj"], "q8_0": ["model.layers.1.self_attn.v_proj"]}
+    assert _blocks_type("model.layers.0.self_attn.o_proj", qconfig) == "Q5_0"
+    assert _blocks_type("model.layers.1.self_attn.v_proj", qconfig) == "Q8_0"
+    with pytest.raises(InputError, match=r"model\.layers\.0\.self_attn\.v_proj\.blocks"):
+        _blocks_type("model.layers.0.self_attn.v_proj", qconfig)
