@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from edge.catalog.kernel_registry import LOSSY_DECODE_KERNELS
+from edge.catalog.quantized_layers import OWN_BLOCK_TYPES
 
 # The speed priority trades quality only within this mean KL divergence (per token, nats) unless told otherwise.
 # llama.cpp's plain 4-bit round-to-nearest formats (Q4_0/Q4_1, group 32) sit at 0.072 on Llama-3-8B and its
@@ -33,13 +34,17 @@ DEFAULT_MAX_KLD = 0.08
 #      top-1 97.3 % (served prompt log-probs against the bf16 plan's), and the speed priority refused it.
 EVALUATOR_REVISION = 2
 STALE_BELOW: dict[str, int] = {"Gemma3ForCausalLM": 2}
-# Settings of a quantization_config that change the weights' values (and so the quality). Not `q4k`: a layer whose
-# decode copy keeps the file's Q4_K blocks has the same codes and the same prefill buffer as the int4 grid of that
-# file, its decode scales the file's own where the grid rounds them to bf16 (kernels/ops/q4k.py); it exists only
-# with an int8-activation decode kernel, whose record (edge-eval --decode-kernel, run on the grid) the planner
-# needs before it writes one, so the two share it.
+# Settings of a quantization_config that change the weights' values or the arithmetic (and so the quality). Not
+# `q4k`: a layer whose decode copy keeps the file's Q4_K blocks has the same codes and the same prefill buffer as the
+# int4 grid of that file, its decode scales the file's own where the grid rounds them to bf16 (kernels/ops/q4k.py),
+# and runs on int8 activations as the grid's decode kernel does then; it exists only with an int8-activation decode
+# kernel, whose record (edge-eval --decode-kernel, run on the grid) the planner needs before it writes one, so the
+# two share it. The 8-bit set's blocks (`q6k`, `q8_0`, `q5_0`: EIGHT_BIT_BLOCK_KEYS) do count: their kernels take
+# int8 activations where the set's own kernel takes int16 (on the default model's Q4_K_M, mean KLD 0.0038 against
+# 0.0016 on the grid, 2048 tokens, 2026-12-06), so their record is their own.
+EIGHT_BIT_BLOCK_KEYS = tuple(own.key for own in OWN_BLOCK_TYPES.values() if own.format == "int8")
 _NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "quantize_embedding",
-                 "int8", "int8_group_size", "ignore", "lm_head")  # fmt: skip
+                 "int8", "int8_group_size", "ignore", "lm_head", *EIGHT_BIT_BLOCK_KEYS)  # fmt: skip
 
 
 class QualityRecord(BaseModel):
@@ -83,6 +88,12 @@ def quality_key(path: str, qconfig: Mapping[str, Any] | None) -> dict[str, Any]:
     if qconfig and qconfig.get("decode_kernel") in LOSSY_DECODE_KERNELS:
         key["decode_kernel"] = qconfig["decode_kernel"]
     return key
+
+
+def grid_key(key: Mapping[str, Any]) -> dict[str, Any]:
+    """The key of the same candidate with its 8-bit set on the grid (no blocks of the file's): what a record measured
+    before a plan kept any (edge-eval --decode-kernel on the grid plan) is filed under."""
+    return {name: value for name, value in key.items() if name not in EIGHT_BIT_BLOCK_KEYS}
 
 
 def find(

@@ -22,7 +22,7 @@ from edge.formats.export import export_section
 from edge.formats.tinygemm import TINYGEMM
 from edge.measure import kernel_params, ledger
 from edge.measure.cost import engine_linears, thread_choice
-from edge.measure.quality import DEFAULT_MAX_KLD, PlanQuality, QualityRecord, find, quality_key
+from edge.measure.quality import DEFAULT_MAX_KLD, PlanQuality, QualityRecord, find, grid_key, quality_key
 from edge.measure.rank import Option, RankInput, rank
 from edge.model.shapes import ModelShape
 from edge.plan.engine_config import (
@@ -447,8 +447,13 @@ def _lossy_decode(req: Request, gates: dict[WeightPath, Gate],
         return req, None
     trial = replace(req, kernel=replace(kernel, decode_kernel=kernel.lossy_decode))
     probe = Option(TINYGEMM_PATH, PATHS[TINYGEMM_PATH].layouts[0], None, "")  # layout is not in the quality key
-    record = find(records, req.model.name, quality_key(TINYGEMM_PATH, _qconfig(probe, gates[TINYGEMM_PATH], trial)),
-                  req.model.architecture)  # fmt: skip
+    key = quality_key(TINYGEMM_PATH, _qconfig(probe, gates[TINYGEMM_PATH], trial))
+    record = find(records, req.model.name, key, req.model.architecture)
+    # the candidate with the file's own 8-bit blocks unmeasured yet: the same plan's record on the grid gates it (the
+    # plan's quality line stays unmeasured until edge-eval measures the plan itself)
+    on_grid = record is None and key != grid_key(key)
+    if on_grid:
+        record = find(records, req.model.name, grid_key(key), req.model.architecture)
     if record is None:
         return req, Reason(
             text=f"decode stays on {kernel.decode_kernel}: {kernel.lossy_decode_why}, but no edge-eval record of this "
@@ -456,6 +461,9 @@ def _lossy_decode(req: Request, gates: dict[WeightPath, Gate],
             f"{kernel.lossy_decode} measures it, and the next plan reads the record)", source="derived")  # fmt: skip
     measured = (f"int8 activations measured mean KLD {record.kld_mean:.4f} (top-1 {record.top1_agreement:.1%}, "
                 f"{record.tokens} tokens)")  # fmt: skip
+    if on_grid:
+        measured += (" with the 8-bit set on its grid (the file's own 8-bit blocks this plan keeps are not measured "
+                     "yet: edge-eval --plan PLAN measures them)")  # fmt: skip
     if record.kld_mean > req.max_kld:
         return req, Reason(text=f"decode stays on {kernel.decode_kernel}: {measured} exceeds --max-kld {req.max_kld:g}",
                            value=record.kld_mean, unit="nats/token", source="measured by edge-eval")  # fmt: skip

@@ -585,6 +585,96 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return stack[0].toTensor();
 }
 
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+// Codes of a decode-layout vector (32 signed bytes, byte 4c+t: channel c's t-th of 4 weights) times their channel's
+// fp32 scale, rounded to bf16: 4 values into each of the 8 rows at column `col`.
+inline void store_x8(__m256i codes, const float* scale, c10::BFloat16* const* row, int64_t col) {
+  alignas(32) int8_t q[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(q), codes);
+  for (int c = 0; c < 8; c += 2) {
+    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 4 * c));
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+    const __m256 sv = _mm256_setr_m128(_mm_set1_ps(scale[c]), _mm_set1_ps(scale[c + 1]));
+    const __m128i h = to_bf16x8(_mm256_mul_ps(v, sv));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(row[c] + col), h);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(row[c + 1] + col), _mm_unpackhi_epi64(h, h));
+  }
+}
+
+// The weights a decode-layout blocks tensor stands for, bf16 [N, K]: what a wide batch multiplies by (Q6_K [N/8, K/256,
+// 1680], Q8_0 [N/8, K/32, 272], Q5_0 [N/8, K/32, 176]; layouts in kernels/ops/q6k.py and g32.py, whose dequantize_x8
+// gives the same values: the signed code times the fp32 scale (d; Q6_K's d sc), rounded to bf16 to nearest even), in
+// parallel over blocks of 8 channels. The codes are widened as the decode kernels widen them (avx2_int4.cpp
+// block8_g32, block8_q6k).
+at::Tensor blocks_dequantize(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte &&
+                  (blocks.size(2) == 1680 || blocks.size(2) == 272 || blocks.size(2) == 176),
+              "blocks: expected uint8 [N/8, K/block, 1680 (Q6_K), 272 (Q8_0) or 176 (Q5_0)], got ",
+              blocks.scalar_type(), " ", blocks.sizes());
+  const int64_t bytes = blocks.size(2), nb = blocks.size(1), n = blocks.size(0) * 8;
+  const int64_t weights = bytes == 1680 ? 256 : 32, k = nb * weights;
+  at::Tensor bl = blocks.contiguous();
+  at::Tensor out = at::empty({n, k}, blocks.options().dtype(at::kBFloat16));
+  const uint8_t* bp = bl.data_ptr<uint8_t>();
+  c10::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n / 8, 1, [&](int64_t begin, int64_t end) {
+    const __m256i four = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10), top = _mm256_set1_epi8(0x30);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const uint8_t* p = bp + (b * nb + blk) * bytes;
+        float d[8];
+        for (int c = 0; c < 8; ++c) d[c] = half_at(p + 2 * c);
+        c10::BFloat16* row[8];
+        for (int c = 0; c < 8; ++c) row[c] = op + (8 * b + c) * k + blk * weights;
+        if (bytes == 272) {
+          for (int v = 0; v < 8; ++v) store_x8(loadu(p + 16 + 32 * v), d, row, 4 * v);
+        } else if (bytes == 176) {
+          const __m256i h = loadu(p + 144);
+          const __m256i sixteen = _mm256_set1_epi8(16);
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = loadu(p + 16 + 32 * j);
+            // bit 2j (2j+1) of each byte of h moved to bit 4: a variable 16-bit shift left by 4-2j (3-2j), or right
+            const __m128i lo_shift = _mm_cvtsi32_si128(std::abs(4 - 2 * j));
+            const __m128i hi_shift = _mm_cvtsi32_si128(std::abs(3 - 2 * j));
+            const __m256i lo_top = 4 - 2 * j >= 0 ? _mm256_sll_epi16(h, lo_shift) : _mm256_srl_epi16(h, lo_shift);
+            const __m256i hi_top = 3 - 2 * j >= 0 ? _mm256_sll_epi16(h, hi_shift) : _mm256_srl_epi16(h, hi_shift);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, four), _mm256_and_si256(lo_top, fifth));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), four),
+                                               _mm256_and_si256(hi_top, fifth));
+            store_x8(_mm256_sub_epi8(lo, sixteen), d, row, 8 * j);
+            store_x8(_mm256_sub_epi8(hi, sixteen), d, row, 8 * j + 4);
+          }
+        } else {
+          const __m256i thirty_two = _mm256_set1_epi8(32);
+          for (int s = 0; s < 16; ++s) {
+            float scale[8];
+            for (int c = 0; c < 8; ++c) scale[c] = d[c] * static_cast<float>(static_cast<int8_t>(p[16 + 8 * s + c]));
+            const uint8_t* sub = p + 144 + 96 * s;
+            const __m256i v0 = loadu(sub), v1 = loadu(sub + 32), h = loadu(sub + 64);
+            const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(v0, four),
+                                                _mm256_and_si256(_mm256_slli_epi16(h, 4), top));
+            const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), four),
+                                                _mm256_and_si256(_mm256_slli_epi16(h, 2), top));
+            const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(v1, four), _mm256_and_si256(h, top));
+            const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), four),
+                                                _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
+            store_x8(_mm256_sub_epi8(lo0, thirty_two), scale, row, 16 * s);
+            store_x8(_mm256_sub_epi8(hi0, thirty_two), scale, row, 16 * s + 4);
+            store_x8(_mm256_sub_epi8(lo1, thirty_two), scale, row, 16 * s + 8);
+            store_x8(_mm256_sub_epi8(hi1, thirty_two), scale, row, 16 * s + 12);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // An 8-bit-set layer kept as a GGUF's own blocks (kernels/ops/int4_ops.py blocks_linear_impl's arguments; Q6_K, Q8_0
 // or Q5_0 in their decode layouts, told apart by the last dimension: 1680, 272, 176): rows as a decode step passes
 // them, [M <= avx2_rows, K] bf16, run the kernel without leaving C++; any other batch goes to the Python op
@@ -615,6 +705,7 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("q6k_linear(Tensor x, Tensor blocks) -> Tensor");
   m.def("g32_linear(Tensor x, Tensor blocks, int bits) -> Tensor");
   m.def("blocks_linear(Tensor x, Tensor blocks, int dequant_threshold, int avx2_rows) -> Tensor");
+  m.def("blocks_dequantize(Tensor blocks) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
         "Tensor zeros, int group, int mode, int dequant_threshold, bool fp32_prefill, int avx2_rows, "
@@ -629,6 +720,7 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("q6k_linear", &q6k_linear);
   m.impl("g32_linear", &g32_linear);
   m.impl("blocks_linear", &blocks_linear);
+  m.impl("blocks_dequantize", &blocks_dequantize);
   m.impl("int4_linear", &int4_linear);
 }
 

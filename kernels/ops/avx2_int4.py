@@ -119,6 +119,11 @@ def _register_fake() -> None:
     def _fake_g32(x, blocks, bits):
         return x.new_empty((*x.shape[:-1], blocks.shape[0] * X8_CHANNELS))
 
+    @torch.library.register_fake(f"{OP_NAMESPACE}::blocks_dequantize")
+    def _fake_dequantize(blocks):
+        weights = 256 if blocks.shape[-1] == 1680 else 32
+        return blocks.new_empty((blocks.shape[0] * X8_CHANNELS, blocks.shape[1] * weights), dtype=torch.bfloat16)
+
     @torch.library.register_fake(f"{OP_NAMESPACE}::blocks_linear")
     def _fake_blocks(x, blocks, dequant_threshold, avx2_rows):
         return x.new_empty((*x.shape[:-1], blocks.shape[0] * X8_CHANNELS), dtype=torch.bfloat16)

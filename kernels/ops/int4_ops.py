@@ -149,12 +149,16 @@ def blocks_linear_impl(
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] bf16 for an 8-bit-set layer kept as a GGUF's own Q6_K, Q8_0 or Q5_0 blocks in their
     decode layout (kernels/ops/q6k.py, g32.py): batches of up to avx2_rows rows (below dequant_threshold, as the
-    8-bit set's own) run the type's kernel (int8 activations per group of 32); wider ones dequantize to bf16 and run
+    8-bit set's own) run the type's kernel (int8 activations per group of 32); wider ones dequantize to bf16 (the
+    C++ op where the AVX2 build loads: 12-40x the Python one, kernels/ops/avx2_int4.cpp blocks_dequantize) and run
     the GEMM."""
     ops = _blocks_ops(blocks)
     x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [M, K]
-    narrow = x2.shape[0] <= avx2_rows
-    y = ops.linear(x2, blocks) if narrow else torch.mm(x2, ops.dequantize_x8(blocks).t())  # [M, N] bf16
+    if x2.shape[0] <= avx2_rows:
+        y = ops.linear(x2, blocks)  # [M, N] bf16
+    else:
+        dequantize = avx2_int4.op("blocks_dequantize") if avx2_int4.load() is None else ops.dequantize_x8
+        y = torch.mm(x2, dequantize(blocks).t())
     return y.view(*x.shape[:-1], blocks.shape[0] * ops.X8)
 
 

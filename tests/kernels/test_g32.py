@@ -138,3 +138,21 @@ def test_the_layout_made_in_place_and_dequantized_back_is_the_files_weights(type
     assert torch.equal(packed, g32.decode_layout(type_name, *g32.from_blocks(type_name, blocks)))
     assert g32.type_of(packed) == type_name
     assert torch.equal(g32.dequantize_x8(packed, torch.float32), gguf_weights(type_name, blocks))
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q6_K"])
+def test_the_c_plus_plus_dequantize_wide_batches_run_is_the_layouts_weights_bit_for_bit(type_name):
+    """edge_avx2::blocks_dequantize (what a wide batch multiplies by) gives dequantize_x8's bf16 values exactly."""
+    from kernels.ops import q6k
+    from tests.kernels import test_q6k
+
+    if type_name == "Q6_K":
+        packed = q6k.decode_layout(*q6k.from_blocks(test_q6k.random_blocks(24, 512, seed=8)))
+        reference = q6k.dequantize_x8(packed)
+    else:
+        packed = g32.decode_layout(type_name, *g32.from_blocks(type_name, random_blocks(type_name, 24, 576, seed=8)))
+        reference = g32.dequantize_x8(packed)
+    assert torch.equal(torch.ops.edge_avx2.blocks_dequantize(packed), reference)
+    with pytest.raises(RuntimeError, match=r"blocks: expected uint8 \[N/8, K/block, 1680 \(Q6_K\), 272"):
+        torch.ops.edge_avx2.blocks_dequantize(packed[..., :100])
