@@ -84,8 +84,9 @@ def test_the_ledger_counts_every_block_at_its_types_bytes(planned):
         counted[item.layer] = counted.get(item.layer, 0) + item.bytes
     assert counted == by_layer
     # the linears' blocks hold no more than the file's own tensors, but the 14 layers' q and k widened to Q8_0
-    file_bytes = sum(t["shape"][0] * t["shape"][1] // GGML_BLOCKS[t["type"]][0] * GGML_BLOCKS[t["type"]][1]
-                     for t in HEADER["tensors"] if t["name"].startswith("blk.") and t["type"] in GGML_BLOCKS)  # fmt: skip
+    held = [(t["shape"], *GGML_BLOCKS[t["type"]]) for t in HEADER["tensors"]
+            if t["name"].startswith("blk.") and t["type"] in GGML_BLOCKS]  # fmt: skip
+    file_bytes = sum(shape[0] * shape[1] // weights * nbytes for shape, weights, nbytes in held)
     widening = 14 * (576 + 192) * 576 // 32 * (34 - 22)
     assert sum(by_layer.values()) == file_bytes + widening
 
