@@ -1,10 +1,11 @@
-"""Real vLLM serving a GGUF's Q4_K tensors and its Q6_K head as the file's own blocks (quantization_config.q4k,
-q6k): test_mixed_grid's generated Q4_K_M-like llama, converted by this host's plan for it on the int8-activation
-kernel twice, with the blocks test_q4k_blocks expects the plan to name and on the grids. The engine must load the
-blocks into those layers (and no other), decode on them, and generate what the grids generate where their choice is
-not a near-tie: the blocks hold the same codes, their scales the file's where the grids round them (bf16 for the
-int4 grid), and the head runs int8 activations where the 8-bit set's kernel runs int16, so a token whose top two
-log-probabilities lie within MARGIN may flip, and nothing else may.
+"""Real vLLM serving a GGUF's Q4_K tensors, its Q6_K head and its Q5_0 down_proj as the file's own blocks
+(quantization_config.q4k, q6k, q5_0): test_mixed_grid's generated Q4_K_M-like llama, converted by this host's plan
+for it on the int8-activation kernel twice, with the blocks test_q4k_blocks expects the plan to name and on the
+grids. The engine must load the blocks into those layers (and no other), decode on them, and generate what the
+grids generate where their choice is not a near-tie: the blocks hold the same codes, their scales the file's where
+the grids round them (bf16 for the int4 grid), and the head and the Q5_0 down_proj run int8 activations where the
+8-bit set's kernel runs int16, so a token whose top two log-probabilities lie within MARGIN may flip, and nothing
+else may.
 
 One subprocess per checkpoint (the plugin installs once per process), the engine core stepped inside it
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the plan's one-process mode serves), eager.
@@ -25,8 +26,9 @@ PROMPTS = ["The capital of France is", "Water boils at a temperature of", "The t
 NEW_TOKENS = 8
 MARGIN = 0.05  # nats between the grid's top two choices below which the blocks may choose the other
 # vLLM layers the plan keeps as blocks (test_q4k_blocks: Q4_K, fused: qkv_proj of layers 1-3, o_proj of all 6,
-# down_proj of layer 4; Q6_K: the untied head)
-BLOCK_LAYERS = 3 + 6 + 1 + 1
+# down_proj of layer 4; Q5_0: down_proj of layer 2; Q6_K: the untied head)
+BLOCK_LAYERS = 3 + 6 + 1 + 1 + 1
+Q5_0_DOWN = "model.layers.2.mlp.down_proj"
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +74,8 @@ def served(tmp_path_factory, tokenizer_source) -> dict:
     path = mixed_gguf(tmp_path_factory.mktemp("mixed"), tokenizer_source)
     plan = make_plan(probe(), read_model(path), path="w4a16-tinygemm")  # this host's block and 8-bit set
     grid = {**plan.quantization_config, "decode_kernel": "avx2-w4a8"}
-    plans = {"blocks": {**grid, "q4k": sorted(EXPECTED_BLOCKS), "q6k": ["lm_head"]}, "grid": grid}
+    plans = {"blocks": {**grid, "q4k": sorted(EXPECTED_BLOCKS), "q6k": ["lm_head"], "q5_0": [Q5_0_DOWN]},
+             "grid": grid}  # fmt: skip
     results = {}
     for label, qconfig in plans.items():
         directory = tmp_path_factory.mktemp(label)
@@ -90,8 +93,10 @@ def served(tmp_path_factory, tokenizer_source) -> dict:
 def test_the_engine_keeps_the_blocks_in_the_layers_the_plan_names_and_no_other(served):
     from kernels.ops import avx2_int4
 
-    expected = BLOCK_LAYERS if avx2_int4.load() is None else 1  # without the AVX2 kernel: only the head's blocks
+    # without the AVX2 kernel: only the 8-bit set's blocks (the head, the Q5_0 down_proj), dequantized for every batch
+    expected = BLOCK_LAYERS if avx2_int4.load() is None else 2
     assert len(served["blocks"]["block_layers"]) == expected, served["blocks"]["block_layers"]
+    assert Q5_0_DOWN in served["blocks"]["block_layers"]
     assert served["blocks"]["block_layers"][-1] == "lm_head"
     assert served["grid"]["block_layers"] == []
 
