@@ -29,8 +29,8 @@ Variants:
                   the plugin's (kernels/vllm_plugin/attention.py)
     edge:MODE+no-huge-pages  the same with the decode kernels' weights where vLLM loaded them (EDGE_HUGE_PAGES=0)
                   instead of in slabs advised for transparent huge pages (kernels/ops/huge_pages.py)
-    edge:MODE+grid  the same with a GGUF's Q4_K tensors on the int4 grid for decode too, not the file's own
-                  blocks (EDGE_OWN_BLOCKS=0: the plan leaves out quantization_config.q4k)
+    edge:MODE+grid  the same with a GGUF's Q4_K, Q6_K, Q8_0 and Q5_0 tensors on the grids for decode too, not the
+                  file's own blocks (EDGE_OWN_BLOCKS=0: the plan leaves out quantization_config.q4k, q6k, q8_0, q5_0)
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 

@@ -190,17 +190,18 @@ def decode_rows(name: str) -> int | None:
 LOSSY_DECODE_KERNELS: tuple[str, ...] = tuple(name for name, spec in DECODE_KERNELS.items() if spec.lossy)
 
 
-# Decode kernels that come with kernels reading a GGUF's own Q4_K and Q6_K blocks (kernels/ops/q4k.py, q6k.py: int8
-# activations, the decode layout of 8 channels; torch.ops.edge_avx2.q4k_linear, q6k_linear), so a plan on one keeps
-# them for the weights the file holds so (edge.catalog.quantized_layers.rules_for's own_blocks): Q4_K at 4.5 bits where
-# the int4 grid holds 5, Q6_K at 6.5625 where the 8-bit set holds 10, the file's scales unrounded.
+# Decode kernels that come with kernels reading a GGUF's own blocks (edge.catalog.quantized_layers.OWN_BLOCK_TYPES:
+# kernels/ops/q4k.py, q6k.py, g32.py; int8 activations, the decode layout of 8 channels; torch.ops.edge_avx2.q4k_linear,
+# blocks_linear), so a plan on one keeps them for the weights the file holds so (rules_for's own_blocks): Q4_K at 4.5
+# bits where the int4 grid holds 5, Q6_K at 6.5625, Q8_0 at 8.5 and Q5_0 at 5.5 where the 8-bit set holds 10, the
+# file's scales unrounded.
 # EDGE_OWN_BLOCKS=0 plans the grids for them instead (benchmarks compare the two: bench_serve's +grid).
 OWN_BLOCK_DECODE_KERNELS: tuple[str, ...] = ("avx2-w4a8",)
 OWN_BLOCKS_ENV = "EDGE_OWN_BLOCKS"
 
 
 def reads_own_blocks(decode: str) -> bool:
-    """Whether a plan whose decode rows run on this decode kernel keeps a GGUF's Q4_K and Q6_K blocks for them."""
+    """Whether a plan whose decode rows run on this decode kernel keeps a GGUF's own blocks (OWN_BLOCK_TYPES)."""
     return decode in OWN_BLOCK_DECODE_KERNELS and os.environ.get(OWN_BLOCKS_ENV) != "0"
 
 

@@ -436,8 +436,9 @@ def rules_for(
     architecture whose vLLM class cannot load a quantized embedding (BF16_EMBEDDING_ARCHITECTURES) keeps the
     embedding and its tied head bf16. `int8_groups`: the device runs a per-group 8-bit set at decode speed
     (edge.catalog.kernel_registry.runs_grouped_int8); where it does not, the set stays per channel. `own_blocks`:
-    the plan's decode kernel reads a GGUF's own Q4_K blocks (edge.catalog.kernel_registry.reads_own_blocks); then
-    the 4-bit weights the file holds as Q4_K keep them for decode (`q4k`) where the plan copies the file's codes."""
+    the plan's decode kernel reads a GGUF's own blocks (edge.catalog.kernel_registry.reads_own_blocks); then the
+    4-bit weights the file holds as Q4_K keep them for decode (`q4k`) where the plan copies the file's codes, and the
+    8-bit set's weights held as Q6_K, Q8_0 or Q5_0 keep theirs (`q6k`, `q8_0`, `q5_0`; OWN_BLOCK_TYPES)."""
     method = quant_method(path, amx=amx)
     spec = METHODS.get(method) if method else None
     eight_bit = spec is not None and spec.eight_bit
