@@ -979,6 +979,24 @@ void channels(const uint8_t* wp, const Grid& grid, const Acts<Q>& x, float* yp, 
 // Activations int8 in order (xo null in quantize_acts), per weight group.
 // The int32 sums of group g (GROUP weights from k = g * GROUP) of one block of 8 channels, for MB rows from m0:
 // lane c of sum[r] is channel c's. w: the block's K/8 chunks of 32 bytes.
+// One chunk of 8 channels x 8 weights in the decode layout (lo: the codes of its first 4 weights, hi: of the next 4,
+// byte 4c+t channel c's) against a row's 8 activations from x: vpdpbusd into acc, or in the plain AVX2 build 16-bit
+// pair sums into sum16 (first: the sum's first chunk), which the caller widens into acc.
+inline void chunk8_a8(__m256i lo, __m256i hi, const int8_t* x, bool first, __m256i& acc,
+                      [[maybe_unused]] __m256i& sum16) {
+  int32_t x0, x1;
+  std::memcpy(&x0, x, 4);
+  std::memcpy(&x1, x + 4, 4);
+#if EDGE_AVX2_VNNI
+  acc = EDGE_DPBUSD(acc, lo, _mm256_set1_epi32(x0));
+  acc = EDGE_DPBUSD(acc, hi, _mm256_set1_epi32(x1));
+#else
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+  sum16 = first ? p : _mm256_add_epi16(sum16, p);
+#endif
+}
+
 template <int MB, int GROUP>
 inline void group8_a8(const uint8_t* w, const int8_t* xq, int64_t m0, int64_t k, int64_t g, __m256i* sum) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -993,30 +1011,15 @@ inline void group8_a8(const uint8_t* w, const int8_t* xq, int64_t m0, int64_t k,
   // once a block was 16 KB (K 4096: 1.55x the row-major kernel's time).
   for (int64_t off = 0; off < GROUP * 4; off += 64) prefetch_line(reinterpret_cast<const char*>(w + g * GROUP * 4 + off + 8192));
   for (int c = 0; c < GROUP / 32; ++c) {
-#if !EDGE_AVX2_VNNI
-    // 16-bit sums of a 32-weight sub-block: 4 chunks x 2 pairs <= 2*15*127 each = 30480, below saturation; widened
-    // once per sub-block (one vpmaddwd per 4 chunks instead of one per chunk)
-    __m256i sum16[MB];
-#endif
+    // plain AVX2: 16-bit sums of a 32-weight sub-block: 4 chunks x 2 pairs <= 2*15*127 each = 30480, below
+    // saturation; widened once per sub-block (one vpmaddwd per 4 chunks instead of one per chunk)
+    [[maybe_unused]] __m256i sum16[MB];
     for (int j = 0; j < 4; ++j) {
       const int64_t kk = g * GROUP + c * 32 + 8 * j;
       const __m256i v = loadu(w + kk * 4);
       const __m256i lo = _mm256_and_si256(v, mask);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      for (int r = 0; r < MB; ++r) {
-        const int8_t* x = xq + (m0 + r) * k + kk;
-        int32_t x0, x1;
-        std::memcpy(&x0, x, 4);
-        std::memcpy(&x1, x + 4, 4);
-#if EDGE_AVX2_VNNI
-        acc[r][j] = EDGE_DPBUSD(acc[r][j], lo, _mm256_set1_epi32(x0));
-        acc[r][j] = EDGE_DPBUSD(acc[r][j], hi, _mm256_set1_epi32(x1));
-#else
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
-                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
-        sum16[r] = j == 0 ? p : _mm256_add_epi16(sum16[r], p);
-#endif
-      }
+      for (int r = 0; r < MB; ++r) chunk8_a8(lo, hi, xq + (m0 + r) * k + kk, j == 0, acc[r][j], sum16[r]);
     }
 #if !EDGE_AVX2_VNNI
     for (int r = 0; r < MB; ++r) acc[r][c % 4] = _mm256_add_epi32(acc[r][c % 4], _mm256_madd_epi16(sum16[r], ones));
@@ -1280,26 +1283,12 @@ void block8_g32(const uint8_t* bp, const int8_t* xq, const float* a, const int32
           _mm256_and_si256(_mm256_slli_epi16(h, 2), fifth), _mm256_and_si256(_mm256_slli_epi16(h, 1), fifth),
           _mm256_and_si256(h, fifth),                        _mm256_and_si256(_mm256_srli_epi16(h, 1), fifth),
           _mm256_and_si256(_mm256_srli_epi16(h, 2), fifth), _mm256_and_si256(_mm256_srli_epi16(h, 3), fifth)};
-#if !EDGE_AVX2_VNNI
-      __m256i sum16[MB];
-#endif
+      [[maybe_unused]] __m256i sum16[MB];  // plain AVX2: 4 chunks' pairs <= 4*2*31*127 = 31496 in 16 bits
       for (int j = 0; j < 4; ++j) {
         const __m256i v = loadu(q + 32 * j);
         const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, four), top[2 * j]);
         const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), four), top[2 * j + 1]);
-        for (int r = 0; r < MB; ++r) {
-          int32_t x0, x1;
-          std::memcpy(&x0, x + r * k + 8 * j, 4);
-          std::memcpy(&x1, x + r * k + 8 * j + 4, 4);
-#if EDGE_AVX2_VNNI
-          acc[r] = EDGE_DPBUSD(acc[r], lo, _mm256_set1_epi32(x0));
-          acc[r] = EDGE_DPBUSD(acc[r], hi, _mm256_set1_epi32(x1));
-#else
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
-          sum16[r] = j == 0 ? p : _mm256_add_epi16(sum16[r], p);
-#endif
-        }
+        for (int r = 0; r < MB; ++r) chunk8_a8(lo, hi, x + r * k + 8 * j, j == 0, acc[r], sum16[r]);
       }
 #if !EDGE_AVX2_VNNI
       for (int r = 0; r < MB; ++r) acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(sum16[r], ones));
