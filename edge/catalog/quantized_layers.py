@@ -180,7 +180,6 @@ class OwnBlocks:
     type: str
     format: Format
     key: str
-    ops: str  # the module of kernels/ops that reads it
 
     @property
     def k_multiple(self) -> int:
@@ -196,8 +195,8 @@ class OwnBlocks:
 # Q4_K at 4.5 bits where the int4 grid holds 5 (kernels/ops/q4k.py); for the 8-bit set, which holds 10 bits a weight
 # per group of 16 (9 per 32): Q6_K at 6.5625 (kernels/ops/q6k.py), Q8_0 at 8.5 and Q5_0 at 5.5 (kernels/ops/g32.py).
 OWN_BLOCK_TYPES: dict[str, OwnBlocks] = {
-    b.type: b for b in (OwnBlocks("Q4_K", "int4", "q4k", "q4k"), OwnBlocks("Q6_K", "int8", "q6k", "q6k"),
-                        OwnBlocks("Q8_0", "int8", "q8_0", "g32"), OwnBlocks("Q5_0", "int8", "q5_0", "g32"))
+    b.type: b for b in (OwnBlocks("Q4_K", "int4", "q4k"), OwnBlocks("Q6_K", "int8", "q6k"),
+                        OwnBlocks("Q8_0", "int8", "q8_0"), OwnBlocks("Q5_0", "int8", "q5_0"))
 }  # fmt: skip
 OWN_BLOCKS: dict[str, str] = {t: b.format for t, b in OWN_BLOCK_TYPES.items()}
 OWN_BLOCK_N = 8

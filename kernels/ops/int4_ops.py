@@ -144,6 +144,14 @@ def _blocks_ops(blocks: torch.Tensor):
     return q6k if blocks.shape[-1] == q6k.X8_BLOCK_BYTES else g32
 
 
+def blocks_decode_layout_(type_name: str, raw: torch.Tensor, chunk_rows: int = 512) -> torch.Tensor:
+    """An 8-bit-set weight's file blocks as converted (uint8 [N, K/block * block bytes]) rearranged in place into its
+    type's decode layout (kernels/ops/q6k.py for Q6_K, g32.py for Q8_0 and Q5_0), what blocks_linear_impl reads."""
+    if type_name == "Q6_K":
+        return q6k.decode_layout_(raw, chunk_rows)
+    return g32.decode_layout_(type_name, raw, chunk_rows)
+
+
 def blocks_linear_impl(
     x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
 ) -> torch.Tensor:

@@ -22,12 +22,13 @@ from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.catalog.quantized_layers import OWN_BLOCK_TYPES, matches
 from edge.errors import InputError
 from edge.model.gguf_metadata import GGML_BLOCKS
-from kernels.ops import avx2_int4, g32, q4k, q6k
+from kernels.ops import avx2_int4, q4k
 from kernels.ops.int4_ops import (
     DIRECT,
     DUAL,
     KERNEL_ONLY,
     MODES,
+    blocks_decode_layout_,
     blocks_linear_impl,
     embedding_impl,
     int4_linear_impl,
@@ -165,9 +166,7 @@ class BlocksLinear(nn.Module):
     def __init__(self, blocks: torch.Tensor, type_name: str, settings: Int4Settings, *,
                  bias: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
-        raw = blocks.clone()
-        packed = q6k.decode_layout_(raw) if type_name == "Q6_K" else g32.decode_layout_(type_name, raw)
-        self.register_buffer("blocks", packed)  # [N/8, K/block, 8 x block bytes]
+        self.register_buffer("blocks", blocks_decode_layout_(type_name, blocks.clone()))  # [N/8, K/block, 8 x bytes]
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.dequant_threshold = settings.dequant_threshold
         self.rows = 1 << 30 if settings.avx2_bits is not None else settings.int8_rows

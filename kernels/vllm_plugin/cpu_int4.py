@@ -51,6 +51,7 @@ from kernels.ops.int4_ops import (
     DIRECT,
     DUAL,
     KERNEL_ONLY,
+    blocks_decode_layout_,
     blocks_linear,
     int4_embedding,
     int4_linear,
@@ -591,14 +592,8 @@ class _BlocksWeights(PluginWeights):
                                                         input_dim=1, output_dim=0, **extra))  # fmt: skip
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        from kernels.ops import g32, q6k
-
-        chunk = self.config.repack_chunk_rows  # N a multiple of 8: register
-        raw = layer.blocks.data
-        if self.blocks == "Q6_K":
-            packed = q6k.decode_layout_(raw, chunk)
-        else:
-            packed = g32.decode_layout_(self.blocks, raw, chunk)
+        # N a multiple of 8: register
+        packed = blocks_decode_layout_(self.blocks, layer.blocks.data, self.config.repack_chunk_rows)
         layer.blocks = Parameter(packed, requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
