@@ -3,7 +3,9 @@
 Sources: "reference" is the study that motivated this product (Xeon Platinum 8480C, AMX, vLLM 0.28,
 Spark-X2.5-1.7B); "here" is this project's own machines, 2 cores of an AMD EPYC, keyed by ISA class: "avx2"
 (AVX2 only) or "avx512" (Zen 5: AVX-512 with AVX512-BF16 and VNNI), neither with AMX;
-"derived" is computed from a stated rule. See docs/FACTS.md and docs/MEASUREMENTS.md.
+"emulated" is measured on those machines under qemu-user emulation of an ARM core (right or wrong as the hardware
+would be, never its speed; docs/FACTS.md "ARM under emulation"); "derived" is computed from a stated rule. See
+docs/FACTS.md and docs/MEASUREMENTS.md.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 IsaClass = Literal["amx", "avx512", "avx2", "arm", "any"]
-FactSource = Literal["reference", "here", "derived"]
+FactSource = Literal["reference", "here", "emulated", "derived"]
 
 
 class Reason(BaseModel):
@@ -88,6 +90,11 @@ FACTS: dict[str, MeasuredFact] = {
         _fact("avx2.read_bandwidth_gb_s", 32, "GB/s", "here", "avx2", _HERE, "read bandwidth, 2 threads"),
         _fact("avx2.tinygemm_block", 32, "channels", "here", "avx2", _HERE,
               "tinygemm CPU n-block on AVX2 (64 on AVX-512); reading it as 64 returns wrong weights"),
+        # torch's aarch64 CPU wheel under qemu-user (torch.ops.aten._convert_weight_to_int4pack_for_cpu, 2026-12-04)
+        _fact("arm.tinygemm_block", 16, "channels", "emulated", "arm", "2026-12-04",
+              "tinygemm CPU n-block on ARM NEON (emulated Cortex-A76 and Neoverse-N1: torch dispatches DEFAULT)"),
+        _fact("arm.sve256.tinygemm_block", 32, "channels", "emulated", "arm", "2026-12-04",
+              "tinygemm CPU n-block with 256-bit SVE (emulated `-cpu max,sve-max-vq=2`: torch dispatches SVE256)"),
         # This host, 1 thread (vLLM 0.28 serves with one Torch thread unless OMP_NUM_THREADS is set), thread
         # CPU time, group 64, 4096x4096, two interleaved runs of 5 passes each (python benchmarks/dequant_paths.py
         # --passes 5), the mean of the two medians.

@@ -16,6 +16,8 @@ AT_HWCAP2 = 26
 # feature -> (aux vector entry, bit)
 ARM64_HWCAP_BITS = {
     "asimd": (AT_HWCAP, 1),
+    "fphp": (AT_HWCAP, 9),
+    "asimdhp": (AT_HWCAP, 10),
     "asimddp": (AT_HWCAP, 20),
     "sve": (AT_HWCAP, 22),
     "sve2": (AT_HWCAP2, 1),

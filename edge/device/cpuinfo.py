@@ -21,7 +21,7 @@ X86_VENDORS = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD", "HygonGenuine": "
 # MIDR implementer codes, from Linux arch/arm64/include/asm/cputype.h.
 ARM_IMPLEMENTERS = {
     "0x41": "ARM", "0x42": "Broadcom", "0x43": "Cavium", "0x48": "HiSilicon", "0x4e": "NVIDIA",
-    "0x51": "Qualcomm", "0x53": "Samsung", "0x61": "Apple", "0xc0": "Ampere",
+    "0x46": "Fujitsu", "0x51": "Qualcomm", "0x53": "Samsung", "0x61": "Apple", "0xc0": "Ampere",
 }  # fmt: skip
 # (implementer, part) -> core name, from the same header; only the cores a planner is likely to meet.
 ARM_PARTS = {
@@ -31,7 +31,7 @@ ARM_PARTS = {
     ("0x41", "0xd40"): "Neoverse-V1", ("0x41", "0xd41"): "Cortex-A78", ("0x41", "0xd44"): "Cortex-X1",
     ("0x41", "0xd46"): "Cortex-A510", ("0x41", "0xd47"): "Cortex-A710", ("0x41", "0xd48"): "Cortex-X2",
     ("0x41", "0xd49"): "Neoverse-N2", ("0x41", "0xd4f"): "Neoverse-V2",
-    ("0x51", "0x804"): "Kryo 4XX Gold", ("0x51", "0x805"): "Kryo 4XX Silver",
+    ("0x46", "0x001"): "A64FX", ("0x51", "0x804"): "Kryo 4XX Gold", ("0x51", "0x805"): "Kryo 4XX Silver",
 }  # fmt: skip
 # A `Hardware` line naming one of these is a phone/tablet SoC, not a board or a server.
 PHONE_SOC_WORDS = ("qualcomm", "snapdragon", "mediatek", "exynos", "kirin", "tensor", "unisoc", "dimensity")

@@ -6,9 +6,10 @@ A hand-written description or an inventory's record (every key optional):
      "os": "linux", "device_class": "cpu", "torch_version": "2.13.0+cpu", "tinygemm_block": 32}
 
 `memory` takes a size ("8GiB", "512MiB", "8G": see edge.sizes) and `memory_bytes` an integer; give one.
-`cores` is the physical cores the engine may use. ISA names are /proc/cpuinfo's spelling (edge.device.profile
-ISA_FEATURES); NFD's spelling (AVX512BF16, FMA3) is accepted too. A full DeviceProfile JSON (what `/probe` and
-`edge-select --json` print, recognised by its `described_by` key) is taken as it is.
+`cores` is the physical cores the engine may use. `sve_vector_bits` (128, 256, 512) is an ARM core's SVE length
+where its name does not say it (edge.device.profile.ARM_SVE_BITS). ISA names are /proc/cpuinfo's spelling
+(edge.device.profile ISA_FEATURES); NFD's spelling (AVX512BF16, FMA3) is accepted too. A full DeviceProfile JSON
+(what `/probe` and `edge-select --json` print, recognised by its `described_by` key) is taken as it is.
 
 Inventories carry more than the planner reads, under their own names. Read as well:
 `flags`/`cpu_flags` (every CPU flag, a list or a space-separated string: the ISA features among them are kept),
@@ -44,7 +45,7 @@ DEVICE_CLASSES = ("cpu", "phone")
 DESCRIPTION_KEYS = (
     "name", "arch", "isa", "cores", "logical_cpus", "memory", "memory_bytes", "memory_available", "os",
     "device_class", "vendor", "cpu_model", "numa_nodes", "torch_version", "torch_cpu_capability",
-    "vllm_version", "vllm_native_library", "tinygemm_block",
+    "vllm_version", "vllm_native_library", "tinygemm_block", "sve_vector_bits",
 )  # fmt: skip
 # An inventory's name for a key -> the description's own key (or the lenient `flags`).
 ALIASES = {
@@ -148,6 +149,12 @@ def _tinygemm_block(value: Any) -> int | None:
     return value
 
 
+def _sve_vector_bits(value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or value not in (128, 256, 512, 1024, 2048)):
+        raise InputError("sve_vector_bits", value, "an SVE vector length in bits: 128, 256, 512, 1024 or 2048")
+    return value
+
+
 def _full_profile(obj: dict[str, Any]) -> DeviceProfile:
     try:
         profile = DeviceProfile.model_validate(obj)
@@ -195,6 +202,7 @@ def _described_profile(obj: dict[str, Any], written: dict[str, str], notes: list
     isa = _isa(obj["isa"]) if "isa" in obj else _flags(obj["flags"]) if "flags" in obj else None
     cores, logical, numa = _count(obj, "cores"), _count(obj, "logical_cpus"), _count(obj, "numa_nodes")
     block = _tinygemm_block(obj.get("tinygemm_block"))
+    sve = _sve_vector_bits(obj.get("sve_vector_bits"))
     strings = {
         key: _string(obj, key)
         for key in (
@@ -228,6 +236,7 @@ def _described_profile(obj: dict[str, Any], written: dict[str, str], notes: list
         vendor=fact(strings["vendor"], "vendor"),
         cpu_model=fact(strings["cpu_model"], "cpu_model") if strings["cpu_model"] or not soc else fact(soc, "soc"),
         isa=fact(isa, "flags" if "flags" in obj else "isa"),
+        sve_vector_bits=fact(sve, "sve_vector_bits"),
         logical_cpus=fact(logical, "logical_cpus"),
         physical_cores=fact(cores, "cores"),
         numa_nodes=fact(numa, "numa_nodes"),

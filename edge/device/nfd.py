@@ -29,8 +29,8 @@ NFD_ISA = {
     "AMXTILE": "amx_tile", "AMXBF16": "amx_bf16", "AMXINT8": "amx_int8",
     "AVX512F": "avx512f", "AVX512BW": "avx512bw", "AVX512VNNI": "avx512_vnni", "AVX512BF16": "avx512_bf16",
     "AVX512FP16": "avx512_fp16", "AVXVNNI": "avx_vnni", "AVX2": "avx2", "FMA3": "fma", "F16C": "f16c",
-    "ASIMD": "asimd", "ASIMDDP": "asimddp", "SVE": "sve", "SVE2": "sve2", "I8MM": "i8mm", "BF16": "bf16",
-    "SME": "sme",
+    "ASIMD": "asimd", "ASIMDDP": "asimddp", "ASIMDHP": "asimdhp", "FPHP": "fphp", "SVE": "sve", "SVE2": "sve2",
+    "I8MM": "i8mm", "BF16": "bf16", "SME": "sme",
 }  # fmt: skip
 assert set(NFD_ISA.values()) == set(ISA_FEATURES)
 # cpuid labels whose value is an attribute, not "true".

@@ -156,6 +156,13 @@ def _sve_vector_bits(root: Path) -> int | None:
     return int(text) * 8 if text and text.strip().isdigit() else None
 
 
+def _sve_fact(root: Path) -> Fact[int]:
+    bits = _sve_vector_bits(root)
+    if bits is None:
+        return Fact(detail="no /proc/sys/abi/sve_default_vector_length (no SVE, or not Linux on ARM)")
+    return Fact(value=bits, source="sysfs", detail="/proc/sys/abi/sve_default_vector_length x 8")
+
+
 def _runtime(
     flags: set[str],
     arch: str | None,
@@ -174,7 +181,7 @@ def _runtime(
     native = Fact(detail="vLLM is not installed")
     if vllm.known:
         native = runtime.vllm_native_library(flags, arch) if flags else Fact(detail="CPU flags unknown")
-    derived = runtime.derived_tinygemm_block(capability.value)
+    derived = runtime.derived_tinygemm_block(capability.value, arch)
     block = layout_cache.tinygemm_block(
         torch.value, flags, derived, measure_layout=measure_layout, env=env, command=layout_command
     )
@@ -223,6 +230,7 @@ def probe(
         vendor=base.vendor if base else unread,
         cpu_model=base.cpu_model if base else unread,
         isa=isa,
+        sve_vector_bits=_sve_fact(root) if arch.value == "aarch64" else Fact(detail="not ARM"),
         hypervisor=base.hypervisor if base else unread,
         logical_cpus=Fact(value=os.cpu_count(), source="os", detail="os.cpu_count()"),
         physical_cores=_physical_cores(root, base),

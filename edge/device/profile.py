@@ -34,8 +34,17 @@ X86_FEATURES = (
     "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
     "avx_vnni", "avx2", "fma", "f16c",
 )  # fmt: skip
-ARM_FEATURES = ("asimd", "asimddp", "sve", "sve2", "i8mm", "bf16", "sme")
+# fphp/asimdhp: FP16 arithmetic (ARMv8.2), which vLLM's aarch64 build needs and a float16 plan runs on
+ARM_FEATURES = ("asimd", "asimddp", "asimdhp", "fphp", "sve", "sve2", "i8mm", "bf16", "sme")
 ISA_FEATURES = X86_FEATURES + ARM_FEATURES
+# SVE vector length of the Arm cores that have SVE, by the core names Linux's cputype.h gives them
+# (edge.device.cpuinfo.ARM_PARTS): Arm's technical reference manuals; Neoverse V1 (Graviton3) is the one 256-bit
+# Arm core, Fujitsu's A64FX implements 512, every other SVE core 128. A device that states its length (the probe
+# reads it from the kernel, a description's `sve_vector_bits`) overrides this.
+ARM_SVE_BITS = {
+    "Neoverse-V1": 256, "A64FX": 512, "Neoverse-V2": 128, "Neoverse-N2": 128, "Cortex-A510": 128,
+    "Cortex-A710": 128, "Cortex-X2": 128,
+}  # fmt: skip
 
 DeviceClass = Literal["cpu", "phone"]
 
@@ -75,6 +84,8 @@ class DeviceProfile(BaseModel):
     vendor: Fact[str] = Fact()
     cpu_model: Fact[str] = Fact()
     isa: Fact[list[str]] = Fact()  # the features of ISA_FEATURES that are present
+    # ARM with SVE: the vector length in bits (torch dispatches SVE256 kernels only at 256; tinygemm's block follows)
+    sve_vector_bits: Fact[int] = Fact()
     hypervisor: Fact[bool] = Fact()
     logical_cpus: Fact[int] = Fact()
     physical_cores: Fact[int] = Fact()
@@ -127,6 +138,18 @@ class DeviceProfile(BaseModel):
         if not values and self.memory_total_bytes.value:
             values = [self.memory_total_bytes.value]
         return min(values) if values else None
+
+    @property
+    def sve_bits(self) -> Fact[int]:
+        """The SVE vector length: as the device states it, else from its cores' names (ARM_SVE_BITS)."""
+        if self.sve_vector_bits.known or not self.has("sve"):
+            return self.sve_vector_bits
+        model = self.cpu_model.value or ""
+        lengths = {bits for core, bits in ARM_SVE_BITS.items() if core in model}
+        if len(lengths) == 1:
+            bits = lengths.pop()
+            return Fact(value=bits, source="derived", detail=f"{model} implements {bits}-bit SVE (Arm's TRMs)")
+        return Fact(detail=f"SVE of unknown length: no core of known length named in the CPU model ({model or 'none'})")
 
     @property
     def isa_class(self) -> str:

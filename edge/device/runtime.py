@@ -92,10 +92,11 @@ def vllm_native_library(flags: Iterable[str], arch: str | None) -> Fact[str]:
     return Fact(detail=f"no vLLM rule known for arch {arch}")
 
 
-def derived_tinygemm_block(capability: str | None) -> Fact[int]:
-    """Tinygemm's output-channel block from torch's CPU capability (edge.measure.kernel_params), as a Fact."""
-    key = tinygemm.block_fact_key(capability)
-    block = tinygemm.derived_block(capability)
+def derived_tinygemm_block(capability: str | None, arch: str | None = None) -> Fact[int]:
+    """Tinygemm's output-channel block from torch's CPU capability and the architecture (edge.measure.kernel_params),
+    as a Fact."""
+    key = tinygemm.block_fact_key(capability, arch)
+    block = tinygemm.derived_block(capability, arch)
     if key is None or block is None:
         return Fact(detail=f"no measured or derived tinygemm block for torch capability {capability}")
     measured = fact(key)

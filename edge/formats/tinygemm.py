@@ -3,7 +3,8 @@ row-major copies a layout or a decode kernel reads beside it, and the 8-bit set 
 the layers that take no 4 bits.
 
     tinygemm buffers   packed codes [N, K/2] uint8 + scales and zeros bf16 [K/group, N, 2], N in blocks of the
-                       host's block (4 x the float vector width torch dispatched to: 32 under AVX2, 64 under AVX-512;
+                       host's block (4 x the float vector width torch dispatched to: 32 under AVX2, 64 under AVX-512,
+                       16 on ARM NEON, 32 with 256-bit SVE;
                        the measurement, kernels.ops.layout, is authoritative and this rule its fallback)
     row-major copy     qweight uint8 [N, K/2] + scales and zeros bf16 [N, K/g] each: the same size
 """
@@ -39,20 +40,26 @@ from edge.model.shapes import LinearShape, ModelShape
 
 PACKED = "int4-tinygemm"  # the kernel layouts this format stores (edge.catalog.kernel_registry)
 ROW_MAJOR = "int4-rowmajor"
-# torch.backends.cpu.get_cpu_capability() -> the facts-table key of the block it packs with.
-_BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block"}
+# torch.backends.cpu.get_cpu_capability() -> the facts-table key of the block it packs with: 4 x the float vector
+# torch dispatched to. On ARM, SVE256 packs 32; every other aarch64 capability (DEFAULT: NEON's 4-float vectors)
+# packs 16 (measured under emulation, docs/FACTS.md).
+_BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block", "SVE256": "arm.sve256.tinygemm_block"}
+_ARM_BLOCK_FACT = "arm.tinygemm_block"
 
 
-def block_fact_key(capability: str | None) -> str | None:
-    return _BLOCK_FACTS.get(capability or "")
+def block_fact_key(capability: str | None, arch: str | None = None) -> str | None:
+    if capability in _BLOCK_FACTS:
+        return _BLOCK_FACTS[capability]
+    return _ARM_BLOCK_FACT if arch == "aarch64" and capability is not None else None
 
 
-def derived_block(capability: str | None) -> int | None:
-    """The block torch packs with at this CPU capability (docs/FACTS.md), or None when no rule is known.
+def derived_block(capability: str | None, arch: str | None = None) -> int | None:
+    """The block torch packs with at this CPU capability on this architecture (docs/FACTS.md), or None when no rule
+    is known.
 
     Authoritative is the measurement (kernels.ops.layout, cached by edge.device.layout_cache); this is its fallback.
     """
-    key = block_fact_key(capability)
+    key = block_fact_key(capability, arch)
     return int(fact(key).value) if key else None
 
 

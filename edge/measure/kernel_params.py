@@ -31,12 +31,31 @@ from edge.catalog.kernel_registry import (
     offered_lossy_decode_kernel,
 )
 from edge.device.calibration import CalibrationRecord
-from edge.device.profile import DeviceProfile
+from edge.device.profile import DeviceProfile, Fact
+from edge.device.runtime import derived_tinygemm_block, torch_cpu_capability
 from edge.facts import fact
-from edge.formats.tinygemm import derived_block
 
 PrefillDtype = Literal["bfloat16", "float32"]
 PREFILL_DTYPES: tuple[PrefillDtype, ...] = ("bfloat16", "float32")
+FloatDtype = Literal["bfloat16", "float16"]
+
+
+def is_arm(device: DeviceProfile) -> bool:
+    return device.arch.value == "aarch64" or device.isa_class == "arm"
+
+
+def float_dtype(device: DeviceProfile) -> FloatDtype:
+    """The dtype the engine computes in (vLLM's --dtype; the plugin's scales follow it at load).
+
+    bf16 on x86, where every vLLM build converts it in software when the CPU has no bf16 instructions (served on the
+    project's AVX2 and AVX-512 hosts), and on ARM cores with BF16 (Graviton3, Neoverse V2). vLLM's aarch64 build runs
+    bf16 through BFCVT/BFDOT/BFMMLA (disassembly, docs/FACTS.md), which an ARM core without BF16 (Cortex-A76 of a Pi 5
+    or an RK3588, Neoverse N1) does not have: float16 there, which every core vLLM's aarch64 build runs on has (it
+    is compiled for armv8.2-a+dotprod+fp16; edge.plan.gates refuses a core without FP16 arithmetic). The checkpoint
+    keeps bf16 storage: vLLM casts it at load, exactly for values within float16's range."""
+    if is_arm(device) and not device.has("bf16"):
+        return "float16"
+    return "bfloat16"
 
 
 def dequant_threshold(*, amx: bool, prefill_dtype: PrefillDtype) -> int:
@@ -93,27 +112,42 @@ def params(*, capability: str | None, amx: bool, native_bf16: bool, block: int) 
 
 
 def device_capability(device: DeviceProfile) -> str | None:
-    """The torch CPU capability the device runs at: probed (it honours ATEN_CPU_CAPABILITY), else by ISA class."""
+    """The torch CPU capability the device runs at: probed (it honours ATEN_CPU_CAPABILITY), else by ATen's rule on
+    ARM (SVE256 needs 256-bit SVE: edge.device.runtime) and by ISA class on x86."""
     if device.runtime.torch_cpu_capability.value:
         return device.runtime.torch_cpu_capability.value
+    if is_arm(device):
+        return torch_cpu_capability(device.isa.value or [], "aarch64", device.sve_bits.value).value
     return {"amx": "AVX512", "avx512": "AVX512", "avx2": "AVX2"}.get(device.isa_class)
+
+
+def block_fact(device: DeviceProfile) -> Fact[int]:
+    """Tinygemm's block on the device: measured where the device says it (the probe measures it), else the block its
+    capability implies on its architecture, else AVX2's (the smaller x86 block is the conservative ledger)."""
+    if device.runtime.tinygemm_block.known:
+        return device.runtime.tinygemm_block
+    derived = derived_tinygemm_block(device_capability(device), "aarch64" if is_arm(device) else None)
+    if derived.known:
+        if is_arm(device) and device.has("sve") and not device.sve_bits.known:
+            return derived.model_copy(update={"detail": f"{derived.detail}; {device.sve_bits.detail}"})
+        return derived
+    return Fact(value=int(fact("avx2.tinygemm_block").value), source="derived",
+                detail=f"{derived.detail}: AVX2's block, the smaller x86 one")  # fmt: skip
 
 
 def for_device(device: DeviceProfile, record: CalibrationRecord | None = None,
                shapes: list[tuple[int, int]] | None = None) -> KernelParams:  # fmt: skip
-    """The plan's values: the measured block when the device says it, else the block its capability implies
-    (AVX2's when not even that is known: the smaller block is the conservative ledger).
+    """The plan's values: the block from block_fact.
 
     With a calibration record of the device and the model's GEMM shapes, the prefill dtype is the one the record
     measured faster at a prompt's rows and the threshold the measured crossover with tinygemm (edge.measure.cost); AMX
     keeps its threshold of 2 whatever the times say (the SIGILL hazard is not a speed question)."""
     capability = device_capability(device)
-    block = device.runtime.tinygemm_block.value or derived_block(capability)
     base = params(
         capability=capability,
         amx=device.has_amx,
         native_bf16=device.has_amx or device.has("avx512_bf16"),
-        block=block or int(fact("avx2.tinygemm_block").value),
+        block=int(block_fact(device).value or 0),
     )
     if record is None or not shapes:
         # torch's AVX2 tinygemm: the AVX2 kernels measured 3.5x (int16) and 5.2x (int8 activations) faster at 1

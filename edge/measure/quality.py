@@ -63,6 +63,8 @@ class QualityRecord(BaseModel):
     confident_flip_rate_se: float
     tokens: int
     cpu: str | None = None
+    # the architecture whose kernels it ran on; None: x86_64, where every record before the field was measured
+    arch: str | None = None
     measured_at: str | None = None
     report: str | None = None  # the report file it came from
     evaluator: int = 1  # EVALUATOR_REVISION of the edge-eval that measured it (records before revision 2 carry none)
@@ -106,6 +108,15 @@ def find(
     return max(matching, key=lambda r: r.tokens, default=None)
 
 
+def for_arch(records: list[QualityRecord], arch: str | None) -> list[QualityRecord]:
+    """The records that hold on a device of this architecture. The weights' values are the same everywhere, but the
+    arithmetic is not: torch's ARM tinygemm truncates its float32 output to bf16 where x86's rounds to nearest (its
+    error against float32 0.0033 against x86's 0.0016, emulated, docs/FACTS.md), and the decode kernels differ, so an
+    x86 record says nothing certain of an ARM plan, nor the reverse. A device of unknown architecture takes x86's."""
+    wanted = arch or "x86_64"
+    return [r for r in records if (r.arch or "x86_64") == wanted]
+
+
 def cached_records() -> list[QualityRecord]:
     """edge-eval's records in the cache directory ($EDGE_SELECT_CACHE_DIR/quality/), then the ones shipped for the
     embedded default model; none is fine."""
@@ -117,7 +128,7 @@ def cached_records() -> list[QualityRecord]:
 def shipped_records() -> list[QualityRecord]:
     """The default model's plans as this project measured them (edge/data/quality_default_model.json): a fresh box
     knows what its speed plan's weights cost, e.g. that W4A8 re-rounds the model's Q4_1 codes to a mean KLD of 0.40.
-    Quality follows the weights' values, not the CPU, so they hold on every host; a box's own record wins on ties."""
+    Measured on x86 hosts, they hold on every x86 box (for_arch); a box's own record wins on ties."""
     from importlib import resources
 
     data = json.loads(resources.files("edge").joinpath("data/quality_default_model.json").read_text())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from edge.catalog.kernel_registry import KERNELS, runs_grouped_int8
 from edge.catalog.quantized_layers import model_layers, rules_for
 from edge.catalog.weight_paths import (
+    DERIVED_LAYOUT_FACTS,
     DERIVED_LAYOUT_ORDER,
     LAYOUT_PREFILL_SLOWDOWN,
     PATHS,
@@ -190,14 +191,19 @@ def _derived_options() -> list[Option]:
         text="no measurement on this ISA class: ranked by bytes read per decode step (bandwidth-bound)",
         source="derived",
     )
+    order = Reason(
+        text=f"layouts decode alike: {', '.join(DERIVED_LAYOUT_ORDER)} in that order, as the measured ISA classes "
+        "support (not measured on this one)", source="derived")  # fmt: skip
+    cited = [order] + [_cite(key, fact(key).note) for key in DERIVED_LAYOUT_FACTS]
     options = []
     for name, spec in PATHS.items():
         per_weight = format_of(name).derived_bytes  # edge.formats
         if per_weight is None:
             continue
         layouts = [layout for layout in DERIVED_LAYOUT_ORDER if layout in spec.layouts] or [None]
-        # equal cost: the sort is stable, leanest first
-        options += [Option(name, layout, per_weight, unit, [reason], True) for layout in layouts]
+        # equal cost: the sort is stable, in DERIVED_LAYOUT_ORDER
+        options += [Option(name, layout, per_weight, unit, [reason, *(cited if spec.layouts else [])], True)
+                    for layout in layouts]  # fmt: skip
     return options
 
 

@@ -11,7 +11,7 @@ from edge.catalog.quantized_layers import LayerDecision, eight_bit_group_size, e
 from edge.catalog.shape_rules import copied_grid
 from edge.catalog.weight_paths import METHODS, PATHS, quant_method
 from edge.device.profile import DeviceProfile
-from edge.measure.kernel_params import KernelParams
+from edge.measure.kernel_params import KernelParams, float_dtype
 from edge.model.shapes import ModelShape
 from edge.plan.schema import Layout, ServingMode, VllmConfig, WeightPath
 
@@ -228,7 +228,7 @@ def vllm_config(
     if not PATHS[path].served_by_vllm:
         return None
     args = [
-        "--dtype", "bfloat16",
+        "--dtype", float_dtype(device),
         "--max-model-len", str(max_model_len),
         "--max-num-seqs", str(max_num_seqs),
         # Exact bytes; VLLM_CPU_KVCACHE_SPACE only takes whole GiB, and without either vLLM's CPU worker

@@ -14,6 +14,7 @@ from edge.catalog.kernel_registry import kernels_for
 from edge.catalog.weight_paths import PATHS, the_path
 from edge.device.calibration import CalibrationRecord
 from edge.device.profile import DeviceProfile
+from edge.measure.kernel_params import is_arm
 from edge.model.shapes import ModelShape
 from edge.plan.schema import WeightPath
 
@@ -40,36 +41,71 @@ def _gated(gate_fn: Callable[..., Gate]) -> WeightPath:
 def gate_export_only(device: DeviceProfile, model: ModelShape | None = None,
                      calibration: CalibrationRecord | None = None) -> Gate:
     gate = Gate(_gated(gate_export_only))
-    if not device.is_phone:
-        gate.refusals.append(f"{gate.path} is for phones and NPU devices; this device runs vLLM's CPU backend")
+    if device.is_phone:
+        return gate
+    if (why := _vllm_refusal(device)) is not None:
+        # an ARM board vLLM's build cannot run on (a Pi 4): the exported graph runs on ONNX Runtime, whose aarch64
+        # build needs no more than ARMv8.0
+        gate.notes.append(f"{why}: the exported bundle runs on ONNX Runtime instead (not run on ARM here: unverified)")
+        return gate
+    gate.refusals.append(f"{gate.path} is for phones and NPU devices; this device runs vLLM's CPU backend")
     return gate
 
 
-def _phone_refusal(device: DeviceProfile) -> str | None:
+# vLLM's aarch64 native library is compiled with -march=armv8.2-a+bf16+dotprod+fp16 (vLLM's cmake/cpu_extension.cmake,
+# the branch a build machine with BF16 takes; the PyPI wheel holds BF16 instructions, docs/FACTS.md). A core without
+# the dot product or FP16 arithmetic (the Cortex-A72 of a Pi 4, the A53 of a Pi 3) may meet an illegal instruction
+# anywhere in it; one without BF16 is served in float16 (edge.measure.kernel_params.float_dtype).
+ARM_VLLM_FEATURES = ("asimddp", "asimdhp")
+
+
+def _vllm_refusal(device: DeviceProfile) -> str | None:
+    """Why vLLM's CPU backend cannot run on the device at all, or None."""
     if device.is_phone:
         return "vLLM has no phone/NPU backend: the deliverable on a phone is an exported graph (docs/FACTS.md)"
+    if is_arm(device) and device.isa.known:
+        missing = [feature for feature in ARM_VLLM_FEATURES if not device.has(feature)]
+        if missing:
+            return (f"vLLM's aarch64 build is compiled for armv8.2-a with the dot product and FP16 arithmetic (vLLM's "
+                    f"cmake/cpu_extension.cmake); this core lacks {' and '.join(missing)}, so its native library "
+                    "would stop on an illegal instruction")  # fmt: skip
     return None
+
+
+# What an ARM plan rests on, said in every one (issue 43): the emulated checks and what no hardware has confirmed.
+ARM_UNVERIFIED = (
+    "ARM: torch's tinygemm block, rounding and the 4-bit kernels are verified under qemu-user emulation of a "
+    "Cortex-A76 and a 256-bit SVE core (scripts/test-arm); vLLM's engine, its speed and this plan's memory have "
+    "never run on ARM hardware here (unverified)"
+)
 
 
 def gate_bf16(device: DeviceProfile, model: ModelShape | None = None,
               calibration: CalibrationRecord | None = None) -> Gate:
     gate = Gate(_gated(gate_bf16))
-    if refusal := _phone_refusal(device):
+    if refusal := _vllm_refusal(device):
         gate.refusals.append(refusal)
+    if is_arm(device):
+        gate.notes.append(ARM_UNVERIFIED)
     return gate
 
 
 def gate_w4a16(device: DeviceProfile, model: ModelShape, calibration: CalibrationRecord | None = None) -> Gate:
     gate = Gate(_gated(gate_w4a16))
-    if refusal := _phone_refusal(device):
+    if refusal := _vllm_refusal(device):
         gate.refusals.append(refusal)
     group = rules.pick_group_size(model)
     if group is None:
         ks = sorted({lin.k for lin in model.linears})
         gate.refusals.append(f"no group size of {rules.GROUP_SIZES} divides every K ({ks})")
     gate.group_size = group
-    if device.arch.value == "aarch64" or device.isa_class == "arm":
-        gate.notes.append("PyTorch's CPU tinygemm kernel on ARM has not been run by this project (unverified)")
+    if is_arm(device):
+        gate.notes.append(ARM_UNVERIFIED)
+        if device.has("sve") and not device.sve_bits.known:
+            gate.notes.append(
+                f"{device.sve_bits.detail}: the plan takes torch's NEON dispatch (tinygemm block 16); a 256-bit SVE "
+                "core (Neoverse V1, Graviton3) packs 32 and the engine refuses this checkpoint there: give the "
+                "description `sve_vector_bits`, or plan on the box")  # fmt: skip
     return gate
 
 
@@ -87,7 +123,7 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
     the op (ok) or found it missing or crashing; without one the ISA flags and the known library decide, and the
     gate says so. Every host runs it through the plugin's cpu_w4a8 (AMX ones too: edge.catalog.weight_paths)."""
     gate = Gate(_gated(gate_w4a8))
-    if refusal := _phone_refusal(device):
+    if refusal := _vllm_refusal(device):
         gate.refusals.append(refusal)
     result = calibration.kernel(W4A8_KERNEL) if calibration is not None else None
     if result is not None and result.status != "ok":
@@ -126,7 +162,7 @@ def _w4a8_isa_refusals(device: DeviceProfile) -> list[str]:
                 "and AVX512-VNNI, or AMX)"]  # fmt: skip
     if device.has_amx:
         return []
-    if device.arch.value == "aarch64" or device.isa_class == "arm":
+    if is_arm(device):
         return [f"vLLM 0.28 runs {W4A8_OP} on x86 (AVX512-BF16 and AVX512-VNNI, or AMX tiles) and RISC-V; no ARM "
                 "build of it is known here"]  # fmt: skip
     if not device.has("avx512f"):

@@ -22,7 +22,15 @@ from edge.formats.export import export_section
 from edge.formats.tinygemm import TINYGEMM
 from edge.measure import kernel_params, ledger
 from edge.measure.cost import engine_linears, thread_choice
-from edge.measure.quality import DEFAULT_MAX_KLD, PlanQuality, QualityRecord, find, grid_key, quality_key
+from edge.measure.quality import (
+    DEFAULT_MAX_KLD,
+    PlanQuality,
+    QualityRecord,
+    find,
+    for_arch,
+    grid_key,
+    quality_key,
+)
 from edge.measure.rank import Option, RankInput, rank
 from edge.model.shapes import ModelShape
 from edge.plan.engine_config import (
@@ -284,7 +292,7 @@ def _alternative(ev: Evaluated, chosen: Evaluated, req: Request) -> Alternative:
 
 
 def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layout: str | None,
-          force: bool, max_kld: float) -> Evaluated:
+          force: bool, max_kld: float, device_name: str | None = None) -> Evaluated:
     pinned = [ev for ev in evaluated
               if (path is None or ev.option.path == path) and (layout is None or ev.option.layout == layout)]
     if path is not None or layout is not None:
@@ -302,7 +310,12 @@ def _pick(evaluated: list[Evaluated], priority: Priority, path: str | None, layo
                       and not (priority == "speed" and ev.too_lossy(max_kld))]
         if priority == "speed" and all(ev.quality is None for ev in candidates):  # none measured for this model
             candidates = [ev for ev in candidates if ev.elsewhere is None] or candidates
-    assert candidates, "bf16 or export-only is always runnable"
+    if not candidates:
+        # nothing runs: a device vLLM's build cannot run on (edge.plan.gates._vllm_refusal) that is no phone either
+        if not force:
+            why = "; ".join(next(ev for ev in evaluated if ev.option.path == "bf16").gate.refusals)
+            raise PlanRefused("device", device_name, f"a device some path runs on ({why}); --force plans it anyway")
+        candidates = evaluated
     if priority == "speed" and path is None and layout is None and any(ev.quality is not None for ev in candidates):
         # A quantized path whose quality is unmeasured ranks after every one measured within the floor (the sort
         # is stable: speed order holds within each group); bf16 is the reference and keeps its place.
@@ -358,10 +371,12 @@ def make_plan(
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
         serving_mode=mode, threads=threads,
     )  # fmt: skip
-    req, decode_reason = _lossy_decode(req, gates, quality or [])
-    evaluated = [_evaluate(Weights(option, gates[option.path], req), req, quality or [])
+    # records of this device's architecture alone (edge.measure.quality.for_arch); an ARM description says its arch
+    quality = for_arch(quality or [], "aarch64" if kernel_params.is_arm(device) else device.arch.value)
+    req, decode_reason = _lossy_decode(req, gates, quality)
+    evaluated = [_evaluate(Weights(option, gates[option.path], req), req, quality)
                  for option in _options(req, gates)]  # fmt: skip
-    chosen = _pick(evaluated, priority, path, layout, force, max_kld)
+    chosen = _pick(evaluated, priority, path, layout, force, max_kld, device.cpu_model.value or device.name)
     gate, option = chosen.gate, chosen.option
     layers, qconfig = chosen.weights.layers, chosen.weights.qconfig
     vllm = vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
@@ -589,9 +604,9 @@ def _reasons(chosen: Evaluated, priority: Priority, device: DeviceProfile,
             f"perplexity ratio {q.ppl_ratio:.3f} ({q.tokens} tokens, edge-eval)",
             value=q.kld_mean, unit="nats/token", source="measured by edge-eval"))  # fmt: skip
     if chosen.option.path == TINYGEMM_PATH:
-        source = device.runtime.tinygemm_block.source
-        reasons.append(Reason(text=f"tinygemm n-block {kernel.block} channels ({source})", value=kernel.block,
-                              unit="channels", source=source))
+        block = kernel_params.block_fact(device)
+        reasons.append(Reason(text=f"tinygemm n-block {kernel.block} channels ({block.source}: {block.detail})",
+                              value=kernel.block, unit="channels", source=block.source))  # fmt: skip
         if kernel.measured and chosen.option.layout != "kernel-only":
             reasons.append(Reason(text=kernel.measured, value=kernel.dequant_threshold, unit="rows",
                                   source="calibration of this CPU"))

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -154,7 +155,8 @@ def quality_record(report: QualityReport, qconfig: dict[str, Any] | None) -> dic
         top1_agreement=m["top1_agreement"]["value"], top1_agreement_se=m["top1_agreement"]["se"],
         ppl_ratio=m["ppl_ratio"]["value"], ppl_ratio_se=m["ppl_ratio"]["se"],
         confident_flip_rate=m["confident_flip_rate"]["value"], confident_flip_rate_se=m["confident_flip_rate"]["se"],
-        tokens=report.tokens_scored, cpu=report.host.get("cpu"), measured_at=report.measured_at,
+        tokens=report.tokens_scored, cpu=report.host.get("cpu"), arch=report.host.get("arch"),
+        measured_at=report.measured_at,
         evaluator=EVALUATOR_REVISION,
     )  # fmt: skip
     return record.model_dump(exclude={"report"})
@@ -220,6 +222,7 @@ def _host() -> dict[str, Any]:
         pass
     return {
         "cpu": cpu,
+        "arch": {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower()),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -76,7 +76,7 @@ def test_graviton3_is_arm_with_sve_i8mm_bf16_but_no_sve2():
     g3 = profile("cpuinfo_graviton3.txt")
     assert g3.isa_class == "arm"
     assert g3.arch.value == "aarch64"
-    assert g3.isa.value == ["asimd", "asimddp", "sve", "i8mm", "bf16"]
+    assert g3.isa.value == ["asimd", "asimddp", "asimdhp", "fphp", "sve", "i8mm", "bf16"]
     assert not g3.has("sve2")  # svebf16/svei8mm must not read as sve2
 
 

@@ -76,7 +76,7 @@ def test_a_big_little_cpu_sums_its_core_types_over_their_clusters():
     assert device.cpu_model.value == "Cortex-A55 + Cortex-A76"
     assert device.physical_cores.value == 4 * 1 + 2 * 2
     assert "2 core types" in device.physical_cores.detail
-    assert device.isa.value == ["asimd", "asimddp"]
+    assert device.isa.value == ["asimd", "asimddp", "asimdhp", "fphp"]
 
 
 def test_flags_only_some_core_types_list_are_not_the_devices():

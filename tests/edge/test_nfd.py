@@ -74,7 +74,7 @@ def test_graviton_labels_with_capacity_are_arm_with_sve_but_no_sve2():
     g3 = parse_nfd_labels(load("nfd_graviton3.json"))
     assert g3.isa_class == "arm"
     assert g3.arch.value == "aarch64"
-    assert g3.isa.value == ["asimd", "asimddp", "sve", "i8mm", "bf16"]
+    assert g3.isa.value == ["asimd", "asimddp", "asimdhp", "fphp", "sve", "i8mm", "bf16"]
     assert (g3.logical_cpus.value, g3.physical_cores.value, g3.numa_nodes.value) == (8, 8, 1)
 
 
