@@ -143,6 +143,20 @@ def empty_param(dtype: torch.dtype) -> Parameter:
     return Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
+# The model dtypes a cpu_int4 checkpoint serves in: bf16, and float16 for ARM cores without BF16, where vLLM's own bf16
+# kernels would meet instructions the core lacks (edge.measure.kernel_params.float_dtype). The plugin's ops compute
+# in bf16 either way (torch converts bf16 in software where the core has no BF16); a layer casts at its boundary.
+INT4_ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def out_dtype(layer: torch.nn.Module, y: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """An op's bf16 output in the model's dtype, plus the bias (added in that dtype: bf16 + float16 would promote)."""
+    dtype = getattr(layer, "edge_dtype", torch.bfloat16)
+    if y.dtype != dtype:
+        y = y.to(dtype)
+    return y if bias is None else y + bias
+
+
 class PluginConfig(QuantizationConfig):
     """What the plugin's configs share: bf16 activations, the config in config.json, the layer rules of
     edge.catalog.quantized_layers for their path, and the method each weight's format gets. A subclass names its PATH
@@ -202,6 +216,9 @@ class PluginConfig(QuantizationConfig):
 @register_quantization_config(NAME)
 class CpuInt4Config(PluginConfig):
     """W4A16 group-wise asymmetric int4 for CPUs (tinygemm), from a checkpoint's `quantization_config`."""
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return list(INT4_ACT_DTYPES)
 
     def __init__(
         self,
@@ -419,6 +436,9 @@ class PluginWeights:
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
+        # what the layer hands back (out_dtype): the model's dtype where the plugin serves it (vLLM checked it against
+        # get_supported_act_dtypes), else its ops' own bf16 (a layer built outside an engine, at torch's default)
+        layer.edge_dtype = params_dtype if params_dtype in INT4_ACT_DTYPES else torch.bfloat16
         self.register(layer, sum(output_partition_sizes), input_size_per_partition, extra_weight_attrs)
 
     def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
@@ -521,7 +541,8 @@ class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
                     keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits)  # fmt: skip
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        return int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
+        rows = int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
+        return out_dtype(layer, rows)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _apply(layer, self.config, x, bias)
@@ -543,7 +564,7 @@ def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias:
         config.avx2_rows,
         config.avx2_bits,
     )
-    return y if bias is None else y + bias
+    return out_dtype(layer, y, bias)
 
 
 class _Int8Weights(PluginWeights):
@@ -569,7 +590,7 @@ class _Int8Weights(PluginWeights):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = int8_linear(x, layer.qweight, layer.scales, self.config.dequant_threshold, self.config.int8_rows)
-        return y if bias is None else y + bias
+        return out_dtype(layer, y, bias)
 
 
 class _BlocksWeights(PluginWeights):
@@ -598,7 +619,7 @@ class _BlocksWeights(PluginWeights):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = blocks_linear(x, layer.blocks, self.config.dequant_threshold, self.config.int8_rows)
-        return y if bias is None else y + bias
+        return out_dtype(layer, y, bias)
 
 
 class CpuBlocksLinearMethod(_BlocksWeights, LinearMethodBase):
@@ -627,4 +648,4 @@ class CpuInt8EmbeddingMethod(_Int8Weights, QuantizeMethodBase):
         return layer
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        return int8_embedding(input_, layer.qweight, layer.scales)
+        return out_dtype(layer, int8_embedding(input_, layer.qweight, layer.scales))
