@@ -148,6 +148,13 @@ KERNELS: dict[str, KernelSpec] = {
                    "_C::int4_scaled_mm_cpu", "vllm", "int4-gptq", 8, True, ("amx", "avx512"),
                    (Serves("w4a8-gptq", None, "all"),),
                    _times((4096, 4096, 1, "1t.gemm.m1.w4a8_ms"), (4096, 4096, 512, "1t.gemm.m512.w4a8_ms"))),
+        # ARM's: vLLM's aarch64 `_C` has no int4_scaled_mm_cpu, so w4a8-gptq's checkpoint runs on KleidiAI there
+        # (kernels/ops/kleidiai.py: group 32, activations rounded to int8 per row). No facts-table times: nothing has
+        # timed it on ARM hardware (an ARM box's calibration record does).
+        KernelSpec("kleidiai-w4a8", "KleidiAI's int4 x int8 kernels through torch's _dyn_quant_matmul_4bit "
+                   "(activations quantized to int8 per row; symmetric int4 per group of 32)",
+                   "aten::_dyn_quant_matmul_4bit", "torch", "int4-gptq", 8, True, ("arm",),
+                   (Serves("w4a8-gptq", None, "all"),), k_multiple=32),
         KernelSpec("onednn-int8", "oneDNN int8 x int8 GEMM (W8A8, dynamic per-token activation scales)",
                    "_C::onednn_scaled_mm", "vllm", "int8-channel", 8, True, _X86),
     )
@@ -163,10 +170,11 @@ WIDE_BATCH_KERNEL: dict[str, str] = {"int8": "dequant-bf16"}
 PREFILL_KERNELS: dict[str, str] = {"bfloat16": "dequant-bf16", "float32": "dequant-fp32"}  # by prefill_dtype
 
 
-def kernels_for(path: WeightPath, layout: Layout | None, role: Role) -> list[str]:
-    """The kernels that run a path's 4-bit (or bf16) layers for batches of this role."""
+def kernels_for(path: WeightPath, layout: Layout | None, role: Role, isa_class: str | None = None) -> list[str]:
+    """The kernels that run a path's 4-bit (or bf16) layers for batches of this role (on this ISA class, when given)."""
     return [spec.name for spec in KERNELS.values() for s in spec.serves
-            if s.path == path and (s.layouts is None or layout in s.layouts) and s.role in (role, "all")]  # fmt: skip
+            if s.path == path and (s.layouts is None or layout in s.layouts) and s.role in (role, "all")
+            and (isa_class is None or isa_class in spec.isa_classes)]  # fmt: skip
 
 
 # --- decode kernels (quantization_config's decode_kernel) -----------------------------------------------------------

@@ -35,6 +35,9 @@ class Gptq(WeightFormat):
     eight_bit = INT8
     group_sizes = rules.GPTQ_GROUP_SIZES
     group_note = "vLLM 0.28 GPTQ on CPU"
+    # Ranking where nothing measured (ARM): 4-bit codes and a bf16 scale per 32 weights (KleidiAI's group), what the
+    # kernel reads per weight, as tinygemm's 0.5625 is its codes, scale and zero per 64.
+    derived_bytes = 0.5625
 
     def cannot_hold(self, layout: str, n: int, k: int, group: int) -> str | None:
         multiple = rules.GPTQ_PARTITION_MULTIPLE

@@ -41,16 +41,19 @@ from edge.model.shapes import LinearShape, ModelShape
 PACKED = "int4-tinygemm"  # the kernel layouts this format stores (edge.catalog.kernel_registry)
 ROW_MAJOR = "int4-rowmajor"
 # torch.backends.cpu.get_cpu_capability() -> the facts-table key of the block it packs with: 4 x the float vector
-# torch dispatched to. On ARM, SVE256 packs 32; every other aarch64 capability (DEFAULT: NEON's 4-float vectors)
-# packs 16 (measured under emulation, docs/FACTS.md).
-_BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block", "SVE256": "arm.sve256.tinygemm_block"}
+# torch dispatched to. x86: AVX-512 64, AVX2 and the scalar DEFAULT (8-float generic vectors) 32. aarch64: SVE256 32,
+# every other capability (DEFAULT: NEON's 4-float vectors) 16 (measured under emulation, docs/FACTS.md).
+_BLOCK_FACTS = {"AVX512": "avx512.tinygemm_block", "AVX2": "avx2.tinygemm_block", "DEFAULT": "avx2.tinygemm_block"}
+_ARM_BLOCK_FACTS = {"SVE256": "arm.sve256.tinygemm_block"}
 _ARM_BLOCK_FACT = "arm.tinygemm_block"
 
 
 def block_fact_key(capability: str | None, arch: str | None = None) -> str | None:
-    if capability in _BLOCK_FACTS:
-        return _BLOCK_FACTS[capability]
-    return _ARM_BLOCK_FACT if arch == "aarch64" and capability is not None else None
+    if capability is None:
+        return None
+    if arch == "aarch64":
+        return _ARM_BLOCK_FACTS.get(capability, _ARM_BLOCK_FACT)
+    return _BLOCK_FACTS.get(capability)
 
 
 def derived_block(capability: str | None, arch: str | None = None) -> int | None:

@@ -268,6 +268,8 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
             role = "prefill" if (m >= dequant_threshold and int4_kernels["prefill"]) else "decode"
             names = int4_kernels[role] or int4_kernels["decode"]
             assert names, f"{path}/{layout} has no kernel for {role}"
+            # a path served by one kernel per ISA class (w4a8-gptq: vLLM's on x86, KleidiAI on ARM): the one timed
+            names = [name for name in names if record.timed(name) is not None] or names
             name = names[0]
             if rows and lin.format == "int4" and m <= rows:
                 name = decode_spec.name

@@ -113,7 +113,10 @@ def gate_w4a16(device: DeviceProfile, model: ModelShape, calibration: Calibratio
 # with AVX512-BF16, and is built for AVX512-BF16 + AVX512-VNNI; `_C_AVX512` and `_C_AVX2` have no such op.
 W4A8_OP = "int4_scaled_mm_cpu"
 # its edge.catalog.kernel_registry entry, as records name it
-W4A8_KERNEL = kernels_for(the_path(gate="gate_w4a8"), None, "all")[0]
+W4A8_KERNEL = kernels_for(the_path(gate="gate_w4a8"), None, "all", "avx512")[0]
+# ... and on ARM, where the same checkpoint runs on KleidiAI (kernels/ops/kleidiai.py) at group 32 alone
+ARM_W4A8_KERNEL = kernels_for(the_path(gate="gate_w4a8"), None, "all", "arm")[0]
+ARM_W4A8_GROUP = 32
 DERIVED_NOTE = "derived from ISA flags; no calibration record confirms the op runs"
 
 
@@ -125,6 +128,8 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
     gate = Gate(_gated(gate_w4a8))
     if refusal := _vllm_refusal(device):
         gate.refusals.append(refusal)
+    if is_arm(device):
+        return _gate_w4a8_arm(gate, model, calibration)
     result = calibration.kernel(W4A8_KERNEL) if calibration is not None else None
     if result is not None and result.status != "ok":
         why = f": {result.reason}" if result.reason else ""
@@ -154,6 +159,26 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
     return gate
 
 
+def _gate_w4a8_arm(gate: Gate, model: ModelShape, calibration: CalibrationRecord | None) -> Gate:
+    """W4A8 on ARM: KleidiAI through torch (every aarch64 torch from 2.6 has it), symmetric int4 per group of 32."""
+    result = calibration.kernel(ARM_W4A8_KERNEL) if calibration is not None else None
+    if result is not None and result.status != "ok":
+        why = f": {result.reason}" if result.reason else ""
+        gate.refusals.append(f"the calibration record found {ARM_W4A8_KERNEL} {result.status} on this CPU{why} "
+                             f"({calibration.describe()})")  # fmt: skip
+    bad = [f"{lin.name} {lin.n}x{lin.k}" for lin in model.linears if not rules.gptq_compatible(lin, ARM_W4A8_GROUP)]
+    if bad:
+        gate.refusals.append(f"KleidiAI's int4 kernels take group {ARM_W4A8_GROUP}, and vLLM's GPTQ layers N and K "
+                             f"multiples of 32: {bad}")  # fmt: skip
+    gate.group_size = ARM_W4A8_GROUP
+    if gate.runnable:
+        gate.notes.append(ARM_UNVERIFIED)
+        if result is None:
+            gate.notes.append(f"{ARM_W4A8_KERNEL}: torch's KleidiAI ops, checked against float32 under emulation "
+                              "(tests/kernels/test_arm_int4.py); no calibration record has timed them on this CPU")
+    return gate
+
+
 def _w4a8_isa_refusals(device: DeviceProfile) -> list[str]:
     """Why the device's vLLM library has no int4_scaled_mm_cpu, judged from its flags and its known library."""
     native = device.runtime.vllm_native_library.value
@@ -162,9 +187,6 @@ def _w4a8_isa_refusals(device: DeviceProfile) -> list[str]:
                 "and AVX512-VNNI, or AMX)"]  # fmt: skip
     if device.has_amx:
         return []
-    if is_arm(device):
-        return [f"vLLM 0.28 runs {W4A8_OP} on x86 (AVX512-BF16 and AVX512-VNNI, or AMX tiles) and RISC-V; no ARM "
-                "build of it is known here"]  # fmt: skip
     if not device.has("avx512f"):
         return [f"vLLM's AVX2 build (_C_AVX2) has no 4-bit GEMM at all, so no {W4A8_OP}; W4A8 needs AVX-512 with "
                 "AVX512-BF16 and AVX512-VNNI, or AMX tiles"]  # fmt: skip

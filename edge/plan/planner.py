@@ -371,10 +371,12 @@ def make_plan(
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
         serving_mode=mode, threads=threads,
     )  # fmt: skip
-    # records of this device's architecture alone (edge.measure.quality.for_arch); an ARM description says its arch
-    quality = for_arch(quality or [], "aarch64" if kernel_params.is_arm(device) else device.arch.value)
+    # A plan quotes records of its device's architecture alone (edge.measure.quality.for_arch); a path whose every
+    # record on any architecture is over the speed floor (lossy_elsewhere) is as lossy here: the weights are the same.
+    everywhere = quality or []
+    quality = for_arch(everywhere, "aarch64" if kernel_params.is_arm(device) else device.arch.value)
     req, decode_reason = _lossy_decode(req, gates, quality)
-    evaluated = [_evaluate(Weights(option, gates[option.path], req), req, quality)
+    evaluated = [_evaluate(Weights(option, gates[option.path], req), req, quality, everywhere)
                  for option in _options(req, gates)]  # fmt: skip
     chosen = _pick(evaluated, priority, path, layout, force, max_kld, device.cpu_model.value or device.name)
     gate, option = chosen.gate, chosen.option
@@ -424,11 +426,13 @@ def make_plan(
     return plan
 
 
-def _evaluate(weights: Weights, req: Request, records: list[QualityRecord]) -> Evaluated:
-    """An option's memory and its quality record, or, unmeasured, the record elsewhere that speaks against it."""
+def _evaluate(weights: Weights, req: Request, records: list[QualityRecord],
+              everywhere: list[QualityRecord]) -> Evaluated:  # fmt: skip
+    """An option's memory and its quality record (`records`: the device's architecture's), or, unmeasured, the record
+    elsewhere (`everywhere`: any architecture's) that speaks against it."""
     option = weights.option
     measured = _measured(weights, records)
-    elsewhere = None if measured else lossy_elsewhere(option.path, records, req.max_kld)
+    elsewhere = None if measured else lossy_elsewhere(option.path, everywhere, req.max_kld)
     return Evaluated(weights, _estimate(weights, req), measured, elsewhere)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from edge.formats.gptq import GPTQ
-from kernels.formats.common import Builder, Run, Weights, vllm_ops
+from kernels.formats.common import Absent, Builder, Run, Weights, vllm_ops
 from kernels.ops.gptq import dequantize_gptq, gptq_from_codes, gptq_tensors
 
 FORMAT = GPTQ
@@ -97,4 +97,21 @@ def _vllm_w4a8(w: torch.Tensor, group: int) -> Weights:
     return Weights(reference, sum(t.nbytes for t in blocked), copy)
 
 
-TIMERS: dict[str, Builder] = {"vllm-wna16": _vllm_wna16, "vllm-w4a8": _vllm_w4a8}
+def _kleidiai_w4a8(w: torch.Tensor, group: int) -> Weights:
+    """ARM's kernel on the same checkpoint (kernels/ops/kleidiai.py), at its one group, 32, whatever the record's."""
+    from kernels.ops import kleidiai
+
+    if not kleidiai.accelerated():  # x86: torch's reference code for the ops would be timed, not KleidiAI
+        raise Absent(f"torch {torch.__version__} runs _dyn_quant_matmul_4bit without KleidiAI on this CPU")
+    qweight, scales, reference = _gptq(w, kleidiai.GROUP)
+    n, k = w.shape
+    packed = kleidiai.pack(*kleidiai.from_gptq(qweight, scales))
+
+    def copy() -> Run:
+        held = packed.clone()
+        return lambda x: kleidiai.linear(x, held, k, n)
+
+    return Weights(reference, packed.nbytes, copy)
+
+
+TIMERS: dict[str, Builder] = {"vllm-wna16": _vllm_wna16, "vllm-w4a8": _vllm_w4a8, "kleidiai-w4a8": _kleidiai_w4a8}

@@ -149,6 +149,11 @@ def _pack(values: torch.Tensor, dim: int) -> torch.Tensor:
     return words.movedim(-1, dim).contiguous()
 
 
+def codes_of(qweight: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's qweight int32 [K/8, N] -> its codes int32 [K, N], 0..15 (q - 8 the value)."""
+    return _unpack(qweight, dim=0)
+
+
 def _unpack(words: torch.Tensor, dim: int) -> torch.Tensor:
     moved = words.movedim(dim, -1)  # [..., L/8] int32
     values = torch.empty(*moved.shape[:-1], moved.shape[-1] * PACK, dtype=torch.int32)  # [..., L]

@@ -53,10 +53,11 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def from_gptq(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GPTQ checkpoint's qweight int32 [K/8, N] and scales [K/g, N] -> (codes uint8 [N, K/2], scales bf16 [N, K/g])."""
-    from kernels.ops.gptq import _unpack
+    """A GPTQ checkpoint's qweight int32 [K/8, N] and scales [K/g, N] -> (codes uint8 [N, K/2], scales bf16
+    [N, K/g])."""
+    from kernels.ops.gptq import codes_of
 
-    codes = _unpack(qweight, dim=0).t()  # [N, K] 0..15
+    codes = codes_of(qweight).t()  # [N, K] 0..15
     return pack_codes(codes), scales.t().to(torch.bfloat16).contiguous()
 
 

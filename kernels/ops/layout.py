@@ -3,11 +3,12 @@
 `_convert_weight_to_int4pack_for_cpu(codes int32 [N, K], 1)` returns uint8 [N, K/2] whose bytes are really
 [N/B][K][B/2]: output channels in blocks of B, each block stored k-major, two channels per byte. B and which two
 channels share a byte depend on the CPU capability PyTorch dispatched to (B = 4 x the float vector width:
-64 on AVX-512, 32 on AVX2; reading an AVX2 buffer as 64 returns wrong weights, docs/FACTS.md). So we pack an
-index pattern, read back where every (n, k) landed, and fit that against the known models:
+64 on AVX-512, 32 on AVX2, 16 on ARM NEON, 32 with ARM's 256-bit SVE; reading an AVX2 buffer as 64 returns wrong
+weights, docs/FACTS.md). So we pack an index pattern, read back where every (n, k) landed, and fit that against the
+known models:
 
     "halves": byte d of a run holds channel d (low nibble) and channel d + B/2 (high)   (AVX2, AVX-512)
-    "pairs":  byte d of a run holds channel 2d (low nibble) and channel 2d + 1 (high)   (scalar builds)
+    "pairs":  byte d of a run holds channel 2d (low nibble) and channel 2d + 1 (high)   (scalar builds, ARM)
 
 A last block narrower than B (N not a multiple of B) is packed in "pairs" order whatever the host
 (weight_to_int4pack_kernel's `nb_size < BLOCK_N` branch), so a mixed buffer fits no model: callers keep such
@@ -33,8 +34,15 @@ CANDIDATE_BLOCKS = (16, 32, 64, 128)  # the kernel launches n-blocks of 16, 32, 
 # inferred from one block; 32 inputs keep it to 4 packs of 8192 codes (~1 ms).
 PROBE_N = 256
 PROBE_K = 32
-# What PyTorch's source leads us to expect per capability; the measurement, not this table, is authoritative.
-EXPECTED_BLOCK = {"AVX2": 32, "AVX512": 64}
+
+
+def expected_block(machine: str, capability: str) -> int | None:
+    """What PyTorch's source leads us to expect on this machine (platform.machine()) at this capability: 4 x
+    Vectorized<float>::size(), the planner's fallback (edge.formats.tinygemm.derived_block). The measurement, not
+    this rule, is authoritative."""
+    from edge.formats.tinygemm import derived_block
+
+    return derived_block(capability, "aarch64" if machine.lower() in ("aarch64", "arm64") else None)
 
 
 class LayoutError(RuntimeError):

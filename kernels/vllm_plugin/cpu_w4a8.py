@@ -51,6 +51,27 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # vLLM repacks GPTQ codes into AWQ's nibbl
 CONVERT_CHUNK_CHANNELS = 2048  # output channels converted at a time: the int32 codes are 8x the packed bytes
 
 
+# Which kernel runs the int4 layers: vLLM's int4_scaled_mm_cpu on x86, KleidiAI through torch's _dyn_quant ops on
+# aarch64 (kernels/ops/kleidiai.py; vLLM's aarch64 `_C` has no int4_scaled_mm_cpu). EDGE_W4A8_KERNEL=kleidiai runs the
+# latter on x86 through torch's reference code for the same ops: a stand-in that checks this method in the real
+# engine, never KleidiAI itself (tests/kernels/test_w4a8_kleidiai_serve_slow.py).
+KERNEL_ENV = "EDGE_W4A8_KERNEL"
+KERNELS = ("int4_scaled_mm_cpu", "kleidiai")
+
+
+def kernel() -> str:
+    """The kernel this host's cpu_w4a8 layers run (KERNELS)."""
+    import os
+    import platform
+
+    asked = os.environ.get(KERNEL_ENV, "")
+    if asked:
+        if asked not in KERNELS:
+            raise InputError(KERNEL_ENV, asked, f"one of {', '.join(KERNELS)}")
+        return asked
+    return "kleidiai" if platform.machine().lower() in ("aarch64", "arm64") else "int4_scaled_mm_cpu"
+
+
 def op_available() -> bool:
     """Whether the native library vLLM loaded on this CPU registers the W4A8 op and its weight converter."""
     import vllm._custom_ops  # noqa: F401  (loads _C, _C_AVX512 or _C_AVX2 by the CPU flags)
@@ -105,11 +126,28 @@ def _linear_fake(
     return x.new_empty((*x.shape[:-1], scales.shape[0] * scales.shape[-1]), dtype=torch.bfloat16)
 
 
+def kleidiai_linear_impl(
+    x: torch.Tensor, packed: torch.Tensor, k: int, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype through KleidiAI (kernels/ops/kleidiai.py)."""
+    from kernels.ops import kleidiai
+
+    if x.numel() == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    y = kleidiai.linear(x, packed, k, n)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _kleidiai_fake(x: torch.Tensor, packed: torch.Tensor, k: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
 def _register() -> None:
     # One op node per layer for Dynamo (as kernels.ops.int4_ops does); the module is imported once per process.
     from vllm.utils.torch_utils import direct_register_custom_op
 
     direct_register_custom_op("cpu_w4a8_linear", w4a8_linear_impl, fake_impl=_linear_fake)
+    direct_register_custom_op("cpu_w4a8_kleidiai", kleidiai_linear_impl, fake_impl=_kleidiai_fake)
 
 
 _register()
@@ -144,7 +182,11 @@ def quantization_config(
 
 @register_quantization_config(NAME)
 class CpuW4A8Config(PluginConfig):
-    """Symmetric 4-bit GPTQ weights, int8 activations, through vLLM's int4_scaled_mm_cpu on any host with `_C`."""
+    """Symmetric 4-bit GPTQ weights, int8 activations, through vLLM's int4_scaled_mm_cpu on any x86 host with `_C`,
+    and through KleidiAI on aarch64 (group 32), where a model may run in float16 (kernel_params.float_dtype)."""
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16] if kernel() == "kleidiai" else [torch.bfloat16]
 
     def __init__(
         self,
@@ -219,6 +261,9 @@ class CpuW4A8LinearMethod(PluginWeights, LinearMethodBase):
         layer.register_parameter("qzeros", weight_param(qzeros, packed_dim=1, packed_factor=PACK, **attrs))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if kernel() == "kleidiai":
+            self._to_kleidiai(layer)
+            return
         if not op_available():
             raise InputError(
                 "quantization_config.quant_method", NAME,
@@ -234,5 +279,19 @@ class CpuW4A8LinearMethod(PluginWeights, LinearMethodBase):
         if getattr(layer, "bias", None) is not None:
             layer.bias.data = layer.bias.data.float()  # the op adds an fp32 bias, as vLLM's W4A8 path converts it
 
+    def _to_kleidiai(self, layer: torch.nn.Module) -> None:
+        """The GPTQ tensors packed once for KleidiAI (group 32: edge.plan.gates plans no other group on ARM)."""
+        from kernels.ops import kleidiai
+
+        k, n = layer.qweight.shape[0] * PACK, layer.qweight.shape[1]
+        kleidiai.check(n, k, self.config.group_size, name="quantization_config.group_size")
+        packed = kleidiai.pack(*kleidiai.from_gptq(layer.qweight.data, layer.scales.data))
+        layer.register_parameter("kleidiai_packed", Parameter(packed, requires_grad=False))
+        layer.kleidiai_k, layer.kleidiai_n = k, n
+        layer.qweight, layer.qzeros = empty_param(torch.int32), empty_param(torch.int32)
+        layer.scales = empty_param(torch.bfloat16)
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if hasattr(layer, "kleidiai_packed"):
+            return torch.ops.vllm.cpu_w4a8_kleidiai(x, layer.kleidiai_packed, layer.kleidiai_k, layer.kleidiai_n, bias)
         return w4a8_linear(x, layer.w4a8_weight, layer.w4a8_zeros, layer.w4a8_scales, bias)

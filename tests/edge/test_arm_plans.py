@@ -120,3 +120,19 @@ def test_x86_plans_keep_bf16_and_their_own_block():
         assert _dtype(plan) == "bfloat16"
         assert plan.quantization_config["tinygemm_block"] == block
         assert ARM_UNVERIFIED not in plan.warnings
+
+
+@pytest.mark.parametrize("fixture", sorted(ARM_DEVICES))
+def test_w4a8_runs_on_arms_own_kernel_at_group_32(fixture):
+    """vLLM's aarch64 build has no int4_scaled_mm_cpu; the plugin's cpu_w4a8 runs KleidiAI there (group 32). For
+    speed it stays behind W4A16 on this model: its x86 record is far over the floor, and the weights are the same."""
+    device = load_device_file(str(DATA / fixture))
+    pinned = _plan(device, path="w4a8-gptq")
+    assert pinned.quantization_config["quant_method"] == "cpu_w4a8"
+    assert pinned.quantization_config["group_size"] == 32
+    assert _dtype(pinned) == ARM_DEVICES[fixture][1]
+    assert any("kleidiai-w4a8" in w for w in pinned.warnings) and ARM_UNVERIFIED in pinned.warnings
+    assert pinned.quality.status != "measured"
+    chosen = _plan(device)
+    w4a8 = next(alt for alt in chosen.alternatives if alt.path == "w4a8-gptq")
+    assert w4a8.status == "runnable" and "over --max-kld" in w4a8.why_not

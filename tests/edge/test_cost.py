@@ -58,7 +58,9 @@ def test_every_registered_kernel_serves_or_is_a_comparison_and_names_its_op():
     assert kernels_for("w4a16-tinygemm", "direct", "decode") == ["tinygemm"]
     assert set(kernels_for("w4a16-tinygemm", "dual", "prefill")) == {"dequant-bf16", "dequant-fp32"}
     assert kernels_for("w4a16-tinygemm", "kernel-only", "prefill") == ["tinygemm"]
-    assert kernels_for("w4a8-gptq", None, "decode") == ["vllm-w4a8"]
+    assert kernels_for("w4a8-gptq", None, "decode") == ["vllm-w4a8", "kleidiai-w4a8"]
+    assert kernels_for("w4a8-gptq", None, "decode", "arm") == ["kleidiai-w4a8"]
+    assert kernels_for("w4a8-gptq", None, "decode", "avx512") == ["vllm-w4a8"]
     assert KERNELS["vllm-w4a8"].quantizes_activations and not KERNELS["tinygemm"].quantizes_activations
 
 

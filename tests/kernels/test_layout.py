@@ -1,8 +1,11 @@
 """The tinygemm layout is measured on this host; these pin what the measurement must find.
 
-This project's machines are AVX2 or AVX-512 (docs/FACTS.md). The AVX2 pins run everywhere torch can dispatch
-AVX2 kernels: on an AVX-512 host they run again in a child pytest under ATEN_CPU_CAPABILITY=avx2, which makes
-torch pack exactly as on an AVX2 box (that child is what the test asserts on, not a skip).
+This project's machines are AVX2 or AVX-512, and ARM boards next (docs/FACTS.md). The AVX2 pins run everywhere torch
+can dispatch AVX2 kernels: on an AVX-512 host they run again in a child pytest under ATEN_CPU_CAPABILITY=avx2, which
+makes torch pack exactly as on an AVX2 box (that child is what the test asserts on, not a skip). The ARM pins run on
+aarch64 (scripts/test-arm runs them under qemu, on a NEON core and on a 256-bit SVE core). What a test expects
+follows from torch's own dispatch (torch.backends.cpu.get_cpu_capability()) and platform.machine(), never from
+/proc/cpuinfo, which qemu-user shows from the host.
 """
 
 from __future__ import annotations
@@ -10,16 +13,18 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from edge.catalog.shape_rules import PACK_N_MULTIPLE
 from kernels.ops.layout import (
-    EXPECTED_BLOCK,
     LayoutError,
     TinygemmLayout,
+    expected_block,
     host_layout,
     measure_layout,
     pack_codes,
@@ -27,6 +32,10 @@ from kernels.ops.layout import (
 )
 
 CAPABILITY = torch.backends.cpu.get_cpu_capability()
+MACHINE = platform.machine()
+# weight_to_int4pack_kernel: AVX2 and AVX-512 pair channel d with d + B/2; every other build (x86's scalar DEFAULT,
+# aarch64's NEON and SVE) pairs neighbours 2d, 2d + 1.
+EXPECTED_NIBBLES = "halves" if CAPABILITY in ("AVX2", "AVX512") else "pairs"
 
 
 def avx2_dispatch(test):
@@ -58,9 +67,13 @@ def test_this_avx2_host_packs_in_blocks_of_32_channels():
     assert (layout.block, layout.nibbles) == (32, "halves")
 
 
-@pytest.mark.skipif(CAPABILITY not in EXPECTED_BLOCK, reason=f"no expected block known for {CAPABILITY}")
-def test_measured_block_agrees_with_torch_cpu_capability():
-    assert measure_layout().block == EXPECTED_BLOCK[CAPABILITY]
+@pytest.mark.skipif(
+    expected_block(MACHINE, CAPABILITY) is None, reason=f"no expected block known for {CAPABILITY} on {MACHINE}"
+)
+def test_measured_layout_agrees_with_torch_cpu_capability():
+    """32 under AVX2, 64 under AVX-512; on aarch64 16 with NEON (DEFAULT), 32 with SVE256, in "pairs" order."""
+    layout = measure_layout()
+    assert (layout.block, layout.nibbles) == (expected_block(MACHINE, CAPABILITY), EXPECTED_NIBBLES)
 
 
 @avx2_dispatch
@@ -94,7 +107,27 @@ def test_known_byte_positions_of_an_index_pattern():
     assert channels_at(8 * 16 + 5) == (37, 53)  # block 1, k 0, byte 5
 
 
+@pytest.mark.skipif(MACHINE != "aarch64", reason=f"ARM's layout; this host is {MACHINE}")
+def test_torch_packs_the_documented_arm_bytes():
+    """[N/B][K][B/2 bytes], byte d of a run holds channel 2d (low nibble) and 2d+1 (high); B = 16 on NEON, 32 under
+    SVE256. Fails if torch changes either."""
+    block = expected_block(MACHINE, CAPABILITY)
+    n, k = 64, 8
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    packed = torch_pack(codes).flatten()
+    expected = [
+        int(codes[nb * block + 2 * d, kk]) | int(codes[nb * block + 2 * d + 1, kk]) << 4
+        for nb in range(n // block)
+        for kk in range(k)
+        for d in range(block // 2)
+    ]
+    assert packed.tolist() == expected
+
+
 def test_a_ragged_probe_fits_no_model_and_says_so():
+    """48 channels: a block and a half where the block is 32 (AVX2, SVE256), one narrower block under AVX-512."""
+    if host_layout().block == PACK_N_MULTIPLE:
+        pytest.skip(f"every N torch packs (a multiple of {PACK_N_MULTIPLE}) tiles this host's block: none is ragged")
     with pytest.raises(LayoutError, match="fits no known model"):
         measure_layout(n=48)
 
@@ -110,7 +143,7 @@ def test_host_layout_is_measured_once_and_cached():
 
 
 def test_the_layout_model_reproduces_torch_bytes_on_this_host():
-    # 2048 + 64 rows tile every block the project meets (32 on AVX2, 64 on AVX-512)
+    # 2048 + 64 rows tile every block the project meets (32 on AVX2, 64 on AVX-512, 16 on NEON, 32 with SVE256)
     codes = torch.randint(0, 16, (2048 + 64, 576), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
     assert torch.equal(pack_codes(codes, host_layout()), torch_pack(codes))
 
@@ -164,13 +197,18 @@ print(json.dumps({**layout.to_json(), "model_matches": bool(torch.equal(pack_cod
 """
 
 
-@pytest.mark.skipif(CAPABILITY not in EXPECTED_BLOCK, reason=f"x86 dispatch levels only; this host is {CAPABILITY}")
+@pytest.mark.skipif(
+    CAPABILITY == "DEFAULT" or expected_block(MACHINE, "DEFAULT") is None,
+    reason=f"needs a dispatch level above DEFAULT with a known DEFAULT block; this host is {CAPABILITY} on {MACHINE}",
+)
 def test_layout_follows_torch_dispatch_not_cpu_flags():
-    """ATEN_CPU_CAPABILITY=default on the same CPU makes torch pack in the scalar "pairs" order; we measure it."""
+    """ATEN_CPU_CAPABILITY=default on the same CPU makes torch pack in the scalar "pairs" order, 32 channels on x86
+    and NEON's 16 on an SVE core; we measure it."""
     result = subprocess.run(
         [sys.executable, "-c", SCALAR_DISPATCH_CHECK],
         capture_output=True, text=True, check=True, timeout=120, env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
     )
     report = json.loads(result.stdout)
-    assert (report["cpu_capability"], report["block"], report["layout"]) == ("DEFAULT", 32, "pairs")
+    expected = ("DEFAULT", expected_block(MACHINE, "DEFAULT"), "pairs")
+    assert (report["cpu_capability"], report["block"], report["layout"]) == expected
     assert report["model_matches"]

@@ -1,18 +1,31 @@
-"""tinygemm buffer: chunked repack, the kernel's linear, and the direct dequantizer reading the buffer in place."""
+"""tinygemm buffer: chunked repack, the kernel's linear, and the direct dequantizer reading the buffer in place.
+
+Runs on x86 and on aarch64 (scripts/test-arm: under qemu, a NEON core and a 256-bit SVE core). The block comes from
+the measured host layout; where the kernel's arithmetic differs by ISA (its bf16 output), the expectation follows
+platform.machine().
+"""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
 
+from edge.catalog.shape_rules import PACK_N_MULTIPLE
 from edge.errors import InputError
 from kernels.ops.int4 import dequantize, quantize_packed, unpack_nibbles
 from kernels.ops.layout import TinygemmLayout, host_layout, pack_codes
 from kernels.ops.tinygemm import dequantize_tinygemm, linear, scales_and_zeros, tiles, to_tinygemm
 
-# Kernel output vs x @ dequantize().T, bf16 in and out: 52.4-52.6 dB measured here at M=8 (2026-11-29);
-# 40 dB is the brief's bf16-rounding bar.
+# Kernel output vs x @ dequantize().T, bf16 in and out: 52.4-52.6 dB measured here at M=8 (AVX2, 2026-11-29), 55.5-55.6
+# on AVX-512 (torch 2.13.0), 49.4-49.7 on ARM, NEON and SVE256 alike, where the output is truncated to bf16 (torch
+# 2.10.0 under qemu, M = 1, 8, 64, 2026-12-05); 40 dB is the brief's bf16-rounding bar.
 LINEAR_SNR_FLOOR_DB = 40.0
+# How tinygemm's float32 accumulators become its bf16 output, per platform.machine(): x86 rounds to nearest even,
+# aarch64 truncates (drops the low 16 bits) in every element (docs/FACTS.md, "ARM under emulation").
+BF16_OUTPUT_ROUNDING = {"x86_64": "nearest", "aarch64": "truncate"}
+MACHINE = platform.machine()
 
 
 def checkpoint(n: int, k: int, group: int, seed: int = 0):
@@ -33,6 +46,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
 
 
+def truncated_to_bf16(w: torch.Tensor) -> torch.Tensor:
+    """float32 -> bf16 by dropping the low 16 bits of each element (the conversion itself is then exact)."""
+    return (w.contiguous().view(torch.int32) & -0x10000).view(torch.float32).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("n", [2048 + 32, 2048 + 16, 576])
 def test_chunked_repack_equals_packing_the_whole_matrix(n):
     qweight, scales, zeros = checkpoint(n, 576, 64)
@@ -49,7 +67,7 @@ def test_small_chunks_equal_packing_the_whole_matrix():
 def test_chunk_rows_must_be_a_multiple_of_the_block():
     qweight, scales, zeros = checkpoint(192, 576, 64)
     with pytest.raises(InputError, match="chunk_rows: expected a positive multiple"):
-        to_tinygemm(qweight, scales, zeros, 64, chunk_rows=host_layout().block + 16)
+        to_tinygemm(qweight, scales, zeros, 64, chunk_rows=host_layout().block * 3 // 2)
 
 
 def test_scales_and_zeros_interleave_per_group_and_channel():
@@ -106,6 +124,8 @@ def test_48_channels_do_not_tile_a_32_block():
 def test_a_ragged_last_block_on_this_host_is_refused_by_the_direct_reader():
     """N = 2048 + half a block packs (N % 16 == 0) but its last block is narrower than this host's: torch packs
     it in another nibble order (kernels/ops/layout.py), so the direct reader refuses and the layer runs dual."""
+    if host_layout().block // 2 % PACK_N_MULTIPLE:
+        pytest.skip(f"every N torch packs (a multiple of {PACK_N_MULTIPLE}) tiles this host's block: none is ragged")
     n = 2048 + host_layout().block // 2
     qweight, scales, zeros = checkpoint(n, 576, 64)
     packed, interleaved = to_tinygemm(qweight, scales, zeros, 64)
@@ -140,10 +160,17 @@ def test_linear_keeps_leading_batch_dimensions():
     assert torch.equal(y[1], linear(x[1], packed, interleaved, 64))
 
 
+@pytest.mark.skipif(MACHINE not in BF16_OUTPUT_ROUNDING, reason=f"the kernel's bf16 output is unmeasured on {MACHINE}")
 @pytest.mark.parametrize(("n", "k", "group"), [(1536, 576, 64), (576, 1536, 32)])
 def test_the_kernel_itself_holds_the_weights_dequantize_computes(n, k, group):
-    """One-hot rows read tinygemm's own weights out, bf16-rounded: the (q - 8) * scale + zero convention."""
+    """One-hot rows read tinygemm's own weights out: the (q - 8) * scale + zero convention in float32, made bf16 the
+    host's way; rounded to nearest on x86 that is dequantize()'s own bf16, truncated on ARM. About a quarter of the
+    elements differ between the two roundings (240k of 885k here), so each host's expectation fails on the other."""
     qweight, scales, zeros = checkpoint(n, k, group)
     packed, interleaved = to_tinygemm(qweight, scales, zeros, group)
     kernel_weights = linear(torch.eye(k, dtype=torch.bfloat16), packed, interleaved, group).t()  # [N, K]
-    assert same_bits(kernel_weights, dequantize(qweight, scales, zeros, group))
+    if BF16_OUTPUT_ROUNDING[MACHINE] == "nearest":
+        expected = dequantize(qweight, scales, zeros, group)
+    else:
+        expected = truncated_to_bf16(dequantize(qweight, scales, zeros, group, torch.float32))
+    assert same_bits(kernel_weights, expected)
