@@ -5,7 +5,7 @@ what no ARM hardware has confirmed.
 The fixtures: a Raspberry Pi 4 and a Graviton3 /proc/cpuinfo as read from the boxes; a Raspberry Pi 5 (Cortex-A76)
 and a Neoverse-N1 cpuinfo written from the cores' documented features (cpuinfo_rpi5.txt, cpuinfo_neoverse_n1.txt);
 an RK3588 and a Graviton3 `lscpu -J`; a Graviton3 as node-feature-discovery labels. What the emulated kernels
-accept is tested under qemu by scripts/test-arm (tests/kernels/test_arm_block.py)."""
+accept is tested under qemu by scripts/test-arm (tests/kernels/test_layout.py, test_tinygemm.py, test_arm_int4.py)."""
 
 from __future__ import annotations
 
