@@ -20,14 +20,20 @@ os.environ.setdefault("EDGE_CALIBRATION", "cached")
 
 def pytest_report_header(config):
     """First lines of every run: which CPU class it ran on, so a CI log says where its results come from."""
+    import platform
+
+    import torch
+
     from edge.device.probe import probe
 
     host = probe(measure_layout=False)
     aten = os.environ.get("ATEN_CPU_CAPABILITY")
+    # under qemu-user (scripts/test-arm) /proc/cpuinfo is the host's: the machine and torch's own dispatch say more
     return [
-        f"host: {host.cpu_model.value} ({host.vendor.value}), ISA class {host.isa_class}, "
+        f"host: {host.cpu_model.value} ({host.vendor.value}), {platform.machine()}, ISA class {host.isa_class}, "
         f"{host.compute_cores} cores, features {', '.join(host.isa.value or [])}",
-        f"torch dispatch: {host.runtime.torch_cpu_capability.value}"
+        f"torch dispatch: {torch.backends.cpu.get_cpu_capability()} (the probe's rule: "
+        f"{host.runtime.torch_cpu_capability.value})"
         + (f" (ATEN_CPU_CAPABILITY={aten})" if aten else "")
         + f"; vLLM library {host.runtime.vllm_native_library.value}",
     ]

@@ -19,7 +19,7 @@ from pathlib import Path
 from edge.device import cgroup, layout_cache, runtime
 from edge.device.auxv import probe_arm64_features
 from edge.device.cpuinfo import CpuinfoText, parse_cpuinfo, parse_meminfo, split_cpuinfo
-from edge.device.profile import ISA_FEATURES, DeviceProfile, Fact, RuntimeFacts
+from edge.device.profile import ARM_FEATURES, ISA_FEATURES, DeviceProfile, Fact, RuntimeFacts
 from edge.errors import InputError
 
 MACHINES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
@@ -76,7 +76,8 @@ def _isa(base: DeviceProfile | None, arch: str | None, root: Path, flags: set[st
     from_auxv = probe_arm64_features(root)
     if from_auxv is None:
         return isa.model_copy(update={"detail": f"{isa.detail}; no aux vector"})
-    merged = [f for f in ISA_FEATURES if f in set(from_auxv) | set(isa.value or [])]
+    # cpuinfo's ARM features only: under qemu-user an aarch64 process reads the host's x86 /proc/cpuinfo
+    merged = [f for f in ARM_FEATURES if f in set(from_auxv) | set(isa.value or [])]
     return Fact(
         value=merged, source="auxv", detail="AT_HWCAP/AT_HWCAP2 from /proc/self/auxv, with cpuinfo Features"
     )
