@@ -18,6 +18,9 @@ GPTQ_GROUP_SIZES = (-1, 32, 64, 128)
 PACK_N_MULTIPLE = 16
 # docs/FACTS.md "GPTQ on CPU: ... partition sizes multiples of 32" (CPUWNA16LinearKernel.can_implement).
 GPTQ_PARTITION_MULTIPLE = 32
+# KleidiAI's groupwise int4 kernels (torch's _dyn_quant_matmul_4bit on aarch64) on every Arm core: group 32 (emulated
+# Cortex-A76 and a 256-bit SVE core; channelwise needs BF16, docs/FACTS.md). The gate, the plan and the kernel ask it.
+KLEIDIAI_GROUP = 32
 SLIDING = "sliding_attention"
 
 

@@ -140,6 +140,15 @@ class DeviceProfile(BaseModel):
         return min(values) if values else None
 
     @property
+    def is_arm(self) -> bool:
+        return self.arch.value == "aarch64" or self.isa_class == "arm"
+
+    @property
+    def arch_name(self) -> str | None:
+        """The architecture, "aarch64" for any ARM device (a description may give only ARM features)."""
+        return "aarch64" if self.is_arm else self.arch.value
+
+    @property
     def sve_bits(self) -> Fact[int]:
         """The SVE vector length: as the device states it, else from its cores' names (ARM_SVE_BITS)."""
         if self.sve_vector_bits.known or not self.has("sve"):

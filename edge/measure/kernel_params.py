@@ -40,10 +40,6 @@ PREFILL_DTYPES: tuple[PrefillDtype, ...] = ("bfloat16", "float32")
 FloatDtype = Literal["bfloat16", "float16"]
 
 
-def is_arm(device: DeviceProfile) -> bool:
-    return device.arch.value == "aarch64" or device.isa_class == "arm"
-
-
 def float_dtype(device: DeviceProfile) -> FloatDtype:
     """The dtype the engine computes in (vLLM's --dtype; the plugin's scales follow it at load).
 
@@ -53,7 +49,7 @@ def float_dtype(device: DeviceProfile) -> FloatDtype:
     or an RK3588, Neoverse N1) does not have: float16 there, which every core vLLM's aarch64 build runs on has (it
     is compiled for armv8.2-a+dotprod+fp16; edge.plan.gates refuses a core without FP16 arithmetic). The checkpoint
     keeps bf16 storage: vLLM casts it at load, exactly for values within float16's range."""
-    if is_arm(device) and not device.has("bf16"):
+    if device.is_arm and not device.has("bf16"):
         return "float16"
     return "bfloat16"
 
@@ -116,7 +112,7 @@ def device_capability(device: DeviceProfile) -> str | None:
     ARM (SVE256 needs 256-bit SVE: edge.device.runtime) and by ISA class on x86."""
     if device.runtime.torch_cpu_capability.value:
         return device.runtime.torch_cpu_capability.value
-    if is_arm(device):
+    if device.is_arm:
         return torch_cpu_capability(device.isa.value or [], "aarch64", device.sve_bits.value).value
     return {"amx": "AVX512", "avx512": "AVX512", "avx2": "AVX2"}.get(device.isa_class)
 
@@ -126,9 +122,9 @@ def block_fact(device: DeviceProfile) -> Fact[int]:
     capability implies on its architecture, else AVX2's (the smaller x86 block is the conservative ledger)."""
     if device.runtime.tinygemm_block.known:
         return device.runtime.tinygemm_block
-    derived = derived_tinygemm_block(device_capability(device), "aarch64" if is_arm(device) else None)
+    derived = derived_tinygemm_block(device_capability(device), device.arch_name)
     if derived.known:
-        if is_arm(device) and device.has("sve") and not device.sve_bits.known:
+        if device.is_arm and device.has("sve") and not device.sve_bits.known:
             return derived.model_copy(update={"detail": f"{derived.detail}; {device.sve_bits.detail}"})
         return derived
     return Fact(value=int(fact("avx2.tinygemm_block").value), source="derived",

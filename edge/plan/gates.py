@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from edge.catalog import shape_rules as rules
 from edge.catalog.kernel_registry import kernels_for
 from edge.catalog.weight_paths import PATHS, the_path
-from edge.device.calibration import CalibrationRecord
+from edge.device.calibration import CalibrationRecord, KernelResult
 from edge.device.profile import DeviceProfile
-from edge.measure.kernel_params import is_arm
 from edge.model.shapes import ModelShape
 from edge.plan.schema import WeightPath
 
@@ -63,7 +62,7 @@ def _vllm_refusal(device: DeviceProfile) -> str | None:
     """Why vLLM's CPU backend cannot run on the device at all, or None."""
     if device.is_phone:
         return "vLLM has no phone/NPU backend: the deliverable on a phone is an exported graph (docs/FACTS.md)"
-    if is_arm(device) and device.isa.known:
+    if device.is_arm and device.isa.known:
         missing = [feature for feature in ARM_VLLM_FEATURES if not device.has(feature)]
         if missing:
             return (f"vLLM's aarch64 build is compiled for armv8.2-a with the dot product and FP16 arithmetic (vLLM's "
@@ -85,7 +84,7 @@ def gate_bf16(device: DeviceProfile, model: ModelShape | None = None,
     gate = Gate(_gated(gate_bf16))
     if refusal := _vllm_refusal(device):
         gate.refusals.append(refusal)
-    if is_arm(device):
+    if device.is_arm:
         gate.notes.append(ARM_UNVERIFIED)
     return gate
 
@@ -99,7 +98,7 @@ def gate_w4a16(device: DeviceProfile, model: ModelShape, calibration: Calibratio
         ks = sorted({lin.k for lin in model.linears})
         gate.refusals.append(f"no group size of {rules.GROUP_SIZES} divides every K ({ks})")
     gate.group_size = group
-    if is_arm(device):
+    if device.is_arm:
         gate.notes.append(ARM_UNVERIFIED)
         if device.has("sve") and not device.sve_bits.known:
             gate.notes.append(
@@ -116,7 +115,7 @@ W4A8_OP = "int4_scaled_mm_cpu"
 W4A8_KERNEL = kernels_for(the_path(gate="gate_w4a8"), None, "all", "avx512")[0]
 # ... and on ARM, where the same checkpoint runs on KleidiAI (kernels/ops/kleidiai.py) at group 32 alone
 ARM_W4A8_KERNEL = kernels_for(the_path(gate="gate_w4a8"), None, "all", "arm")[0]
-ARM_W4A8_GROUP = 32
+ARM_W4A8_GROUP = rules.KLEIDIAI_GROUP
 DERIVED_NOTE = "derived from ISA flags; no calibration record confirms the op runs"
 
 
@@ -128,14 +127,10 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
     gate = Gate(_gated(gate_w4a8))
     if refusal := _vllm_refusal(device):
         gate.refusals.append(refusal)
-    if is_arm(device):
+    if device.is_arm:
         return _gate_w4a8_arm(gate, model, calibration)
-    result = calibration.kernel(W4A8_KERNEL) if calibration is not None else None
-    if result is not None and result.status != "ok":
-        why = f": {result.reason}" if result.reason else ""
-        gate.refusals.append(f"the calibration record found {W4A8_OP} {result.status} on this CPU{why} "
-                             f"({calibration.describe()})")  # fmt: skip
-    elif result is None:
+    result = _calibrated(gate, calibration, W4A8_KERNEL, W4A8_OP)
+    if result is None:
         gate.refusals += _w4a8_isa_refusals(device)
     capability = device.runtime.torch_cpu_capability.value
     if capability is not None and capability != "AVX512" and not device.has_amx:
@@ -159,13 +154,19 @@ def gate_w4a8(device: DeviceProfile, model: ModelShape, calibration: Calibration
     return gate
 
 
-def _gate_w4a8_arm(gate: Gate, model: ModelShape, calibration: CalibrationRecord | None) -> Gate:
-    """W4A8 on ARM: KleidiAI through torch (every aarch64 torch from 2.6 has it), symmetric int4 per group of 32."""
-    result = calibration.kernel(ARM_W4A8_KERNEL) if calibration is not None else None
+def _calibrated(gate: Gate, calibration: CalibrationRecord | None, kernel: str, op: str) -> KernelResult | None:
+    """The record's result for `kernel`, when it timed it; a refusal on `gate` when it found it absent or failing."""
+    result = calibration.kernel(kernel) if calibration is not None else None
     if result is not None and result.status != "ok":
         why = f": {result.reason}" if result.reason else ""
-        gate.refusals.append(f"the calibration record found {ARM_W4A8_KERNEL} {result.status} on this CPU{why} "
+        gate.refusals.append(f"the calibration record found {op} {result.status} on this CPU{why} "
                              f"({calibration.describe()})")  # fmt: skip
+    return result
+
+
+def _gate_w4a8_arm(gate: Gate, model: ModelShape, calibration: CalibrationRecord | None) -> Gate:
+    """W4A8 on ARM: KleidiAI through torch (every aarch64 torch from 2.6 has it), symmetric int4 per group of 32."""
+    result = _calibrated(gate, calibration, ARM_W4A8_KERNEL, ARM_W4A8_KERNEL)
     bad = [f"{lin.name} {lin.n}x{lin.k}" for lin in model.linears if not rules.gptq_compatible(lin, ARM_W4A8_GROUP)]
     if bad:
         gate.refusals.append(f"KleidiAI's int4 kernels take group {ARM_W4A8_GROUP}, and vLLM's GPTQ layers N and K "

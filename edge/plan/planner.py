@@ -374,7 +374,7 @@ def make_plan(
     # A plan quotes records of its device's architecture alone (edge.measure.quality.for_arch); a path whose every
     # record on any architecture is over the speed floor (lossy_elsewhere) is as lossy here: the weights are the same.
     everywhere = quality or []
-    quality = for_arch(everywhere, "aarch64" if kernel_params.is_arm(device) else device.arch.value)
+    quality = for_arch(everywhere, device.arch_name)
     req, decode_reason = _lossy_decode(req, gates, quality)
     evaluated = [_evaluate(Weights(option, gates[option.path], req), req, quality, everywhere)
                  for option in _options(req, gates)]  # fmt: skip

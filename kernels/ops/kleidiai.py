@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from edge.catalog.shape_rules import KLEIDIAI_GROUP as GROUP
 from edge.errors import InputError
 
-GROUP = 32
 ZERO = 8  # uint4b8: a code q means q - 8
 
 

@@ -1,5 +1,8 @@
 """Fixtures shared by the kernels tests: vLLM layers built without an engine, the tokenizer generated GGUFs carry."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,3 +33,11 @@ def tokenizer_source() -> Path:
         return source_gguf()
     except InputError as missing:
         pytest.skip(f"the default model's GGUF (its tokenizer) is not installed: {missing}")
+
+
+def engine_child(script: str, out: Path, args: list[str], env: dict[str, str], timeout: int = 1800) -> dict:
+    """Run a slow test's module as its own engine process (`python SCRIPT ARGS`: the plugin installs once per
+    process) and read back the JSON it wrote to `out`."""
+    proc = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())

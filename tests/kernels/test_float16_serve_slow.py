@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -58,6 +57,7 @@ def served(pi5_plan, tmp_path_factory) -> dict:
     from kernels.convert.convert import convert
     from kernels.source.default_model import ensure_default_model
     from kernels.vllm_plugin.cpu_int4 import host_params
+    from tests.kernels.conftest import engine_child  # the parent's: the engine child never imports it
 
     args = pi5_plan.vllm.args
     assert args[args.index("--dtype") + 1] == "float16"
@@ -71,10 +71,7 @@ def served(pi5_plan, tmp_path_factory) -> dict:
     for dtype in ("float16", "bfloat16"):
         out = tmp_path_factory.mktemp(dtype) / "out.json"
         env = {**os.environ, "VLLM_CACHE_ROOT": str(vllm_cache), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        proc = subprocess.run([sys.executable, __file__, str(model), str(out), dtype], env=env, capture_output=True,
-                              text=True, timeout=1200)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[dtype] = json.loads(out.read_text())
+        results[dtype] = engine_child(__file__, out, [str(model), str(out), dtype], env)
     print(json.dumps(results))
     return results
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -60,6 +59,7 @@ def served(tmp_path_factory) -> dict:
     from kernels.convert.convert import convert
     from kernels.source.default_model import ensure_default_model
     from kernels.vllm_plugin.cpu_w4a8 import op_available
+    from tests.kernels.conftest import engine_child  # the parent's: the engine child never imports it
 
     plan = make_plan(load_device_file(str(DATA / "cpuinfo_rpi5.txt")), default_model(), priority="speed",
                      path="w4a8-gptq", quality=shipped_records())  # fmt: skip
@@ -75,10 +75,7 @@ def served(tmp_path_factory) -> dict:
         out = tmp_path_factory.mktemp(label) / "out.json"
         env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path_factory.mktemp("vllm-cache")),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "EDGE_W4A8_KERNEL": kernel}  # fmt: skip
-        proc = subprocess.run([sys.executable, __file__, str(model), str(out), dtype, str(compiled)], env=env,
-                              capture_output=True, text=True, timeout=1800)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[label] = json.loads(out.read_text())
+        results[label] = engine_child(__file__, out, [str(model), str(out), dtype, str(compiled)], env)
     print(json.dumps(results))
     return results
 
