@@ -31,6 +31,9 @@ Variants:
                   instead of in slabs advised for transparent huge pages (kernels/ops/huge_pages.py)
     edge:MODE+grid  the same with a GGUF's Q4_K, Q6_K, Q8_0 and Q5_0 tensors on the grids for decode too, not the
                   file's own blocks (EDGE_OWN_BLOCKS=0: the plan leaves out quantization_config.q4k, q6k, q8_0, q5_0)
+    edge:MODE+no-table  the same with the int4 linears' tensors passed to the compiled graph on every call
+                  (EDGE_LAYER_TABLE=0) instead of an index a layer into a table the extension holds
+                  (kernels/vllm_plugin/layer_table.py)
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
@@ -101,7 +104,7 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "uncalibrated": {"EDGE_CALIBRATION": "off"}, "prefetch-l1": {"EDGE_AVX2_PREFETCH": "l1"},
                   "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"},
                   "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}, "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
-                  "grid": {"EDGE_OWN_BLOCKS": "0"}}
+                  "grid": {"EDGE_OWN_BLOCKS": "0"}, "no-table": {"EDGE_LAYER_TABLE": "0"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names

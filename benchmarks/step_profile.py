@@ -29,7 +29,8 @@ Variants: `plain` serves as edge-serve does; `plain+NAME` adds the environment i
 arguments in VARIANT_KWARGS[NAME] (a lever to compare): +row-major (EDGE_AVX2_DECODE_LAYOUT=row-major, the decode
 kernel on the checkpoint's own layout), +python-attention (EDGE_SELECT_ATTENTION=python: vLLM's attention ops with
 the plugin's lean methods instead of its C++ op), +vllm-attention (EDGE_SELECT_ATTENTION=vllm, vLLM's attention as
-shipped), +python-wrapper (no compilation config: Inductor's Python wrapper instead of the plan's C++ one).
+shipped), +python-wrapper (no compilation config: Inductor's Python wrapper instead of the plan's C++ one), +no-table
+(EDGE_LAYER_TABLE=0: the int4 linears' tensors as the compiled graph's arguments instead of an index a layer).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "again": {},
     # the decode kernels' weights where vLLM loaded them, not in huge-page slabs (kernels/ops/huge_pages.py)
     "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
+    # the int4 linears called with their tensors as the graph's arguments, not by index (kernels/vllm_plugin/layer_table.py)
+    "no-table": {"EDGE_LAYER_TABLE": "0"},
 }
 # variants that change the engine's arguments: the plan's compilation config without Inductor's C++ wrapper
 VARIANT_KWARGS: dict[str, dict] = {"python-wrapper": {"compilation_config": {}}}

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 #include <type_traits>
 #include <tuple>
@@ -695,6 +696,68 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   wide.callBoxed(&stack);
   return stack[0].toTensor();
 }
+
+// An 8-bit-set layer or head (kernels/ops/int4_ops.py int8_linear_impl's arguments): rows as a decode step passes
+// them, [M <= avx2_rows, K] bf16, run w8a16_linear without leaving C++; any other batch goes to the Python op
+// vllm::cpu_int8_linear, as int4_linear does. The default model's int8 head is called once a step outside the
+// compiled graph, where the Python op's round trip cost ~0.1 ms (docs/reports/2026-12-06-layer-table.md).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       int64_t dequant_threshold, int64_t avx2_rows) {
+  if (x.dim() == 2 && x.size(0) > 0 && x.size(0) <= avx2_rows && x.scalar_type() == at::kBFloat16 &&
+      x.size(1) % 32 == 0) {
+    return w8a16_linear(x, qweight, scales);
+  }
+  static const c10::OperatorHandle wide =
+      c10::Dispatcher::singleton().findSchemaOrThrow("vllm::cpu_int8_linear", "");
+  std::vector<c10::IValue> stack{x, qweight, scales, dequant_threshold, avx2_rows};
+  wide.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// cpu_int4 layers held here by index (kernels/vllm_plugin/layer_table.py): a compiled graph that calls
+// int4_layer_linear(x, index) passes one activation and an int a layer, not the layer's five tensors. Inductor's
+// C++ wrapper takes every tensor a graph reads as an argument on each call, through Python (668 on the default
+// model, ~0.8 ms of a decode step before the graph starts; docs/reports/2026-12-06-layer-table.md). Set while the
+// engine loads, read by its one stepping thread.
+struct Int4Layer {
+  at::Tensor packed, scales_and_zeros, qweight, scales, zeros;
+  int64_t group, mode, dequant_threshold, avx2_rows, avx2_bits, k;
+  bool fp32_prefill;
+};
+
+std::vector<std::optional<Int4Layer>>& int4_layers() {
+  static std::vector<std::optional<Int4Layer>> layers;
+  return layers;
+}
+
+void set_int4_layer(int64_t index, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                    const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+                    int64_t mode, int64_t dequant_threshold, bool fp32_prefill, int64_t avx2_rows, int64_t avx2_bits,
+                    int64_t k) {
+  TORCH_CHECK(index >= 0, "index: expected >= 0, got ", index);
+  auto& layers = int4_layers();
+  if (static_cast<size_t>(index) >= layers.size()) layers.resize(index + 1);
+  layers[index] = Int4Layer{packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold,
+                            avx2_rows, avx2_bits, k, fp32_prefill};
+}
+
+void forget_int4_layers() { int4_layers().clear(); }
+
+int64_t int4_layer_count() {
+  int64_t set = 0;
+  for (const auto& layer : int4_layers()) set += layer.has_value();
+  return set;
+}
+
+at::Tensor int4_layer_linear(const at::Tensor& x, int64_t index) {
+  const auto& layers = int4_layers();
+  TORCH_CHECK(index >= 0 && static_cast<size_t>(index) < layers.size() && layers[index].has_value(),
+              "int4 layer ", index, " was never set (edge_avx2::set_int4_layer)");
+  const Int4Layer& l = *layers[index];
+  TORCH_CHECK(x.size(-1) == l.k, "x: expected [..., ", l.k, "] for int4 layer ", index, ", got ", x.sizes());
+  return int4_linear(x, l.packed, l.scales_and_zeros, l.qweight, l.scales, l.zeros, l.group, l.mode,
+                     l.dequant_threshold, l.fp32_prefill, l.avx2_rows, l.avx2_bits);
+}
 }  // namespace
 
 TORCH_LIBRARY(edge_avx2, m) {
@@ -706,10 +769,17 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("g32_linear(Tensor x, Tensor blocks, int bits) -> Tensor");
   m.def("blocks_linear(Tensor x, Tensor blocks, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("blocks_dequantize(Tensor blocks) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
         "Tensor zeros, int group, int mode, int dequant_threshold, bool fp32_prefill, int avx2_rows, "
         "int avx2_bits) -> Tensor");
+  m.def("set_int4_layer(int index, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
+        "Tensor zeros, int group, int mode, int dequant_threshold, bool fp32_prefill, int avx2_rows, "
+        "int avx2_bits, int k) -> ()", &set_int4_layer);
+  m.def("forget_int4_layers() -> ()", &forget_int4_layers);
+  m.def("int4_layer_count() -> int", &int4_layer_count);
+  m.def("int4_layer_linear(Tensor x, int index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
@@ -721,7 +791,9 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("g32_linear", &g32_linear);
   m.impl("blocks_linear", &blocks_linear);
   m.impl("blocks_dequantize", &blocks_dequantize);
+  m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_layer_linear", &int4_layer_linear);
 }
 
 #else  // ---- the body: included three times above, in namespaces isa_plain, isa_vnni and isa_vnni512 ----

@@ -232,7 +232,10 @@ def int4_embedding(
 def int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0
 ) -> torch.Tensor:
-    return torch.ops.vllm.cpu_int8_linear(x, qweight, scales, dequant_threshold, avx2_rows)
+    """The registered op for an 8-bit-set layer or head; with avx2_rows, the C++ op edge_avx2::int8_linear stands in
+    front of it, as int4_linear's: decode rows never enter Python."""
+    op = torch.ops.edge_avx2.int8_linear if avx2_rows else torch.ops.vllm.cpu_int8_linear
+    return op(x, qweight, scales, dequant_threshold, avx2_rows)
 
 
 def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int, avx2_rows: int = 0) -> torch.Tensor:

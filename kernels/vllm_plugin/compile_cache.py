@@ -92,10 +92,12 @@ _FACTORS_MARK = "_edge_select_factors_fix"
 def plugin_factors() -> dict[str, object]:
     """The plugin's own settings that change the compiled graph, which vLLM cannot know to hash: the attention
     way (kernels/vllm_plugin/attention.py), whose `cpp` graph calls an op the others do not register, and the W4A8
-    layers' kernel (kernels/vllm_plugin/cpu_w4a8.py), whose ops differ."""
-    from kernels.vllm_plugin import attention, cpu_w4a8
+    layers' kernel (kernels/vllm_plugin/cpu_w4a8.py), whose ops differ, and whether int4 layers are called by their
+    index in the table (kernels/vllm_plugin/layer_table.py), which only that graph names."""
+    from kernels.vllm_plugin import attention, cpu_w4a8, layer_table
 
-    return {attention.ENV: attention.mode(), cpu_w4a8.KERNEL_ENV: cpu_w4a8.kernel()}
+    return {attention.ENV: attention.mode(), cpu_w4a8.KERNEL_ENV: cpu_w4a8.kernel(),
+            layer_table.ENV: layer_table.enabled()}  # fmt: skip
 
 
 def install_factors_fix() -> bool:

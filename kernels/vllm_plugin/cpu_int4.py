@@ -61,6 +61,7 @@ from kernels.ops.int4_ops import (
 from kernels.ops.int8 import check_group as check_int8_group
 from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
+from kernels.vllm_plugin import layer_table
 
 NAME = "cpu_int4"
 BLOCK_KEYS = tuple(own.key for own in OWN_BLOCK_TYPES.values())  # quantization_config's q4k, q6k, q8_0, q5_0
@@ -466,9 +467,13 @@ class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows,
                 keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits)  # fmt: skip
+        layer_table.add(layer, self.config)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _apply(layer, self.config, x, bias)
+        index = layer_table.index_of(layer)
+        if index is None:
+            return _apply(layer, self.config, x, bias)
+        return out_dtype(layer, layer_table.linear(x, index), bias)
 
 
 class CpuQ4kLinearMethod(CpuInt4LinearMethod):
@@ -511,6 +516,7 @@ class CpuQ4kLinearMethod(CpuInt4LinearMethod):
             layer.qweight = empty_param(torch.uint8)
             layer.scales = empty_param(torch.bfloat16)
         del layer.meta
+        layer_table.add(layer, self.config)
 
 
 class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):

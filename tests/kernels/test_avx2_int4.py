@@ -211,6 +211,27 @@ def test_the_cpu_int4_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_t
 
 
 @needs_kernel
+@pytest.mark.parametrize("front", ["python", "c++"])
+def test_the_int8_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_to_python(front):
+    """Both doors of an 8-bit-set layer or head: the Python op and edge_avx2::int8_linear in front of it (what a layer
+    with int8_rows calls through int4_ops.int8_linear), per channel and per group, 2-D and 3-D."""
+    from kernels.ops.int4_ops import int8_linear, int8_linear_impl
+    from kernels.ops.int8 import quantize_int8
+
+    call = int8_linear_impl if front == "python" else int8_linear
+    w = torch.randn(96, 576, generator=torch.Generator().manual_seed(4)) * 0.02
+    for group in (None, 16):
+        qweight, scales = quantize_int8(w, group=group)
+        for shape in ((1, 576), (2, 576), (3, 576), (1, 2, 576)):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+            y = call(x, qweight, scales, 128, 2)
+            assert y.shape == (*shape[:-1], 96) and y.dtype == torch.bfloat16
+            assert torch.equal(y, int8_linear_impl(x, qweight, scales, 128, 2))
+            if shape[-2] <= 2:
+                assert torch.equal(y, avx2_int4.int8_linear(x.reshape(-1, 576), qweight, scales).view(y.shape))
+
+
+@needs_kernel
 def test_the_c_plus_plus_front_op_has_a_fake_implementation():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -1,7 +1,8 @@
 """Real vLLM on the default model's speed-plan conversion (`avx2-w4a8`): the plugin's C++ attention
 (kernels/vllm_plugin/attention.cpp) and its lean Python methods generate vLLM's own attention's greedy text token for
 token, eager and compiled as the plan compiles (Inductor's C++ wrapper) against vLLM as shipped compiled with its
-Python wrapper; and the int8 kernel's decode layout (kernels.ops.avx2_int4.decode_layout) generates the row-major
+Python wrapper; the int4 linears called by their index in the layer table (kernels/vllm_plugin/layer_table.py) generate
+what the same graph with their tensors as arguments generates; and the int8 kernel's decode layout (kernels.ops.avx2_int4.decode_layout) generates the row-major
 layout's first tokens.
 
 One subprocess per variant (the plugin installs once per process), each stepping the engine core inside it
@@ -43,7 +44,9 @@ VARIANTS = {
     "row-major": ({"EDGE_AVX2_DECODE_LAYOUT": "row-major"}, EAGER),
     "compiled": ({**COMPILE_ENV}, {"compilation_config": COMPILATION_CONFIG}),
     "compiled-as-shipped": ({"EDGE_SELECT_ATTENTION": "vllm"}, {}),
+    "compiled-without-table": ({**COMPILE_ENV, "EDGE_LAYER_TABLE": "0"}, {"compilation_config": COMPILATION_CONFIG}),
 }
+INT4_LINEARS = 4 * 30  # qkv, o, gate_up and down in each of the default model's 30 layers
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +70,7 @@ def generate(model: str, out: Path, keywords: dict) -> None:
         "layout": os.environ.get(avx2_int4.LAYOUT_ENV, "decode"),
         "cpp_layers": len(attention_cpp._Layers.names),
         "cpp_calls": torch.ops.edge_attn.calls() if hasattr(torch.ops.edge_attn, "calls") else [0, 0],
+        "table_layers": torch.ops.edge_avx2.int4_layer_count(),
     }))  # fmt: skip
     llm.llm_engine.engine_core.shutdown()
 
@@ -95,9 +99,9 @@ def served(tmp_path_factory) -> dict:
 
 def test_each_variant_ran_what_it_names(served):
     lean = {label for label in VARIANTS if served[label]["lean_attention"]}
-    assert lean == {"plugin", "python-attention", "row-major", "compiled"}
+    assert lean == {"plugin", "python-attention", "row-major", "compiled", "compiled-without-table"}
     assert [label for label in VARIANTS if served[label]["layout"] == "row-major"] == ["row-major"]
-    for label in ("plugin", "row-major", "compiled"):  # the default model's 30 layers took the C++ op ...
+    for label in ("plugin", "row-major", "compiled", "compiled-without-table"):  # the default model's 30 layers took the C++ op ...
         assert served[label]["cpp_layers"] == 30
         direct, fallen_back = served[label]["cpp_calls"]
         # ... and every step's forward called it: 30 layers x (one prompt step + NEW_TOKENS - 1 decode steps) at
@@ -105,11 +109,16 @@ def test_each_variant_ran_what_it_names(served):
         assert direct >= 30 * NEW_TOKENS and direct % 30 == 0, served[label]["cpp_calls"]
     for label in ("python-attention", "vllm-attention", "compiled-as-shipped"):
         assert served[label]["cpp_calls"] == [0, 0]
+    # every int4 linear was called by its index in the layer table (kernels/vllm_plugin/layer_table.py) but where
+    # EDGE_LAYER_TABLE=0
+    assert {label: served[label]["table_layers"] for label in VARIANTS} == {
+        label: 0 if label == "compiled-without-table" else INT4_LINEARS for label in VARIANTS}
 
 
 @pytest.mark.parametrize("mine, theirs", [("plugin", "vllm-attention"), ("python-attention", "vllm-attention"),
-                                          ("compiled", "compiled-as-shipped")])  # fmt: skip
-def test_the_plugins_attention_generates_vllms_greedy_text_token_for_token(served, mine, theirs):
+                                          ("compiled", "compiled-as-shipped"),
+                                          ("compiled", "compiled-without-table")])  # fmt: skip
+def test_the_plugins_attention_and_layer_table_generate_vllms_greedy_text_token_for_token(served, mine, theirs):
     assert served[mine]["tokens"] == served[theirs]["tokens"], (served[mine]["text"], served[theirs]["text"])
 
 
