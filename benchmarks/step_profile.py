@@ -69,7 +69,8 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "again": {},
     # the decode kernels' weights where vLLM loaded them, not in huge-page slabs (kernels/ops/huge_pages.py)
     "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
-    # the int4 linears called with their tensors as the graph's arguments, not by index (kernels/vllm_plugin/layer_table.py)
+    # the int4 linears called with their tensors as the graph's arguments, not by index
+    # (kernels/vllm_plugin/layer_table.py)
     "no-table": {"EDGE_LAYER_TABLE": "0"},
 }
 # variants that change the engine's arguments: the plan's compilation config without Inductor's C++ wrapper

@@ -1,9 +1,9 @@
 """Real vLLM on the default model's speed-plan conversion (`avx2-w4a8`): the plugin's C++ attention
 (kernels/vllm_plugin/attention.cpp) and its lean Python methods generate vLLM's own attention's greedy text token for
 token, eager and compiled as the plan compiles (Inductor's C++ wrapper) against vLLM as shipped compiled with its
-Python wrapper; the int4 linears called by their index in the layer table (kernels/vllm_plugin/layer_table.py) generate
-what the same graph with their tensors as arguments generates; and the int8 kernel's decode layout (kernels.ops.avx2_int4.decode_layout) generates the row-major
-layout's first tokens.
+Python wrapper; the int4 linears called by their index in the layer table (kernels/vllm_plugin/layer_table.py)
+generate what the same graph with their tensors as arguments generates; and the int8 kernel's decode layout
+(kernels.ops.avx2_int4.decode_layout) generates the row-major layout's first tokens.
 
 One subprocess per variant (the plugin installs once per process), each stepping the engine core inside it
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the plan's one-process mode serves): every request is queued before the first
@@ -101,7 +101,8 @@ def test_each_variant_ran_what_it_names(served):
     lean = {label for label in VARIANTS if served[label]["lean_attention"]}
     assert lean == {"plugin", "python-attention", "row-major", "compiled", "compiled-without-table"}
     assert [label for label in VARIANTS if served[label]["layout"] == "row-major"] == ["row-major"]
-    for label in ("plugin", "row-major", "compiled", "compiled-without-table"):  # the default model's 30 layers took the C++ op ...
+    # the default model's 30 layers took the C++ op ...
+    for label in ("plugin", "row-major", "compiled", "compiled-without-table"):
         assert served[label]["cpp_layers"] == 30
         direct, fallen_back = served[label]["cpp_calls"]
         # ... and every step's forward called it: 30 layers x (one prompt step + NEW_TOKENS - 1 decode steps) at
