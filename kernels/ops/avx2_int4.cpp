@@ -714,6 +714,44 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return stack[0].toTensor();
 }
 
+// The 8-bit set's embedding lookup (kernels/ops/int4_ops.py int8_embedding_impl, bit for bit): ids [...] -> [..., H]
+// bf16, each gathered int8 code times its row's scale (bf16 [N]) or its group's (float32 [N, H/g]) in fp32, rounded
+// to bf16 to nearest even. Inside the compiled graph the Python op was a call back into Python every step.
+at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar,
+              "qweight: expected int8 [N, H], got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t n = qweight.size(0), h = qweight.size(1);
+  const bool per_row = scales.dim() == 1;
+  TORCH_CHECK((per_row && scales.scalar_type() == at::kBFloat16 && scales.size(0) == n) ||
+                  (scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.size(0) == n &&
+                   scales.size(1) > 0 && h % scales.size(1) == 0),
+              "scales: expected bf16 [", n, "] or float32 [", n, ", H/g], got ", scales.scalar_type(), " ",
+              scales.sizes());
+  at::Tensor flat = ids.reshape(-1).to(at::kLong).contiguous();
+  const int64_t t = flat.size(0);
+  const int64_t group = per_row ? h : h / scales.size(1);
+  at::Tensor q = qweight.contiguous(), sc = per_row ? scales.to(at::kFloat).contiguous() : scales.contiguous();
+  at::Tensor out = at::empty({t, h}, qweight.options().dtype(at::kBFloat16));
+  const int64_t* ip = flat.data_ptr<int64_t>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  c10::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t groups = h / group;
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t id = ip[r];
+    TORCH_CHECK(id >= 0 && id < n, "ids: expected values in [0, ", n, "), got ", id);
+    const int8_t* row = qp + id * h;
+    const float* srow = sp + (per_row ? id : id * groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = srow[per_row ? 0 : g];
+      for (int64_t j = g * group; j < (g + 1) * group; ++j) op[r * h + j] = c10::BFloat16(static_cast<float>(row[j]) * s);
+    }
+  }
+  auto shape = ids.sizes().vec();
+  shape.push_back(h);
+  return out.view(shape);
+}
+
 // cpu_int4 layers held here by index (kernels/vllm_plugin/layer_table.py): a compiled graph that calls
 // int4_layer_linear(x, index) passes one activation and an int a layer, not the layer's five tensors. Inductor's
 // C++ wrapper takes every tensor a graph reads as an argument on each call, through Python (668 on the default
@@ -769,6 +807,7 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("g32_linear(Tensor x, Tensor blocks, int bits) -> Tensor");
   m.def("blocks_linear(Tensor x, Tensor blocks, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("blocks_dequantize(Tensor blocks) -> Tensor");
+  m.def("int8_embedding(Tensor ids, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
@@ -792,6 +831,7 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("blocks_linear", &blocks_linear);
   m.impl("blocks_dequantize", &blocks_dequantize);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8_embedding", &int8_embedding);
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_layer_linear", &int4_layer_linear);
 }

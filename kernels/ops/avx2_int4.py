@@ -128,6 +128,10 @@ def _register_fake() -> None:
     def _fake_blocks(x, blocks, dequant_threshold, avx2_rows):
         return x.new_empty((*x.shape[:-1], blocks.shape[0] * X8_CHANNELS), dtype=torch.bfloat16)
 
+    @torch.library.register_fake(f"{OP_NAMESPACE}::int8_embedding")
+    def _fake_int8_embedding(ids, qweight, scales):
+        return qweight.new_empty((*ids.shape, qweight.shape[1]), dtype=torch.bfloat16)
+
     @torch.library.register_fake(f"{OP_NAMESPACE}::int8_linear")
     def _fake_int8_front(x, qweight, scales, dequant_threshold, avx2_rows):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.bfloat16)

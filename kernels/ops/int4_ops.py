@@ -245,5 +245,8 @@ def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, dequant_threshold: int,
     return op(x, blocks, dequant_threshold, avx2_rows)
 
 
-def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return torch.ops.vllm.cpu_int8_embedding(ids, qweight, scales)
+def int8_embedding(ids: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, cpp: bool = False) -> torch.Tensor:
+    """The 8-bit set's embedding lookup; cpp (the AVX2 extension is loaded): edge_avx2::int8_embedding, the same values
+    without a call back into Python from the compiled graph."""
+    op = torch.ops.edge_avx2.int8_embedding if cpp else torch.ops.vllm.cpu_int8_embedding
+    return op(ids, qweight, scales)

@@ -654,4 +654,4 @@ class CpuInt8EmbeddingMethod(_Int8Weights, QuantizeMethodBase):
         return layer
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        return out_dtype(layer, int8_embedding(input_, layer.qweight, layer.scales))
+        return out_dtype(layer, int8_embedding(input_, layer.qweight, layer.scales, cpp=self.config.int8_rows > 0))

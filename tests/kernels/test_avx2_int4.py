@@ -232,6 +232,22 @@ def test_the_int8_op_sends_up_to_avx2_rows_to_the_kernel_and_wider_batches_to_py
 
 
 @needs_kernel
+@pytest.mark.parametrize("group", [None, 16, 32])
+def test_the_int8_embedding_op_gathers_what_the_python_op_gathers_bit_for_bit(group):
+    from kernels.ops.int4_ops import int8_embedding, int8_embedding_impl
+    from kernels.ops.int8 import quantize_int8
+
+    w = torch.randn(300, 576, generator=torch.Generator().manual_seed(6)) * 0.05
+    qweight, scales = quantize_int8(w, group=group)
+    for ids in (torch.tensor([7]), torch.tensor([0, 299, 7, 7]), torch.tensor([[1, 2], [3, 299]])):
+        y = int8_embedding(ids, qweight, scales, cpp=True)
+        assert y.shape == (*ids.shape, 576) and y.dtype == torch.bfloat16
+        assert torch.equal(y, int8_embedding_impl(ids, qweight, scales))
+    with pytest.raises(RuntimeError, match=r"ids: expected values in \[0, 300\), got 300"):
+        int8_embedding(torch.tensor([300]), qweight, scales, cpp=True)
+
+
+@needs_kernel
 def test_the_c_plus_plus_front_op_has_a_fake_implementation():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
