@@ -752,49 +752,74 @@ at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& qweight, cons
   return out.view(shape);
 }
 
-// cpu_int4 layers held here by index (kernels/vllm_plugin/layer_table.py): a compiled graph that calls
-// int4_layer_linear(x, index) passes one activation and an int a layer, not the layer's five tensors. Inductor's
-// C++ wrapper takes every tensor a graph reads as an argument on each call, through Python (668 on the default
-// model, ~0.8 ms of a decode step before the graph starts; docs/reports/2026-12-06-layer-table.md). Set while the
-// engine loads, read by its one stepping thread.
-struct Int4Layer {
-  at::Tensor packed, scales_and_zeros, qweight, scales, zeros;
+// The plugin's linear layers held here by index (kernels/vllm_plugin/layer_table.py): a compiled graph that calls
+// layer_linear(x, index) passes one activation and an int a layer, not the layer's tensors (an int4 layer's five, an
+// int8 layer's two, a blocks layer's one). Inductor's C++ wrapper takes every tensor a graph reads as an argument on
+// each call, through Python (668 on the default model, ~0.8 ms of a decode step before the graph starts;
+// docs/reports/2026-12-06-layer-table.md). Set while the engine loads, read by its one stepping thread.
+enum class TableKind { int4, int8, blocks };
+
+struct TableLayer {
+  TableKind kind;
+  at::Tensor t0, t1, t2, t3, t4;  // int4: packed, scales_and_zeros, qweight, scales, zeros; int8: qweight, scales;
+                                  // blocks: blocks
   int64_t group, mode, dequant_threshold, avx2_rows, avx2_bits, k;
   bool fp32_prefill;
 };
 
-std::vector<std::optional<Int4Layer>>& int4_layers() {
-  static std::vector<std::optional<Int4Layer>> layers;
+std::vector<std::optional<TableLayer>>& table() {
+  static std::vector<std::optional<TableLayer>> layers;
   return layers;
+}
+
+void put(int64_t index, TableLayer layer) {
+  TORCH_CHECK(index >= 0, "index: expected >= 0, got ", index);
+  auto& layers = table();
+  if (static_cast<size_t>(index) >= layers.size()) layers.resize(index + 1);
+  layers[index] = std::move(layer);
 }
 
 void set_int4_layer(int64_t index, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                     const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                     int64_t mode, int64_t dequant_threshold, bool fp32_prefill, int64_t avx2_rows, int64_t avx2_bits,
                     int64_t k) {
-  TORCH_CHECK(index >= 0, "index: expected >= 0, got ", index);
-  auto& layers = int4_layers();
-  if (static_cast<size_t>(index) >= layers.size()) layers.resize(index + 1);
-  layers[index] = Int4Layer{packed, scales_and_zeros, qweight, scales, zeros, group, mode, dequant_threshold,
-                            avx2_rows, avx2_bits, k, fp32_prefill};
+  put(index, TableLayer{TableKind::int4, packed, scales_and_zeros, qweight, scales, zeros, group, mode,
+                        dequant_threshold, avx2_rows, avx2_bits, k, fp32_prefill});
 }
 
-void forget_int4_layers() { int4_layers().clear(); }
+void set_int8_layer(int64_t index, const at::Tensor& qweight, const at::Tensor& scales, int64_t dequant_threshold,
+                    int64_t avx2_rows) {
+  put(index, TableLayer{TableKind::int8, qweight, scales, {}, {}, {}, 0, 0, dequant_threshold, avx2_rows, 0,
+                        qweight.size(1), false});
+}
 
-int64_t int4_layer_count() {
+void set_blocks_layer(int64_t index, const at::Tensor& blocks, int64_t dequant_threshold, int64_t avx2_rows,
+                      int64_t k) {
+  put(index, TableLayer{TableKind::blocks, blocks, {}, {}, {}, {}, 0, 0, dequant_threshold, avx2_rows, 0, k, false});
+}
+
+void forget_layers() { table().clear(); }
+
+int64_t layer_count() {
   int64_t set = 0;
-  for (const auto& layer : int4_layers()) set += layer.has_value();
+  for (const auto& layer : table()) set += layer.has_value();
   return set;
 }
 
-at::Tensor int4_layer_linear(const at::Tensor& x, int64_t index) {
-  const auto& layers = int4_layers();
+at::Tensor layer_linear(const at::Tensor& x, int64_t index) {
+  const auto& layers = table();
   TORCH_CHECK(index >= 0 && static_cast<size_t>(index) < layers.size() && layers[index].has_value(),
-              "int4 layer ", index, " was never set (edge_avx2::set_int4_layer)");
-  const Int4Layer& l = *layers[index];
-  TORCH_CHECK(x.size(-1) == l.k, "x: expected [..., ", l.k, "] for int4 layer ", index, ", got ", x.sizes());
-  return int4_linear(x, l.packed, l.scales_and_zeros, l.qweight, l.scales, l.zeros, l.group, l.mode,
-                     l.dequant_threshold, l.fp32_prefill, l.avx2_rows, l.avx2_bits);
+              "layer ", index, " was never set (edge_avx2::set_int4_layer, set_int8_layer, set_blocks_layer)");
+  const TableLayer& l = *layers[index];
+  TORCH_CHECK(x.size(-1) == l.k, "x: expected [..., ", l.k, "] for layer ", index, ", got ", x.sizes());
+  switch (l.kind) {
+    case TableKind::int4:
+      return int4_linear(x, l.t0, l.t1, l.t2, l.t3, l.t4, l.group, l.mode, l.dequant_threshold, l.fp32_prefill,
+                         l.avx2_rows, l.avx2_bits);
+    case TableKind::int8: return int8_linear(x, l.t0, l.t1, l.dequant_threshold, l.avx2_rows);
+    case TableKind::blocks: return blocks_linear(x, l.t0, l.dequant_threshold, l.avx2_rows);
+  }
+  TORCH_CHECK(false, "layer ", index, ": unknown kind");
 }
 }  // namespace
 
@@ -816,9 +841,13 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("set_int4_layer(int index, Tensor packed, Tensor scales_and_zeros, Tensor qweight, Tensor scales, "
         "Tensor zeros, int group, int mode, int dequant_threshold, bool fp32_prefill, int avx2_rows, "
         "int avx2_bits, int k) -> ()", &set_int4_layer);
-  m.def("forget_int4_layers() -> ()", &forget_int4_layers);
-  m.def("int4_layer_count() -> int", &int4_layer_count);
-  m.def("int4_layer_linear(Tensor x, int index) -> Tensor");
+  m.def("set_int8_layer(int index, Tensor qweight, Tensor scales, int dequant_threshold, int avx2_rows) -> ()",
+        &set_int8_layer);
+  m.def("set_blocks_layer(int index, Tensor blocks, int dequant_threshold, int avx2_rows, int k) -> ()",
+        &set_blocks_layer);
+  m.def("forget_layers() -> ()", &forget_layers);
+  m.def("layer_count() -> int", &layer_count);
+  m.def("layer_linear(Tensor x, int index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
@@ -833,7 +862,7 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_embedding", &int8_embedding);
   m.impl("int4_linear", &int4_linear);
-  m.impl("int4_layer_linear", &int4_layer_linear);
+  m.impl("layer_linear", &layer_linear);
 }
 
 #else  // ---- the body: included three times above, in namespaces isa_plain, isa_vnni and isa_vnni512 ----

@@ -467,7 +467,7 @@ class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows,
                 keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits)  # fmt: skip
-        layer_table.add(layer, self.config)
+        layer_table.add_int4(layer, self.config)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         index = layer_table.index_of(layer)
@@ -516,7 +516,7 @@ class CpuQ4kLinearMethod(CpuInt4LinearMethod):
             layer.qweight = empty_param(torch.uint8)
             layer.scales = empty_param(torch.bfloat16)
         del layer.meta
-        layer_table.add(layer, self.config)
+        layer_table.add_int4(layer, self.config)
 
 
 class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
@@ -632,6 +632,17 @@ class CpuBlocksLinearMethod(_BlocksWeights, LinearMethodBase):
     """A linear layer of the 8-bit set kept as a file's own blocks (every shard of a fused one, of one type: the plan's
     rule)."""
 
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        weights, _ = GGML_BLOCKS[self.blocks]
+        layer_table.add_blocks(layer, self.config, n=layer.blocks.shape[0] * 8, k=layer.blocks.shape[1] * weights)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        index = layer_table.index_of(layer)
+        if index is None:
+            return super().apply(layer, x, bias)
+        return out_dtype(layer, layer_table.linear(x, index), bias)
+
 
 class CpuBlocksHeadMethod(_BlocksWeights, QuantizeMethodBase):
     """An untied head kept as a file's own blocks (the plan never keeps a tied one so: the embedding looks rows up)."""
@@ -643,6 +654,15 @@ class CpuBlocksHeadMethod(_BlocksWeights, QuantizeMethodBase):
 
 class CpuInt8LinearMethod(_Int8Weights, LinearMethodBase):
     """A linear layer in the 8-bit set (fused shards stack along N, like the int4 method's)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer_table.add_int8(layer, self.config)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        index = layer_table.index_of(layer)
+        if index is None:
+            return super().apply(layer, x, bias)
+        return out_dtype(layer, layer_table.linear(x, index), bias)
 
 
 class CpuInt8EmbeddingMethod(_Int8Weights, QuantizeMethodBase):

@@ -70,7 +70,7 @@ def generate(model: str, out: Path, keywords: dict) -> None:
         "layout": os.environ.get(avx2_int4.LAYOUT_ENV, "decode"),
         "cpp_layers": len(attention_cpp._Layers.names),
         "cpp_calls": torch.ops.edge_attn.calls() if hasattr(torch.ops.edge_attn, "calls") else [0, 0],
-        "table_layers": torch.ops.edge_avx2.int4_layer_count(),
+        "table_layers": torch.ops.edge_avx2.layer_count(),
     }))  # fmt: skip
     llm.llm_engine.engine_core.shutdown()
 

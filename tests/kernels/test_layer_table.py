@@ -1,6 +1,6 @@
-"""kernels/vllm_plugin/layer_table.py: int4 layers called by an index into a table the C++ extension holds, not
-with their tensors. The real engine (its compiled graph, the same greedy text with and without the table) is
-tests/kernels/test_decode_plugin_slow.py."""
+"""kernels/vllm_plugin/layer_table.py: linear layers (int4, int8, a GGUF's blocks) called by an index into a table the
+C++ extension holds, not with their tensors. The real engine (its compiled graph, the same greedy text with and
+without the table) is tests/kernels/test_decode_plugin_slow.py."""
 
 from __future__ import annotations
 
@@ -69,10 +69,45 @@ def test_a_new_engine_starts_the_table_over():
     with set_current_vllm_config(VllmConfig()):
         loaded_layer(HIDDEN, INTERMEDIATE, 0, cfg)
         loaded_layer(HIDDEN, INTERMEDIATE, 1, cfg)
-    assert torch.ops.edge_avx2.int4_layer_count() == 2
+    assert torch.ops.edge_avx2.layer_count() == 2
     with set_current_vllm_config(VllmConfig()):  # another engine: another static forward context
         layer = loaded_layer(HIDDEN, INTERMEDIATE, 2, cfg)
-    assert layer_table.index_of(layer) == 0 and torch.ops.edge_avx2.int4_layer_count() == 1
+    assert layer_table.index_of(layer) == 0 and torch.ops.edge_avx2.layer_count() == 1
+
+
+def eight_bit_layer(kind: str, seed: int) -> ReplicatedLinear:
+    """An 8-bit-set down_proj: int8 per group of 32, or a GGUF's Q8_0 blocks."""
+    extra = {"int8": ["down_proj"], "int8_group_size": 32, **({"q8_0": ["down_proj"]} if kind == "Q8_0" else {})}
+    cfg = CpuInt4Config.from_config({**config().to_dict(), **extra})
+    layer = ReplicatedLinear(INTERMEDIATE, HIDDEN, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj",
+                             disable_tp=True)  # fmt: skip
+    if kind == "Q8_0":
+        from tests.kernels.test_g32 import random_blocks
+
+        raw = torch.from_numpy(random_blocks("Q8_0", HIDDEN, INTERMEDIATE, seed).reshape(HIDDEN, -1))
+        layer.blocks.weight_loader(layer.blocks, raw)
+    else:
+        from kernels.ops.int8 import quantize_int8
+
+        w = torch.randn(HIDDEN, INTERMEDIATE, generator=torch.Generator().manual_seed(seed)) * 0.02
+        for name, tensor in zip(("qweight", "scales"), quantize_int8(w, group=32), strict=True):
+            getattr(layer, name).weight_loader(getattr(layer, name), tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["int8", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_an_8_bit_set_layer_called_by_its_index_gives_what_its_tensors_give_bit_for_bit(kind, rows, monkeypatch):
+    x = torch.randn(rows, INTERMEDIATE, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    with set_current_vllm_config(VllmConfig()):
+        tabled = eight_bit_layer(kind, 9)
+    monkeypatch.setenv(layer_table.ENV, "0")
+    with set_current_vllm_config(VllmConfig()):
+        own = eight_bit_layer(kind, 9)
+    assert layer_table.index_of(tabled) == 0 and layer_table.index_of(own) is None
+    y = tabled.quant_method.apply(tabled, x)
+    assert y.shape == (rows, HIDDEN) and torch.equal(y, own.quant_method.apply(own, x))
 
 
 def test_with_the_table_off_a_layer_keeps_its_tensors_as_arguments(monkeypatch):
@@ -88,9 +123,9 @@ def test_with_the_table_off_a_layer_keeps_its_tensors_as_arguments(monkeypatch):
 def test_an_index_never_set_or_a_wrong_width_is_an_error_naming_it():
     with set_current_vllm_config(VllmConfig()):
         loaded_layer(HIDDEN, INTERMEDIATE, 0, config())
-    with pytest.raises(RuntimeError, match="int4 layer 7 was never set"):
+    with pytest.raises(RuntimeError, match="layer 7 was never set"):
         layer_table.linear(torch.zeros(1, INTERMEDIATE, dtype=torch.bfloat16), 7)
-    with pytest.raises(RuntimeError, match=r"x: expected \[\.\.\., 1536\] for int4 layer 0"):
+    with pytest.raises(RuntimeError, match=r"x: expected \[\.\.\., 1536\] for layer 0"):
         layer_table.linear(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), 0)
 
 
