@@ -607,6 +607,9 @@ inline void store_x8(__m256i codes, const float* scale, c10::BFloat16* const* ro
   }
 }
 
+// Weights a block of a decode-layout blocks tensor holds, told by its bytes: Q6_K (1680) 256, Q8_0 and Q5_0 32.
+inline int64_t block_weights(int64_t bytes) { return bytes == 1680 ? 256 : 32; }
+
 // The weights a decode-layout blocks tensor stands for, bf16 [N, K]: what a wide batch multiplies by (Q6_K [N/8, K/256,
 // 1680], Q8_0 [N/8, K/32, 272], Q5_0 [N/8, K/32, 176]; layouts in kernels/ops/q6k.py and g32.py, whose dequantize_x8
 // gives the same values: the signed code times the fp32 scale (d; Q6_K's d sc), rounded to bf16 to nearest even), in
@@ -618,7 +621,7 @@ at::Tensor blocks_dequantize(const at::Tensor& blocks) {
               "blocks: expected uint8 [N/8, K/block, 1680 (Q6_K), 272 (Q8_0) or 176 (Q5_0)], got ",
               blocks.scalar_type(), " ", blocks.sizes());
   const int64_t bytes = blocks.size(2), nb = blocks.size(1), n = blocks.size(0) * 8;
-  const int64_t weights = bytes == 1680 ? 256 : 32, k = nb * weights;
+  const int64_t weights = block_weights(bytes), k = nb * weights;
   at::Tensor bl = blocks.contiguous();
   at::Tensor out = at::empty({n, k}, blocks.options().dtype(at::kBFloat16));
   const uint8_t* bp = bl.data_ptr<uint8_t>();
@@ -744,7 +747,9 @@ at::Tensor int8_embedding(const at::Tensor& ids, const at::Tensor& qweight, cons
     const float* srow = sp + (per_row ? id : id * groups);
     for (int64_t g = 0; g < groups; ++g) {
       const float s = srow[per_row ? 0 : g];
-      for (int64_t j = g * group; j < (g + 1) * group; ++j) op[r * h + j] = c10::BFloat16(static_cast<float>(row[j]) * s);
+      for (int64_t j = g * group; j < (g + 1) * group; ++j) {
+        op[r * h + j] = c10::BFloat16(static_cast<float>(row[j]) * s);
+      }
     }
   }
   auto shape = ids.sizes().vec();
@@ -793,8 +798,9 @@ void set_int8_layer(int64_t index, const at::Tensor& qweight, const at::Tensor& 
                         qweight.size(1), false});
 }
 
-void set_blocks_layer(int64_t index, const at::Tensor& blocks, int64_t dequant_threshold, int64_t avx2_rows,
-                      int64_t k) {
+void set_blocks_layer(int64_t index, const at::Tensor& blocks, int64_t dequant_threshold, int64_t avx2_rows) {
+  TORCH_CHECK(blocks.dim() == 3, "blocks: expected a decode layout [N/8, K/block, bytes], got ", blocks.sizes());
+  const int64_t k = blocks.size(1) * block_weights(blocks.size(2));
   put(index, TableLayer{TableKind::blocks, blocks, {}, {}, {}, {}, 0, 0, dequant_threshold, avx2_rows, 0, k, false});
 }
 
@@ -843,7 +849,7 @@ TORCH_LIBRARY(edge_avx2, m) {
         "int avx2_bits, int k) -> ()", &set_int4_layer);
   m.def("set_int8_layer(int index, Tensor qweight, Tensor scales, int dequant_threshold, int avx2_rows) -> ()",
         &set_int8_layer);
-  m.def("set_blocks_layer(int index, Tensor blocks, int dequant_threshold, int avx2_rows, int k) -> ()",
+  m.def("set_blocks_layer(int index, Tensor blocks, int dequant_threshold, int avx2_rows) -> ()",
         &set_blocks_layer);
   m.def("forget_layers() -> ()", &forget_layers);
   m.def("layer_count() -> int", &layer_count);

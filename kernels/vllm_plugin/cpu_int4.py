@@ -457,8 +457,22 @@ class _Int4Weights(PluginWeights):
         empty = huge_pages.empty if self.keeps_row_major() else torch.empty
         _create_int4_params(layer, n, k, self.config.group_size, extra, empty)
 
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _apply(layer, self.config, x, bias)
 
-class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
+
+class _InLayerTable:
+    """A linear method whose loaded layers the layer table holds (kernels/vllm_plugin/layer_table.py): apply calls a
+    layer by its index where it has one, else its weights' own op (the class after this one)."""
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        index = layer_table.index_of(layer)
+        if index is None:
+            return super().apply(layer, x, bias)
+        return out_dtype(layer, layer_table.linear(x, index), bias)
+
+
+class CpuInt4LinearMethod(_InLayerTable, _Int4Weights, LinearMethodBase):
     """A linear layer (also fused QKV / gate_up: shards stack along N, which is never the packed dim)."""
 
     def keeps_row_major(self) -> bool:
@@ -468,12 +482,6 @@ class CpuInt4LinearMethod(_Int4Weights, LinearMethodBase):
         _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows,
                 keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits)  # fmt: skip
         layer_table.add_int4(layer, self.config)
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        index = layer_table.index_of(layer)
-        if index is None:
-            return _apply(layer, self.config, x, bias)
-        return out_dtype(layer, layer_table.linear(x, index), bias)
 
 
 class CpuQ4kLinearMethod(CpuInt4LinearMethod):
@@ -550,9 +558,6 @@ class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
         rows = int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)
         return out_dtype(layer, rows)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _apply(layer, self.config, x, bias)
-
 
 def _apply(layer: torch.nn.Module, config: CpuInt4Config, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One int4 GEMM through the opaque op (a linear layer or the head): x [..., K] -> [..., N]."""
@@ -628,20 +633,13 @@ class _BlocksWeights(PluginWeights):
         return out_dtype(layer, y, bias)
 
 
-class CpuBlocksLinearMethod(_BlocksWeights, LinearMethodBase):
+class CpuBlocksLinearMethod(_InLayerTable, _BlocksWeights, LinearMethodBase):
     """A linear layer of the 8-bit set kept as a file's own blocks (every shard of a fused one, of one type: the plan's
     rule)."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
-        weights, _ = GGML_BLOCKS[self.blocks]
-        layer_table.add_blocks(layer, self.config, n=layer.blocks.shape[0] * 8, k=layer.blocks.shape[1] * weights)
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        index = layer_table.index_of(layer)
-        if index is None:
-            return super().apply(layer, x, bias)
-        return out_dtype(layer, layer_table.linear(x, index), bias)
+        layer_table.add_blocks(layer, self.config)
 
 
 class CpuBlocksHeadMethod(_BlocksWeights, QuantizeMethodBase):
@@ -652,17 +650,11 @@ class CpuBlocksHeadMethod(_BlocksWeights, QuantizeMethodBase):
                                   "only")  # fmt: skip
 
 
-class CpuInt8LinearMethod(_Int8Weights, LinearMethodBase):
+class CpuInt8LinearMethod(_InLayerTable, _Int8Weights, LinearMethodBase):
     """A linear layer in the 8-bit set (fused shards stack along N, like the int4 method's)."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer_table.add_int8(layer, self.config)
-
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        index = layer_table.index_of(layer)
-        if index is None:
-            return super().apply(layer, x, bias)
-        return out_dtype(layer, layer_table.linear(x, index), bias)
 
 
 class CpuInt8EmbeddingMethod(_Int8Weights, QuantizeMethodBase):

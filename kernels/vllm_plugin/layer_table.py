@@ -20,13 +20,13 @@ the compiled graph.
 
 from __future__ import annotations
 
-import logging
+import functools
 import os
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from kernels.ops.q6k import X8  # the decode layouts' channels a block (q6k's and g32's alike)
 
 ENV = "EDGE_LAYER_TABLE"
 INDEX = "_edge_select_table_index"  # the attribute on a layer the table holds
@@ -63,12 +63,13 @@ def add_int8(layer: torch.nn.Module, config: Any) -> None:
     _taken(layer, index, layer.qweight.shape[0])
 
 
-def add_blocks(layer: torch.nn.Module, config: Any, n: int, k: int) -> None:
-    """An 8-bit-set linear kept as a GGUF's own blocks, in their decode layout (int4_ops.blocks_linear's)."""
+def add_blocks(layer: torch.nn.Module, config: Any) -> None:
+    """An 8-bit-set linear kept as a GGUF's own blocks, in their decode layout [N/8, K/block, bytes]
+    (int4_ops.blocks_linear's)."""
     if (index := _next_index()) is None:
         return
-    torch.ops.edge_avx2.set_blocks_layer(index, layer.blocks, config.dequant_threshold, config.int8_rows, k)
-    _taken(layer, index, n)
+    torch.ops.edge_avx2.set_blocks_layer(index, layer.blocks, config.dequant_threshold, config.int8_rows)
+    _taken(layer, index, layer.blocks.shape[0] * X8)
 
 
 def _next_index() -> int | None:
@@ -103,16 +104,8 @@ def linear(x: torch.Tensor, index: int) -> torch.Tensor:
     return torch.ops.edge_avx2.layer_linear(x, index)
 
 
-_fake_registered = False
-
-
+@functools.cache
 def _register_fake() -> None:
-    global _fake_registered
-    if _fake_registered:
-        return
-
     @torch.library.register_fake("edge_avx2::layer_linear")
     def _fake(x: torch.Tensor, index: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], _Table.out_features[index]), dtype=torch.bfloat16)
-
-    _fake_registered = True
