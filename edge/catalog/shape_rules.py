@@ -22,6 +22,14 @@ GPTQ_PARTITION_MULTIPLE = 32
 # Cortex-A76 and a 256-bit SVE core; channelwise needs BF16, docs/FACTS.md). The gate, the plan and the kernel ask it.
 KLEIDIAI_GROUP = 32
 SLIDING = "sliding_attention"
+# vLLM 0.28's CPU KV block (platforms/cpu.py:149: block_size 128 when none is asked for).
+CPU_KV_BLOCK_TOKENS = 128
+# vLLM 0.28's CPU attention fails the first request of a model whose every layer attends through a sliding window
+# (Mistral v0.1, Phi-3 mini 4k: a model-level sliding_window; a Gemma 3 with fewer layers than its pattern) at a
+# KV block of 32 or more: "cpu_attn.cpp:244 Check failed: input.block_size % attn_impl::BlockSizeAlignment == 0
+# (16 vs. 0)"; at 16 it serves (seen 2026-12-01 on the Zen 5 host, docs/FACTS.md). A model with at least one full
+# attention layer (Gemma 2, a real Gemma 3) serves at the default block size.
+ALL_SLIDING_BLOCK_TOKENS = 16
 
 
 def pick_group_size(model: ModelShape) -> int | None:
@@ -78,28 +86,42 @@ def gptq_compatible(lin: LinearShape, group: int) -> bool:
     return lin.n % GPTQ_PARTITION_MULTIPLE == 0 and lin.k % GPTQ_PARTITION_MULTIPLE == 0 and whole_groups
 
 
-def kv_tokens_per_layer(model: ModelShape, max_model_len: int) -> list[int]:
-    """Tokens of K and V each layer holds for one sequence of max_model_len.
+def kv_block_tokens(model: ModelShape) -> int:
+    """The tokens of one KV block the engine runs at: vLLM 0.28's CPU default, or the block a model whose every layer
+    attends through a sliding window must be started with."""
+    types = model.layer_types
+    return ALL_SLIDING_BLOCK_TOKENS if types and all(t == SLIDING for t in types) else CPU_KV_BLOCK_TOKENS
 
-    Sliding-window layers hold min(window, max_model_len): vLLM 0.28's CPU platform supports the hybrid
-    KV cache manager (platforms/cpu.py:450 support_hybrid_kv_cache -> True), which sizes a sliding layer's
-    pool by its window (v1/kv_cache_interface.py:546-572, max_admission_blocks_per_request). That bound
-    also adds the in-flight tokens of a step and one block of slack per sequence; those are not counted.
+
+def kv_tokens_per_layer(model: ModelShape, max_model_len: int, max_num_seqs: int = 1) -> list[int]:
+    """Tokens of K and V each layer holds for max_num_seqs streams sharing one context of max_model_len.
+
+    A full-attention layer holds max_model_len tokens for all the streams together, plus one block per stream (a
+    stream's last block is partly empty): what llama.cpp's server holds for `-c max_model_len` shared by its slots,
+    except that one stream may take the whole context, so a prompt of the full context still prefills. Streams that
+    together outgrow it are not lost: vLLM's scheduler preempts the newest and recomputes it when blocks free up.
+    Filling max_num_seqs x max_model_len instead held 180 MiB for the default model, 19 % of the engine's RssAnon
+    on the Zen 4 (benchmarks/engine_memory.py, 2026-12-06).
+
+    A sliding-window layer holds each stream's window, min(window, max_model_len), plus a block: vLLM 0.28's CPU
+    platform supports the hybrid KV cache manager (platforms/cpu.py:450 support_hybrid_kv_cache -> True), which
+    frees a sliding layer's blocks behind the window (v1/kv_cache_interface.py:546-572). The groups of a hybrid
+    model share one pool of blocks, each block a page in one layer of every group (v1/core/kv_cache_utils.py
+    get_kv_cache_config_from_groups), so the layers' tokens sum.
     """
     types = model.layer_types or ["full_attention"] * model.num_layers
     assert len(types) == model.num_layers, (len(types), model.num_layers)
-    window = model.sliding_window
-    return [min(window, max_model_len) if t == SLIDING and window else max_model_len for t in types]
+    window, slack = model.sliding_window, max_num_seqs * kv_block_tokens(model)
+    shared = max_model_len + slack
+    per_stream = max_num_seqs * min(window, max_model_len) + slack if window else shared
+    return [per_stream if t == SLIDING and window else shared for t in types]
 
 
 def kv_cache_bytes(model: ModelShape, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 2) -> int:
-    """KV data for max_num_seqs sequences of max_model_len.
+    """The KV pool for max_num_seqs streams sharing one context of max_model_len (kv_tokens_per_layer).
 
-    2 (K and V) x kv_heads x head_dim x tokens x bytes, summed over layers (tokens: kv_tokens_per_layer).
-
-    vLLM's CPU worker allocates exactly the KV space it is given (--kv-cache-memory-bytes, or
-    VLLM_CPU_KVCACHE_SPACE), not a share of this estimate, so the plan passes this number to it.
-    Not counted: block rounding (CPU block_size 128, platforms/cpu.py:149) and the per-sequence slack above.
+    2 (K and V) x kv_heads x head_dim x tokens x bytes, summed over layers. vLLM's CPU worker allocates exactly the
+    KV space it is given (--kv-cache-memory-bytes), so the plan passes this number to it and the ledger counts it.
     """
     per_token = 2 * model.num_kv_heads * model.head_dim * dtype_bytes
-    return per_token * sum(kv_tokens_per_layer(model, max_model_len)) * max_num_seqs
+    return per_token * sum(kv_tokens_per_layer(model, max_model_len, max_num_seqs))

@@ -168,7 +168,7 @@ def _rope(model: ModelShape, max_model_len: int) -> MemoryItem:
 
 
 def _kv_cache(model: ModelShape, max_model_len: int, max_num_seqs: int) -> MemoryItem:
-    tokens = rules.kv_tokens_per_layer(model, max_model_len)
+    tokens = rules.kv_tokens_per_layer(model, max_model_len, max_num_seqs)
     counts: dict[int, int] = {}
     for t in tokens:
         counts[t] = counts.get(t, 0) + 1
@@ -178,7 +178,8 @@ def _kv_cache(model: ModelShape, max_model_len: int, max_num_seqs: int) -> Memor
         "kv-cache",
         "KV cache",
         size,
-        f"2 (K, V) x {model.num_kv_heads} kv heads x {model.head_dim} x 2 B x ({layers}) x "
-        f"{max_num_seqs} seqs = {mib(size)}; sliding layers hold min(window, max_model_len); "
-        "given to vLLM as --kv-cache-memory-bytes",
+        f"2 (K, V) x {model.num_kv_heads} kv heads x {model.head_dim} x 2 B x ({layers}) = {mib(size)}: "
+        f"{max_num_seqs} streams share one context of {max_model_len} tokens, a block of "
+        f"{rules.kv_block_tokens(model)} each to spare; a sliding layer holds each stream's min(window, "
+        "max_model_len); given to vLLM as --kv-cache-memory-bytes",
     )

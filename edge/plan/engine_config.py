@@ -6,6 +6,7 @@ import hashlib
 import json
 from typing import Any
 
+from edge.catalog import shape_rules as rules
 from edge.catalog.kernel_registry import DEFAULT_DECODE_KERNEL
 from edge.catalog.quantized_layers import LayerDecision, eight_bit_group_size, eight_bit_set, kept_bf16, own_block_sets
 from edge.catalog.shape_rules import copied_grid
@@ -141,12 +142,6 @@ COMPILATION_CONFIG = {"inductor_compile_config": {"cpp_wrapper": True, "cpp_wrap
 COMPILE_ENV = {"VLLM_USE_LAYERNAME": "0"}
 
 
-# vLLM 0.28's CPU attention fails the first request of a model whose every layer attends through a sliding window
-# (Mistral v0.1, Phi-3 mini 4k: a model-level sliding_window; a Gemma 3 with fewer layers than its pattern) at a
-# KV block of 32 or more: "cpu_attn.cpp:244 Check failed: input.block_size % attn_impl::BlockSizeAlignment == 0
-# (16 vs. 0)"; at 16 it serves (seen 2026-12-01 on the Zen 5 host, docs/FACTS.md). A model with at least one full
-# attention layer (Gemma 2, a real Gemma 3) serves at the default block size.
-ALL_SLIDING_BLOCK_SIZE = 16
 
 
 # Where none is asked for, the serving mode follows the device's cores (serving_mode_for):
@@ -201,11 +196,10 @@ def engine_threads(cores: int | None) -> int:
 
 
 def attention_block_size(model: ModelShape) -> int | None:
-    """The KV block size vLLM must be started with for this model, or None for its default."""
-    types = model.layer_types
-    if types and all(t == "sliding_attention" for t in types):
-        return ALL_SLIDING_BLOCK_SIZE
-    return None
+    """The KV block size vLLM must be started with for this model (edge.catalog.shape_rules.kv_block_tokens), or None
+    for its default."""
+    block = rules.kv_block_tokens(model)
+    return None if block == rules.CPU_KV_BLOCK_TOKENS else block
 
 
 def _cache_key(model: ModelShape, path: WeightPath, qconfig: dict[str, Any] | None) -> str:

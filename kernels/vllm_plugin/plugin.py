@@ -37,3 +37,7 @@ def register() -> None:
     # Importing registers: @register_quantization_config("cpu_int4") and the torch.ops.vllm.cpu_int4_* ops.
     import kernels.vllm_plugin.cpu_int4  # noqa: F401
     import kernels.vllm_plugin.cpu_w4a8  # noqa: F401  (@register_quantization_config("cpu_w4a8"), torch.ops.vllm.cpu_w4a8_linear)
+    from kernels.vllm_plugin import heap_trim, memory_trace
+
+    heap_trim.install()
+    memory_trace.install()  # after warmup's and heap_trim's patches: it records what they leave

@@ -96,9 +96,13 @@ def test_gptq_compatible_follows_vllm_cpu_limits(n, k, group, expected):
     assert rules.gptq_compatible(lin(n, k), group) is expected
 
 
-def test_kv_cache_bytes_smollm2_full_attention():
-    # 2 (K, V) x 30 layers x 3 kv heads x 64 head_dim x 2048 tokens x 4 seqs x 2 B
-    assert rules.kv_cache_bytes(default_model(), 2048, 4) == 2 * 30 * 3 * 64 * 2048 * 4 * 2
+def test_streams_share_one_context_with_a_block_each_to_spare():
+    # 2 (K, V) x 30 layers x 3 kv heads x 64 head_dim x 2 B x (2048 shared + 4 streams x a 128-token block)
+    assert rules.kv_cache_bytes(default_model(), 2048, 4) == 2 * 30 * 3 * 64 * 2 * (2048 + 4 * 128)
+
+
+def test_one_stream_holds_the_whole_context():
+    assert rules.kv_tokens_per_layer(default_model(), 2048, 1) == [2048 + 128] * 30
 
 
 def test_kv_cache_bytes_scales_with_dtype_bytes():
@@ -106,17 +110,18 @@ def test_kv_cache_bytes_scales_with_dtype_bytes():
     assert rules.kv_cache_bytes(model, 1024, 1, dtype_bytes=4) == 2 * rules.kv_cache_bytes(model, 1024, 1)
 
 
-def test_gemma2_sliding_layers_hold_only_the_window():
+def test_gemma2_sliding_layers_hold_each_streams_window():
     model = read_model(CONFIGS / "gemma-2-2b.json")
     per_token_layer = 2 * 4 * 256 * 2
-    assert rules.kv_cache_bytes(model, 8192, 1) == per_token_layer * (13 * 8192 + 13 * 4096)
+    assert rules.kv_cache_bytes(model, 8192, 2) == per_token_layer * (13 * (8192 + 256) + 13 * (2 * 4096 + 256))
 
 
 def test_gemma2_window_longer_than_the_context_costs_the_context():
     model = read_model(CONFIGS / "gemma-2-2b.json")
-    assert rules.kv_cache_bytes(model, 2048, 2) == 2 * 4 * 256 * 2 * 26 * 2048 * 2
+    assert rules.kv_cache_bytes(model, 2048, 2) == 2 * 4 * 256 * 2 * 13 * ((2048 + 256) + (2 * 2048 + 256))
 
 
-def test_phi3_every_layer_holds_its_2047_token_window():
+def test_phi3_every_layer_holds_its_2047_token_window_in_16_token_blocks():
     model = read_model(CONFIGS / "phi-3-mini-4k-instruct.json")
-    assert rules.kv_cache_bytes(model, 4096, 1) == 2 * 32 * 96 * 2 * 32 * 2047
+    assert rules.kv_block_tokens(model) == 16
+    assert rules.kv_cache_bytes(model, 4096, 1) == 2 * 32 * 96 * 2 * 32 * (2047 + 16)

@@ -1,0 +1,75 @@
+"""Give the engine's start-up garbage back to the system once the engine is ready (issue 44).
+
+Loading frees what it built on the way (the checkpoint's tensors once repacked, each layer's repack chunks, the
+warm-up's activations), and glibc keeps freed blocks in its arenas: a block freed from an mmap raises the dynamic
+mmap threshold (malloc(3) M_MMAP_THRESHOLD), so the next ones of that size come from the arenas and stay there when
+freed. On the default model's speed plan that was 49 MiB free but held at the end of the start
+(kernels/vllm_plugin/memory_trace.py's `kept`, Zen 4, 2026-12-06). `malloc_trim(0)` returns every free page of
+every arena (glibc >= 2.8 releases the middle of an arena too, with MADV_DONTNEED), once, after
+`CPUWorker.compile_or_warm_up_model`, the worker's last step before it serves. A step later allocates what it needs
+again; nothing is trimmed while serving.
+
+EDGE_HEAP_TRIM=0 leaves the heap as it is (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import gc
+import logging
+import os
+from typing import Any
+
+from kernels.vllm_plugin import on_import
+
+ENV = "EDGE_HEAP_TRIM"
+logger = logging.getLogger("vllm.edge_select.heap_trim")
+_MARK = "_edge_select_heap_trim"
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None where the C library has none (musl)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def trim() -> bool:
+    """Collect Python's garbage, then return glibc's free pages to the system; False without glibc."""
+    fn = _malloc_trim()
+    if fn is None:
+        return False
+    gc.collect()
+    fn(0)
+    return True
+
+
+def _after_start(method: Any) -> Any:
+    @functools.wraps(method)
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        if not trim():
+            logger.info("heap trim: this C library has no malloc_trim; the start's freed memory stays in its heap")
+        return result
+
+    setattr(compile_or_warm_up_model, _MARK, method)
+    return compile_or_warm_up_model
+
+
+def _patch(cpu_worker: Any) -> None:
+    worker = cpu_worker.CPUWorker
+    if not getattr(worker.compile_or_warm_up_model, _MARK, None):
+        worker.compile_or_warm_up_model = _after_start(worker.compile_or_warm_up_model)
+
+
+def install() -> bool:
+    """Trim the heap after the CPU worker's start, in the process that imports the worker; False when turned off."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    on_import.when_imported("vllm.v1.worker.cpu_worker", _patch)
+    return True
