@@ -66,6 +66,10 @@ class WeightFormat:
     def __repr__(self) -> str:
         return f"<weight format {self.name}>"
 
+    def decode_copy_only(self, layout: str | None, decode_kernel: str) -> bool:
+        """Whether its 4-bit layers keep only the decode kernel's copy (edge.formats.tinygemm); no by default."""
+        return False
+
     def cannot_hold(self, layout: str, n: int, k: int, group: int) -> str | None:
         """Why this format's `layout` (one of kernel_layouts) cannot store an [N, K] weight at this group, or
         None (a calibration timer skips such a shape)."""

@@ -262,10 +262,13 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
     substituted: set[str] = set()
     decode_spec = DECODE_KERNELS[decode_kernel]
     rows = decode_rows(decode_kernel) if decode_kernels else None  # the rows its decode kernel takes
+    # a layer keeping only the decode kernel's copy dequantizes it for every wider batch (edge.formats.tinygemm)
+    one_copy = bool(rows) and format_of(path).decode_copy_only(layout, decode_kernel)
 
     def run(lin: EngineLinear, m: int) -> float:
         if lin.format == "int4" or (path == "bf16" and lin.format == "bf16"):
-            role = "prefill" if (m >= dequant_threshold and int4_kernels["prefill"]) else "decode"
+            wide = m > rows if one_copy and lin.format == "int4" else m >= dequant_threshold
+            role = "prefill" if (wide and int4_kernels["prefill"]) else "decode"
             names = int4_kernels[role] or int4_kernels["decode"]
             assert names, f"{path}/{layout} has no kernel for {role}"
             # a path served by one kernel per ISA class (w4a8-gptq: vLLM's on x86, KleidiAI on ARM): the one timed

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <optional>
 #include <vector>
 #include <type_traits>
@@ -700,6 +701,71 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   return stack[0].toTensor();
 }
 
+// An int4 weight in the decode layout (kernels/ops/avx2_int4.py decode_layout: qweight uint8 [N/8, K/8, 32], byte
+// 4c+t of block (b, j) holding channel 8b+c's k=8j+t low and k=8j+4+t high; scales, zeros bf16 [N/8, K/g, 8]) -> w
+// [N, K], (q - 8) * scale + zero in fp32 (exact product, one rounding: kernels/ops/int4.py apply_scales), rounded to
+// bf16 to nearest even, or kept fp32. A layer holding no tinygemm buffer dequantizes this copy for every batch wider
+// than the decode kernel's rows.
+template <typename Out>
+void dequantize_x8_codes(const uint8_t* q, const c10::BFloat16* sp, const c10::BFloat16* zp, int64_t nb8, int64_t k,
+                         int64_t group, Out* out) {
+  const int64_t groups = k / group;
+  at::parallel_for(0, nb8, 1, [&](int64_t begin, int64_t end) {
+    const __m256i low = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+    const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t j = 0; j < k / 8; ++j) {
+        const uint8_t* bytes = q + (b * (k / 8) + j) * 32;
+        const int64_t g = (8 * j) / group;
+        for (int c = 0; c < 8; ++c) {
+          int32_t four;
+          std::memcpy(&four, bytes + 4 * c, 4);
+          const __m128i b4 = _mm_cvtsi32_si128(four);
+          const __m256i wide = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(b4, b4));  // bytes t=0..3 twice
+          const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(wide, shifts), low);
+          const __m256 centred = _mm256_cvtepi32_ps(_mm256_sub_epi32(codes, eight));
+          const int64_t at = (b * groups + g) * 8 + c;
+          const __m256 v = _mm256_fmadd_ps(centred, _mm256_set1_ps(static_cast<float>(sp[at])),
+                                           _mm256_set1_ps(static_cast<float>(zp[at])));
+          Out* row = out + (8 * b + c) * k + 8 * j;
+          if constexpr (std::is_same_v<Out, float>) {
+            _mm256_storeu_ps(row, v);
+          } else {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row), to_bf16x8(v));
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor int4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros,
+                           int64_t group, bool fp32) {
+  TORCH_CHECK(qweight.dim() == 3 && qweight.size(2) == 32 && qweight.scalar_type() == at::kByte,
+              "qweight: expected uint8 [N/8, K/8, 32] (the decode layout), got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  const int64_t nb8 = qweight.size(0), k = qweight.size(1) * 8;
+  TORCH_CHECK(group >= 8 && group % 8 == 0 && k % group == 0, "group: expected a multiple of 8 dividing K=", k,
+              ", got ", group);
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == nb8 &&
+                    t->size(1) == k / group && t->size(2) == 8,
+                "scales, zeros: expected bf16 [", nb8, ", ", k / group, ", 8], got ", t->scalar_type(), " ",
+                t->sizes());
+  }
+  const at::Tensor q = qweight.contiguous(), s = scales.contiguous(), z = zeros.contiguous();
+  at::Tensor out = at::empty({nb8 * 8, k}, qweight.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
+  const auto* sp = s.data_ptr<at::BFloat16>();
+  const auto* zp = z.data_ptr<at::BFloat16>();
+  if (fp32) {
+    dequantize_x8_codes(q.data_ptr<uint8_t>(), sp, zp, nb8, k, group, out.data_ptr<float>());
+  } else {
+    dequantize_x8_codes(q.data_ptr<uint8_t>(), sp, zp, nb8, k, group,
+                        reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()));
+  }
+  return out;
+}
+
 // An 8-bit-set layer or head (kernels/ops/int4_ops.py int8_linear_impl's arguments): rows as a decode step passes
 // them, [M <= avx2_rows, K] bf16, run w8a16_linear without leaving C++; any other batch goes to the Python op
 // vllm::cpu_int8_linear, as int4_linear does. The default model's int8 head is called once a step outside the
@@ -838,6 +904,7 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("g32_linear(Tensor x, Tensor blocks, int bits) -> Tensor");
   m.def("blocks_linear(Tensor x, Tensor blocks, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("blocks_dequantize(Tensor blocks) -> Tensor");
+  m.def("int4_dequantize(Tensor qweight, Tensor scales, Tensor zeros, int group, bool fp32) -> Tensor");
   m.def("int8_embedding(Tensor ids, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
@@ -865,6 +932,7 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("g32_linear", &g32_linear);
   m.impl("blocks_linear", &blocks_linear);
   m.impl("blocks_dequantize", &blocks_dequantize);
+  m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_embedding", &int8_embedding);
   m.impl("int4_linear", &int4_linear);

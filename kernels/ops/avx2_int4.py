@@ -27,7 +27,7 @@ import torch
 from edge.catalog.kernel_registry import KERNELS
 from edge.formats.tinygemm import TINYGEMM
 from kernels.ops import extension
-from kernels.ops.int4 import unpack_nibbles
+from kernels.ops.int4 import apply_scales, unpack_nibbles
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,11 @@ def _register_fake() -> None:
     def _fake_dequantize(blocks):
         weights = 256 if blocks.shape[-1] == 1680 else 32
         return blocks.new_empty((blocks.shape[0] * X8_CHANNELS, blocks.shape[1] * weights), dtype=torch.bfloat16)
+
+    @torch.library.register_fake(f"{OP_NAMESPACE}::int4_dequantize")
+    def _fake_int4_dequantize(qweight, scales, zeros, group, fp32):
+        return qweight.new_empty((qweight.shape[0] * X8_CHANNELS, qweight.shape[1] * 8),
+                                 dtype=torch.float32 if fp32 else torch.bfloat16)  # fmt: skip
 
     @torch.library.register_fake(f"{OP_NAMESPACE}::blocks_linear")
     def _fake_blocks(x, blocks, dequant_threshold, avx2_rows):
@@ -222,6 +227,31 @@ def interleaved_codes(qweight: torch.Tensor) -> torch.Tensor:
     codes = unpack_nibbles(qweight).view(n // X8_CHANNELS, X8_CHANNELS, k // 8, 2, 4)  # [b, c, j, half, t]
     packed = codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)  # [b, c, j, t]
     return packed.permute(0, 2, 1, 3).reshape(n // X8_CHANNELS, k // 8, 32)  # [b, j, c, t]
+
+
+def row_major(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """decode_layout undone: codes uint8 [N, K] (unpacked, one a byte) and scales, zeros [N, K/g]; row-major tensors
+    come back as codes and their own grids. New tensors."""
+    if qweight.dim() != 3:
+        return unpack_nibbles(qweight), scales, zeros
+    blocks, k = qweight.shape[0], qweight.shape[1] * 8
+    packed = qweight.view(blocks, k // 8, X8_CHANNELS, 4).permute(0, 2, 1, 3)  # [b, c, j, t]
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=3)  # [b, c, j, half, t]: k = 8j + 4 half + t
+    grids = (g.permute(0, 2, 1).reshape(blocks * X8_CHANNELS, -1) for g in (scales, zeros))  # [N, K/g]
+    return (codes.reshape(blocks * X8_CHANNELS, k), *grids)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:  # fmt: skip
+    """w [N, K] in dtype (bf16 or fp32) from int4 weights row-major or in decode_layout's layout, (q - 8) * scale +
+    zero rounded once, as kernels.ops.int4.dequantize gives for the row-major tensors, bit for bit. The decode layout
+    dequantizes in C++ where the extension loads (a layer that keeps no tinygemm buffer does this for every batch
+    wider than the decode kernel's rows)."""
+    if qweight.dim() == 3 and load() is None:
+        return op("int4_dequantize")(qweight, scales, zeros, group, dtype == torch.float32)
+    codes, row_scales, row_zeros = row_major(qweight, scales, zeros)
+    return apply_scales(codes, row_scales, row_zeros, group, dtype)
 
 
 def _wants_decode_layout(qweight: torch.Tensor, act_bits: int) -> bool:

@@ -10,7 +10,9 @@ Modes (per layer, chosen at load time by kernels.vllm_plugin.cpu_int4):
     KERNEL_ONLY  tinygemm for every batch, no copy (`prefill_dequant: false`)
     DUAL         wide batches dequantize the row-major copy qweight (`direct_dequant: false`, and any layer
                  whose N does not tile the host block)
-    DIRECT       wide batches dequantize straight from the tinygemm buffer (`direct_dequant: true`)
+    DIRECT       wide batches dequantize straight from the tinygemm buffer (`direct_dequant: true`); with an AVX2
+                 decode kernel there is no tinygemm buffer (an empty `packed`) and every batch wider than the
+                 kernel's rows dequantizes the decode copy
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def int4_linear_impl(
         y = q4k.linear(x2, qweight, scales)  # [M, N] bf16
     elif rows <= avx2_rows:
         y = avx2_int4.linear(x2, qweight, scales, zeros, group, avx2_bits)  # [M, N] bf16; loads the op here
+    elif packed.numel() == 0:  # the decode copy alone (kernels/vllm_plugin/cpu_int4.py _repack's one_copy)
+        dtype = torch.float32 if fp32_prefill else torch.bfloat16
+        w = avx2_int4.dequantize(qweight, scales, zeros, group, dtype)  # [N, K]
+        y = torch.mm(x2.to(dtype), w.t()).to(torch.bfloat16)  # [M, N]
     elif mode == KERNEL_ONLY or rows < dequant_threshold:
         y = linear(x2, packed, scales_and_zeros, group)  # [M, N]
     else:

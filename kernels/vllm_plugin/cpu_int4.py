@@ -51,6 +51,7 @@ from kernels.ops.int4_ops import (
     DIRECT,
     DUAL,
     KERNEL_ONLY,
+    MODES,
     blocks_decode_layout_,
     blocks_linear,
     int4_embedding,
@@ -302,6 +303,11 @@ class CpuInt4Config(PluginConfig):
         """The int4_ops mode for a layer whose N tiles the host block."""
         return {"kernel-only": KERNEL_ONLY, "dual": DUAL, "direct": DIRECT}[self.layout]
 
+    def decode_copy_only(self, mode: int) -> bool:
+        """Whether a layer repacked in `mode` keeps only the decode kernel's copy (edge.formats.tinygemm's rule, where
+        the AVX2 decode kernel runs here)."""
+        return self.avx2_rows > 0 and TINYGEMM.decode_copy_only(MODES[mode], self.decode_kernel)
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CpuInt4Config:
         method = config.get("quant_method", NAME)
@@ -386,7 +392,8 @@ def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extr
 
 
 def _repack(
-    layer: torch.nn.Module, group: int, mode: int, chunk_rows: int, keep_row_major: bool = False, act_bits: int = 16
+    layer: torch.nn.Module, group: int, mode: int, chunk_rows: int, keep_row_major: bool = False, act_bits: int = 16,
+    one_copy: bool = False,
 ) -> None:
     """Build the tinygemm buffer; drop the row-major copy unless this layer's mode reads it (or keep_row_major:
     the AVX2 decode kernel reads it; its op is loaded here, in the worker, which the config never ran in: vLLM
@@ -394,17 +401,24 @@ def _repack(
     which wide batches dequantize) goes into the layout it reads best (kernels.ops.avx2_int4.decode_layout_ for its
     act_bits activations: in place, chunk_rows channels at a time).
 
+    one_copy (edge.formats.tinygemm decode_copy_only, with keep_row_major): no tinygemm buffer, only the decode copy,
+    which wider batches dequantize.
+
     Sets layer.int4_mode: DIRECT falls back to DUAL when N does not tile the host block (the direct
     dequantizer cannot read a narrower last block, kernels/ops/layout.py).
     """
-    n = layer.qweight.shape[0]
-    if mode == DIRECT and not tiles(n, host_layout()):
-        mode = DUAL
+    n, k = layer.qweight.shape[0], layer.qweight.shape[1] * 2
     if keep_row_major:
         assert _avx2_available(), "the config checked the AVX2 kernel runs on this host"
-    packed, scales_and_zeros = to_tinygemm(
-        layer.qweight.data, layer.scales.data, layer.zeros.data, group, chunk_rows=chunk_rows
-    )
+    if one_copy:  # the decode copy alone: wider batches dequantize it (int4_ops.int4_linear_impl)
+        packed = torch.empty(0, k // 2, dtype=torch.uint8)  # [0, K/2]: no tinygemm buffer, K still readable
+        scales_and_zeros = torch.empty(0, n, 2, dtype=torch.bfloat16)  # [0, N, 2]: N still readable
+    else:
+        if mode == DIRECT and not tiles(n, host_layout()):
+            mode = DUAL
+        packed, scales_and_zeros = to_tinygemm(
+            layer.qweight.data, layer.scales.data, layer.zeros.data, group, chunk_rows=chunk_rows
+        )
     layer.register_parameter("tinygemm_packed", Parameter(packed, requires_grad=False))  # [N, K/2] host layout
     layer.register_parameter("tinygemm_sz", Parameter(scales_and_zeros, requires_grad=False))  # [K/g, N, 2]
     if mode != DUAL and not keep_row_major:
@@ -480,7 +494,8 @@ class CpuInt4LinearMethod(_InLayerTable, _Int4Weights, LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         _repack(layer, self.config.group_size, self.config.mode, self.config.repack_chunk_rows,
-                keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits)  # fmt: skip
+                keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits,
+                one_copy=self.config.decode_copy_only(self.config.mode))  # fmt: skip
         layer_table.add_int4(layer, self.config)
 
 
@@ -552,7 +567,8 @@ class CpuInt4EmbeddingMethod(_Int4Weights, QuantizeMethodBase):
         if isinstance(layer, ParallelLMHead):
             mode = DUAL if self.tied else self.config.mode
             _repack(layer, self.config.group_size, mode, self.config.repack_chunk_rows,
-                    keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits)  # fmt: skip
+                    keep_row_major=self.config.avx2_rows > 0, act_bits=self.config.avx2_bits,
+                    one_copy=self.config.decode_copy_only(mode))  # fmt: skip
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         rows = int4_embedding(input_, layer.qweight, layer.scales, layer.zeros, self.config.group_size)

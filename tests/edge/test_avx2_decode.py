@@ -46,10 +46,22 @@ def test_a_record_without_the_avx2_kernel_keeps_tinygemm():
 
 
 def test_a_plan_that_picks_it_writes_decode_kernel_and_books_the_row_major_copies(avx2_host, smollm2):
-    w4a16 = {"path": "w4a16-tinygemm", "layout": "direct"}
+    w4a16 = {"path": "w4a16-tinygemm", "layout": "dual"}
     plan = make_plan(avx2_host, smollm2, calibration=_avx2_record_with_avx2_kernel(2.0), **w4a16)
     assert plan.quantization_config["decode_kernel"] == "avx2"
     assert "AVX2 decode kernel (decode_kernel: avx2) reads the row-major copy" in plan.model_dump_json()
+
+
+def test_a_direct_plan_with_it_books_each_int4_layer_once(avx2_host, smollm2):
+    w4a16 = {"path": "w4a16-tinygemm", "layout": "direct"}
+    plan = make_plan(avx2_host, smollm2, calibration=_avx2_record_with_avx2_kernel(2.0), **w4a16)
+    int4 = [item for item in plan.memory.items if item.kind in ("int4-weights", "row-major-copy")]
+    assert {item.kind for item in int4} == {"int4-weights"}
+    assert all("decode copy" in item.name for item in int4)
+    dual = make_plan(avx2_host, smollm2, calibration=_avx2_record_with_avx2_kernel(2.0), path="w4a16-tinygemm",
+                     layout="dual")  # fmt: skip
+    dual_int4 = sum(item.bytes for item in dual.memory.items if item.kind in ("int4-weights", "row-major-copy"))
+    assert dual_int4 == 2 * sum(item.bytes for item in int4)
 
 
 def test_a_plan_without_it_writes_the_config_as_before(avx2_host, smollm2):
@@ -115,7 +127,7 @@ def test_speed_takes_int8_activations_only_within_the_quality_floor_and_fidelity
     assert plan.quantization_config["decode_kernel"] == "avx2-w4a8"
     assert plan.quality.status == "measured" and plan.quality.record.kld_mean == pytest.approx(0.01)
     assert any(r.text.startswith("decode rows on the AVX2 int8-activation kernel") for r in plan.reasons)
-    assert "AVX2 decode kernel (decode_kernel: avx2-w4a8) reads the row-major copy" in plan.model_dump_json()
+    assert "the only copy (direct layout, decode_kernel avx2-w4a8)" in plan.model_dump_json()
     lossy = make_plan(avx2_host, smollm2, priority="speed", quality=[bad], **w4a16)
     assert lossy.quantization_config["decode_kernel"] == "avx2"
     assert any("exceeds --max-kld 0.08" in r.text for r in lossy.reasons)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels.ops import avx2_int4
-from kernels.ops.int4 import dequantize, quantize_packed
+from kernels.ops.int4 import apply_scales, dequantize, quantize_packed
 
 REASON = avx2_int4.load()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"AVX2 int4 kernel unavailable here: {REASON}")
@@ -466,3 +466,30 @@ def test_ninja_from_the_ninja_package_joins_path_when_none_is_on_it(monkeypatch,
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no ninja, no compiler
     assert avx2_int4.ninja_on_path() is None
     assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
+
+
+# --- the decode layout dequantized (a layer holding no tinygemm buffer) ----------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(1536, 576, 32), (576, 1536, 64), (64, 256, 128), (8, 64, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_decode_layout_dequantizes_bit_for_bit_as_the_row_major_tensors(n, k, group, dtype):
+    from kernels.ops.int4 import dequantize as row_major_dequantize
+
+    g = torch.Generator().manual_seed(n + k)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales, zeros = ((torch.randn(n, k // group, generator=g) * 0.01).to(torch.bfloat16) for _ in range(2))
+    laid = avx2_int4.decode_layout(qweight, scales, zeros, 8)
+    assert laid[0].dim() == 3
+    expected = row_major_dequantize(qweight, scales, zeros, group, dtype)
+    assert torch.equal(avx2_int4.dequantize(*laid, group, dtype), expected)  # C++ where it loads
+    codes, row_scales, row_zeros = avx2_int4.row_major(*laid)  # the Python fallback's undoing of the layout
+    assert torch.equal(apply_scales(codes, row_scales, row_zeros, group, dtype), expected)
+
+
+@needs_kernel
+def test_the_dequantizer_names_a_tensor_that_is_not_the_decode_layout():
+    qweight = torch.zeros(8, 32, dtype=torch.uint8)
+    scales = torch.zeros(8, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"qweight: expected uint8 \[N/8, K/8, 32\]"):
+        avx2_int4.op("int4_dequantize")(qweight, scales, scales, 32, False)

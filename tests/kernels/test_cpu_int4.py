@@ -654,3 +654,36 @@ def test_the_config_refuses_an_own_block_key_it_does_not_know_and_blocks_for_the
         CpuInt4Config.from_config(quant_config("direct", decode_kernel="avx2", int8=["o_proj"], q5_0=["o_proj"]))
     with pytest.raises(InputError, match=r"quantization_config: expected one of .*got .q4_0."):
         CpuInt4Config(own_blocks={"q4_0": ["o_proj"]}, decode_kernel="avx2-w4a8")
+
+
+# --- the direct layout with an AVX2 decode kernel: the decode copy alone (edge.formats.tinygemm decode_copy_only) -----
+
+
+@pytest.mark.parametrize("decode_kernel", ["avx2-w4a8", "avx2"])
+def test_a_direct_layer_with_an_avx2_decode_kernel_keeps_its_weights_once(decode_kernel):
+    config = CpuInt4Config.from_config(quant_config("direct", group_size=32, decode_kernel=decode_kernel))
+    if not config.avx2_rows:
+        pytest.skip("the AVX2 extension does not build on this host: the layer keeps tinygemm, as before")
+    layer = MergedColumnParallelLinear(HIDDEN, [INTERMEDIATE] * 2, bias=False, quant_config=config,
+                                       disable_tp=True)  # fmt: skip
+    gate, up = (quantize_packed(torch.randn(INTERMEDIATE, HIDDEN, generator=torch.Generator().manual_seed(s)) * 0.02,
+                                32) for s in (1, 2))  # fmt: skip
+    load(layer, gate, 0)
+    load(layer, up, 1)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.tinygemm_packed.numel() == 0 and layer.tinygemm_sz.numel() == 0
+    tensors = [torch.cat(parts) for parts in zip(gate, up, strict=True)]
+    dtype = torch.float32 if config.prefill_dtype == "float32" else torch.bfloat16
+    w = dequantize(*tensors, 32, dtype)  # [2 x 1536, 576], as the plan's prefill dtype
+    for rows in (config.avx2_rows + 1, config.avx2_rows + 90):  # every batch past the decode rows dequantizes
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        expected = torch.mm(x.to(dtype), w.t()).to(torch.bfloat16)
+        assert torch.equal(layer.quant_method.apply(layer, x), expected), rows
+
+
+def test_a_dual_layer_keeps_its_tinygemm_buffer_beside_the_decode_copy():
+    config = CpuInt4Config.from_config(quant_config("dual", group_size=32, decode_kernel="avx2-w4a8"))
+    layer = ReplicatedLinear(HIDDEN, HIDDEN, bias=False, quant_config=config, disable_tp=True)
+    load(layer, quantize_packed(torch.randn(HIDDEN, HIDDEN) * 0.02, 32))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.tinygemm_packed.shape == (HIDDEN, HIDDEN // 2)
