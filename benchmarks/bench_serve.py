@@ -34,6 +34,11 @@ Variants:
     edge:MODE+no-table  the same with the int4 linears' tensors passed to the compiled graph on every call
                   (EDGE_LAYER_TABLE=0) instead of an index a layer into a table the extension holds
                   (kernels/vllm_plugin/layer_table.py)
+    edge:MODE+two-copies  the same with a tinygemm buffer beside each int4 layer's decode copy
+                  (EDGE_DECODE_COPY_ONLY=0), as before 2026-12-06, instead of the decode copy alone
+                  (edge.formats.tinygemm decode_copy_only)
+    edge:MODE+no-trim  the same without returning the start's freed heap pages (EDGE_HEAP_TRIM=0,
+                  kernels/vllm_plugin/heap_trim.py)
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
@@ -104,7 +109,8 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "uncalibrated": {"EDGE_CALIBRATION": "off"}, "prefetch-l1": {"EDGE_AVX2_PREFETCH": "l1"},
                   "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"},
                   "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}, "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
-                  "grid": {"EDGE_OWN_BLOCKS": "0"}, "no-table": {"EDGE_LAYER_TABLE": "0"}}
+                  "grid": {"EDGE_OWN_BLOCKS": "0"}, "no-table": {"EDGE_LAYER_TABLE": "0"},
+                  "two-copies": {"EDGE_DECODE_COPY_ONLY": "0"}, "no-trim": {"EDGE_HEAP_TRIM": "0"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names

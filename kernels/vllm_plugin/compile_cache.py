@@ -93,11 +93,14 @@ def plugin_factors() -> dict[str, object]:
     """The plugin's own settings that change the compiled graph, which vLLM cannot know to hash: the attention
     way (kernels/vllm_plugin/attention.py), whose `cpp` graph calls an op the others do not register, and the W4A8
     layers' kernel (kernels/vllm_plugin/cpu_w4a8.py), whose ops differ, and whether int4 layers are called by their
-    index in the table (kernels/vllm_plugin/layer_table.py), which only that graph names."""
-    from kernels.vllm_plugin import attention, cpu_w4a8, layer_table
+    index in the table (kernels/vllm_plugin/layer_table.py), which only that graph names, and whether they hold a
+    tinygemm buffer (kernels/vllm_plugin/cpu_int4.py decode_copy_only): a graph without the table takes it as an
+    argument, its shape [N, K/2] or [0, K/2]."""
+    from kernels.vllm_plugin import attention, cpu_int4, cpu_w4a8, layer_table
 
     return {attention.ENV: attention.mode(), cpu_w4a8.KERNEL_ENV: cpu_w4a8.kernel(),
-            layer_table.ENV: layer_table.enabled()}  # fmt: skip
+            layer_table.ENV: layer_table.enabled(),
+            cpu_int4.DECODE_COPY_ONLY_ENV: os.environ.get(cpu_int4.DECODE_COPY_ONLY_ENV) != "0"}  # fmt: skip
 
 
 def install_factors_fix() -> bool:

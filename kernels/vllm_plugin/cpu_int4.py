@@ -22,6 +22,7 @@ int4, int8 or bf16 is asked of edge.catalog.quantized_layers, as the plan's ledg
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,7 @@ from kernels.ops.tinygemm import tiles, to_tinygemm
 from kernels.vllm_plugin import layer_table
 
 NAME = "cpu_int4"
+DECODE_COPY_ONLY_ENV = "EDGE_DECODE_COPY_ONLY"
 BLOCK_KEYS = tuple(own.key for own in OWN_BLOCK_TYPES.values())  # quantization_config's q4k, q6k, q8_0, q5_0
 
 
@@ -305,7 +307,11 @@ class CpuInt4Config(PluginConfig):
 
     def decode_copy_only(self, mode: int) -> bool:
         """Whether a layer repacked in `mode` keeps only the decode kernel's copy (edge.formats.tinygemm's rule, where
-        the AVX2 decode kernel runs here)."""
+        the AVX2 decode kernel runs here). EDGE_DECODE_COPY_ONLY=0 keeps the tinygemm buffer beside it, as before
+        2026-12-06, for benchmarks that compare the two (bench_serve's +two-copies); the plan's ledger still books
+        one copy."""
+        if os.environ.get(DECODE_COPY_ONLY_ENV) == "0":
+            return False
         return self.avx2_rows > 0 and TINYGEMM.decode_copy_only(MODES[mode], self.decode_kernel)
 
     @classmethod
