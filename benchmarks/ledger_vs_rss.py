@@ -1,22 +1,29 @@
-"""The plan's memory ledger against what edge-serve's engine holds, per serving mode (issue 23, item 6).
+"""The plan's memory ledger against what edge-serve's engine holds, per serving mode, and where it goes (issues 23, 44).
 
     .venv/bin/python -m benchmarks.ledger_vs_rss [--modes one-process,two-process,three-process] [--passes 1]
-        [--model DIR] [--path PATH] [--cold] [--json OUT]
+        [--model DIR|GGUF] [--path PATH] [--variant-env K=V,...] [--cold] [--json OUT]
 
 For each (pass, mode), interleaved: `edge-serve --priority speed --serving-mode MODE` (bench_serve's launcher)
 starts fresh; RssAnon is sampled every 0.25 s over its whole process tree from launch to stop (benchmarks/rss.py),
 and over the tree less the wrapper's own process, which is what the ledger predicts (the engine: vLLM's
-processes and the watchdog). Once ready, the KV cache is filled the way the ledger sizes it: max_num_seqs
-concurrent requests whose prompts and outputs together reach max_model_len. Then 5 s of idle give the settled
-figure. Compared with the plan's own ledger as /status reports it: resident against settled, load-time peak
-against the peak. A conversion the plan needs is run before the timed starts (`edge-serve --dry-run`), so the
-peak is the engine's load, not the converter's.
+processes and the watchdog). Once ready, the plan's context is filled (one prompt of about max_model_len - 64 tokens
+and 48 generated: the KV pool is one context the streams share, edge.catalog.shape_rules.kv_tokens_per_layer), then
+max_num_seqs concurrent streams of 128 tokens. Then 5 s of idle give the settled figure. Compared with the plan's own
+ledger as /status reports it: resident against settled, load-time peak against the peak. A conversion the plan needs
+is run before the timed starts (`edge-serve --dry-run`), so the peak is the engine's load, not the converter's.
+
+Where it goes: the engine process writes its RssAnon after each phase of its start (EDGE_MEMORY_TRACE,
+kernels/vllm_plugin/memory_trace.py): imports, load (the weights as loaded and repacked), warm-up (the compiled
+model loaded or compiled, and a dummy run), kv-cache, ready (after the heap trim). The rows add what the API server
+held more by the time it answered /readyz, what serving the workload left (activations, logits and sampler buffers,
+the allocator's retention), and the wrapper's and the watchdog's own processes.
 
 Each row also gives the engine baseline this run implies: the engine's settled RssAnon less every other resident
 item of the ledger (what benchmarks/engine_baseline.py measures on the bf16 path, for the facts table). `--cold`
 removes the plan's vLLM compile cache before each mode's first pass, so that pass compiles (a box's first start)
 and the later ones load the cache (every start after it); the summary gives the difference, which the compiling
-process keeps for its lifetime.
+process keeps for its lifetime. `--variant-env` starts every server with these variables too (the plugin's off
+switches: EDGE_HEAP_TRIM=0, EDGE_DECODE_COPY_ONLY=0).
 """
 
 from __future__ import annotations
@@ -26,36 +33,45 @@ import json
 import shutil
 import statistics
 import subprocess
-import threading
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from transformers import AutoTokenizer
 
-from benchmarks.bench_serve import ROOT, edge_argv, edge_server, long_prompt
+from benchmarks.bench_serve import ROOT, concurrent, edge_argv, edge_server, long_prompt
+from benchmarks.rss import process_tree, rss_anon_bytes, tree_rss_anon_bytes
 from edge.paths import resolve
 
 MIB = 2**20
+trace_env = "EDGE_MEMORY_TRACE"  # kernels/vllm_plugin/memory_trace.py ENV (imported there, not here: no vLLM here)
 
 
-def fill_kv(url: str, model: str, tokenizer, seqs: int, max_model_len: int, seed: int) -> int:
-    """`seqs` concurrent completions, each a prompt of about max_model_len - 64 tokens plus 48 generated."""
-    prompts = [long_prompt(tokenizer, seed * 100 + i, max_model_len - 64) for i in range(seqs)]
-    done = [0] * seqs
+def _env_pairs(text: str) -> dict[str, str]:
+    pairs = dict(pair.split("=", 1) for pair in text.split(",") if pair)
+    if not all(k.startswith("EDGE_") for k in pairs):
+        raise argparse.ArgumentTypeError(f"expected EDGE_ variables, got {text!r}")
+    return pairs
 
-    def one(i: int) -> None:
-        body = {"model": model, "prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=900)
-        response.raise_for_status()
-        done[i] = response.json()["usage"]["total_tokens"]
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(seqs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(done)
+def fill_context(url: str, model: str, tokenizer, max_model_len: int, seed: int) -> int:
+    """One completion whose prompt (about max_model_len - 64 tokens) and 48 generated tokens fill the context."""
+    body = {"model": model, "prompt": long_prompt(tokenizer, seed, max_model_len - 64), "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=900)
+    response.raise_for_status()
+    return response.json()["usage"]["total_tokens"]
+
+
+def rss_anon_mib(pid: int) -> float:
+    return rss_anon_bytes(pid) / MIB
+
+
+def phases(trace: Path) -> dict[str, float]:
+    """The engine process's RssAnon after each start phase (MiB), from its EDGE_MEMORY_TRACE lines."""
+    lines = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
+    return {line["phase"]: line["rss_anon"] / MIB for line in lines}
 
 
 def compile_cache(mode: str, args: argparse.Namespace) -> Path:
@@ -66,32 +82,61 @@ def compile_cache(mode: str, args: argparse.Namespace) -> Path:
 
 
 def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Path) -> dict:
-    server, model, _ = edge_server(mode, args, log)
+    trace = Path(tempfile.mkstemp(prefix="edge-memory-trace-", suffix=".jsonl")[1])
+    trace.unlink()
+    server, model, _ = edge_server(mode, args, log, env={**args.variant_env, trace_env: str(trace)})
     try:
+        tree = process_tree(server.proc.pid)
+        engine_pid = max(tree, key=rss_anon_bytes)  # the process that holds the model (one-process: the API server)
+        at_ready = {"engine": rss_anon_mib(engine_pid), "tree": tree_rss_anon_bytes(server.proc.pid) / MIB}
         plan = httpx.get(f"{server.url}/status", timeout=30).json()["plan"]
         args_ = plan["vllm"]["args"]
         seqs, max_len = (int(args_[args_.index(flag) + 1]) for flag in ("--max-num-seqs", "--max-model-len"))
-        tokens = fill_kv(server.url, model, tokenizer, seqs, max_len, seed)
+        tokens = fill_context(server.url, model, tokenizer, max_len, seed)
+        concurrent(server.url, model, seqs, 128)
         idle_from = time.monotonic()
         time.sleep(5)
+        settled = {"engine": rss_anon_mib(engine_pid), "wrapper": rss_anon_mib(server.proc.pid)}
+        settled["others"] = tree_rss_anon_bytes(server.proc.pid) / MIB - settled["engine"] - settled["wrapper"]
     finally:
         server.stop()
     engine = server.sampler.below_root()
     measured = {"peak": engine.peak_bytes, "settled": engine.settled_bytes(idle_from)}
     ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"]}
     baseline = sum(i["bytes"] for i in plan["memory"]["items"] if i["kind"] == "engine-baseline")
+    steps = phases(trace)
+    trace.unlink(missing_ok=True)
+    breakdown = _breakdown(steps, at_ready["engine"], settled)
     return {
         "mode": mode, "path": plan["path"], "layout": plan.get("layout"), "tokens_in_kv": tokens,
-        "ready_s": server.ready_s,
+        "ready_s": server.ready_s, "env": args.variant_env,
         **{f"engine_{k}_mib": v / MIB for k, v in measured.items()},
         **{f"ledger_{k}_mib": v / MIB for k, v in ledger.items()},
         **{f"ledger_over_{k}": ledger[k] / measured[k] - 1 for k in measured},
         "implied_baseline_bytes": measured["settled"] - (ledger["settled"] - baseline),
         "tree_settled_mib": server.sampler.settled_bytes(idle_from) / MIB,
+        "tree_peak_mib": server.sampler.peak_bytes / MIB,
         "wrapper_settled_mib": (server.sampler.settled_bytes(idle_from) - measured["settled"]) / MIB,
+        "phases_mib": steps, "at_ready_mib": at_ready, "settled_by_process_mib": settled, "breakdown_mib": breakdown,
         "items_mib": {item["kind"] + (f":{item['layer']}" if item.get("layer") else ""): item["bytes"] / MIB
                       for item in plan["memory"]["items"]},  # fmt: skip
     }
+
+
+def _breakdown(steps: dict[str, float], engine_at_ready: float, settled: dict[str, float]) -> dict[str, float]:
+    """What each piece adds (MiB): the engine's start phases as differences of its trace, then the API server's
+    start after the engine's, the workload's leftovers, and the other processes."""
+    out, before = {}, 0.0
+    for phase in ("imports", "load", "warm-up", "kv-cache", "ready"):
+        if phase in steps:
+            out[phase] = steps[phase] - before
+            before = steps[phase]
+    if steps:
+        out["api-start"] = engine_at_ready - before
+    out["workload"] = settled["engine"] - engine_at_ready
+    out["wrapper"] = settled["wrapper"]
+    out["watchdog-and-others"] = settled["others"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="default: the embedded default model")
     parser.add_argument("--path", help="edge-serve's --path (default: the plan's)")
     parser.add_argument("--cold", action="store_true", help="each mode's first pass without the compile cache")
+    parser.add_argument("--variant-env", type=_env_pairs, default={},
+                        help="K=V[,K=V...]: every server's extra environment (the plugin's off switches)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -134,6 +181,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * med('ledger_over_settled'):+.1f} % | {med('ledger_peak_mib'):.0f} | "
               f"{med('engine_peak_mib'):.0f} | {100 * med('ledger_over_peak'):+.1f} % | "
               f"{med('wrapper_settled_mib'):.0f} |")  # fmt: skip
+    pieces = list(dict.fromkeys(k for r in rows for k in r["breakdown_mib"]))
+    print("\n| mode | " + " | ".join(pieces) + " | tree settled | tree peak |")
+    print("|---" * (len(pieces) + 3) + "|")
+    for mode in modes:
+        mine = [r for r in rows if r["mode"] == mode and not r["cold"]] or [r for r in rows if r["mode"] == mode]
+        cells = [f"{statistics.median(r['breakdown_mib'].get(p, 0.0) for r in mine):.0f}" for p in pieces]
+        print(f"| {mode} | " + " | ".join(cells) + f" | {statistics.median(r['tree_settled_mib'] for r in mine):.0f} "
+              f"| {statistics.median(r['tree_peak_mib'] for r in mine):.0f} |")
     for mode in modes:
         cold = [r["engine_settled_mib"] for r in rows if r["mode"] == mode and r["cold"]]
         warm = [r for r in rows if r["mode"] == mode and not r["cold"]]

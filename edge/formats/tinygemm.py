@@ -101,10 +101,11 @@ class Tinygemm(WeightFormat):
 
     def decode_copy_only(self, layout: str | None, decode_kernel: str) -> bool:
         """Whether an int4 layer keeps only its decode kernel's copy: the direct layout with a decode kernel that reads
-        its own copy. Every batch wider than the decode kernel's rows then dequantizes that copy (C++,
-        kernels/ops/avx2_int4.py dequantize: 0.16 ms for 1536x576 against tinygemm's buffer's 0.54 ms, Zen 4,
-        2026-12-06) instead of the engine holding a tinygemm buffer beside it: the weights once, not twice. A layer of a
-        GGUF's own Q4_K blocks keeps its tinygemm buffer (no dequantizer of the blocks' decode layout yet)."""
+        its own copy. The batches tinygemm took (below the dequant threshold) then run the decode kernel, and wider
+        ones dequantize that copy (C++, kernels/ops/avx2_int4.py dequantize: 0.16 ms for 1536x576 against tinygemm's
+        buffer's 0.54 ms, Zen 4, 2026-12-06), instead of the engine holding a tinygemm buffer beside it: the weights
+        once, not twice. A layer of a GGUF's own Q4_K blocks keeps only the blocks (kernels/ops/q4k.py
+        dequantize_any)."""
         return layout == "direct" and self.reads_row_major(decode_kernel)
 
     def row_major_kernels(self) -> list[KernelSpec]:
@@ -140,10 +141,18 @@ class Tinygemm(WeightFormat):
         packed = []
         one_copy = self.decode_copy_only(layout, decode_kernel)
         for lin, decision in parts(layer_linears(model) + ([] if tied else [lm_head]), layers):
-            if decision.format == "int4" and one_copy and not decision.blocks:
+            if decision.format == "int4" and one_copy and decision.blocks:
+                weights, nbytes = GGML_BLOCKS[decision.blocks]
+                size = lin.count * lin.n * lin.k // weights * nbytes
+                items.append(resident("int4-weights", f"{lin.name} {decision.blocks} blocks (decode copy)", size,
+                                      f"the only copy (direct layout, decode_kernel {decode_kernel}): the file's own "
+                                      f"{decision.blocks} blocks, which batches at the dequant threshold or wider "
+                                      f"dequantize: {times(lin)}({lin.n} x {lin.k} / {weights} blocks x {nbytes} B) "
+                                      f"= {mib(size)}", layer=lin.name))  # fmt: skip
+            elif decision.format == "int4" and one_copy:
                 items.append(resident("int4-weights", f"{lin.name} int4 decode copy", self.bytes(lin, group),
-                                      f"the only copy (direct layout, decode_kernel {decode_kernel}): batches wider "
-                                      f"than the decode kernel's dequantize it; {self.detail(lin, group)}",
+                                      f"the only copy (direct layout, decode_kernel {decode_kernel}): batches at the "
+                                      f"dequant threshold or wider dequantize it; {self.detail(lin, group)}",
                                       layer=lin.name))  # fmt: skip
             elif decision.format == "int4":
                 packed.append((lin, decision.blocks))

@@ -262,19 +262,19 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
     substituted: set[str] = set()
     decode_spec = DECODE_KERNELS[decode_kernel]
     rows = decode_rows(decode_kernel) if decode_kernels else None  # the rows its decode kernel takes
-    # a layer keeping only the decode kernel's copy dequantizes it for every wider batch (edge.formats.tinygemm)
+    # a layer keeping only the decode kernel's copy runs that kernel on every batch below the dequant threshold
+    # (edge.formats.tinygemm decode_copy_only; kernels/ops/int4_ops.py)
     one_copy = bool(rows) and format_of(path).decode_copy_only(layout, decode_kernel)
 
     def run(lin: EngineLinear, m: int) -> float:
         if lin.format == "int4" or (path == "bf16" and lin.format == "bf16"):
-            wide = m > rows if one_copy and lin.format == "int4" else m >= dequant_threshold
-            role = "prefill" if (wide and int4_kernels["prefill"]) else "decode"
+            role = "prefill" if (m >= dequant_threshold and int4_kernels["prefill"]) else "decode"
             names = int4_kernels[role] or int4_kernels["decode"]
             assert names, f"{path}/{layout} has no kernel for {role}"
             # a path served by one kernel per ISA class (w4a8-gptq: vLLM's on x86, KleidiAI on ARM): the one timed
             names = [name for name in names if record.timed(name) is not None] or names
             name = names[0]
-            if rows and lin.format == "int4" and m <= rows:
+            if rows and lin.format == "int4" and (m <= rows or (one_copy and m < dequant_threshold)):
                 name = decode_spec.name
                 if record.timed(name) is None:  # a record from before the kernel existed: no faster than tinygemm
                     substituted.add(f"{name} counted at {names[0]}'s times (not timed)")

@@ -766,6 +766,78 @@ at::Tensor int4_dequantize(const at::Tensor& qweight, const at::Tensor& scales, 
   return out;
 }
 
+// A GGUF's Q4_K tensor in the decode layout (kernels/ops/q4k.py decode_layout: qweight uint8 [N/8, K/8, 32] as the
+// int4 decode layout, meta uint8 [N/8, K/256, 128]) -> w [N, K], d sc_j q - dmin m_j in fp32 as gguf-py's float32
+// dequantization gives it (the product rounded, then the difference: no fused multiply-subtract, hence
+// fp-contract off), rounded to bf16 to nearest even or kept fp32. A Q4_K layer holding no tinygemm buffer
+// dequantizes this for every batch wider than the decode kernel's rows.
+template <typename Out>
+__attribute__((optimize("fp-contract=off"))) void dequantize_q4k_x8(const uint8_t* q, const uint8_t* meta,
+                                                                    int64_t nb8, int64_t k, Out* out) {
+  const int64_t blocks = k / 256;
+  at::parallel_for(0, nb8, 1, [&](int64_t begin, int64_t end) {
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    const __m256i shifts = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const uint8_t* m = meta + (b * blocks + blk) * 128;
+        uint8_t values[128];  // 8j+c: channel c's sc_j; 64+8j+c: its m_j
+        for (int i = 0; i < 128; ++i) {
+          const uint8_t nibble = i < 64 ? (m[32 + i] & 0x0F) : (m[32 + i - 64] >> 4);
+          const uint8_t top = (m[96 + i % 32] >> (2 * (i / 32))) & 0x03;
+          values[i] = static_cast<uint8_t>(nibble | (top << 4));
+        }
+        float d[8], dmin[8];
+        for (int c = 0; c < 8; ++c) {
+          d[c] = half_at(m + 2 * c);
+          dmin[c] = half_at(m + 16 + 2 * c);
+        }
+        for (int j = 0; j < 8; ++j) {
+          for (int c = 0; c < 8; ++c) {
+            const __m256 scale = _mm256_set1_ps(d[c] * static_cast<float>(values[8 * j + c]));
+            const __m256 minimum = _mm256_set1_ps(dmin[c] * static_cast<float>(values[64 + 8 * j + c]));
+            for (int i = 0; i < 4; ++i) {
+              const int64_t j8 = blk * 32 + j * 4 + i;
+              int32_t four;
+              std::memcpy(&four, q + (b * (k / 8) + j8) * 32 + 4 * c, 4);
+              const __m128i b4 = _mm_cvtsi32_si128(four);
+              const __m256i wide = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(b4, b4));
+              const __m256 codes = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(wide, shifts), low));
+              const __m256 v = _mm256_sub_ps(_mm256_mul_ps(codes, scale), minimum);
+              Out* row = out + (8 * b + c) * k + 8 * j8;
+              if constexpr (std::is_same_v<Out, float>) {
+                _mm256_storeu_ps(row, v);
+              } else {
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(row), to_bf16x8(v));
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor q4k_dequantize(const at::Tensor& qweight, const at::Tensor& meta, bool fp32) {
+  TORCH_CHECK(qweight.dim() == 3 && qweight.size(2) == 32 && qweight.scalar_type() == at::kByte,
+              "qweight: expected uint8 [N/8, K/8, 32] (the decode layout), got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  const int64_t nb8 = qweight.size(0), k = qweight.size(1) * 8;
+  TORCH_CHECK(k % 256 == 0 && meta.dim() == 3 && meta.scalar_type() == at::kByte && meta.size(0) == nb8 &&
+                  meta.size(1) == k / 256 && meta.size(2) == 128,
+              "meta: expected uint8 [", nb8, ", ", k / 256, ", 128] (the decode layout's), got ",
+              meta.scalar_type(), " ", meta.sizes());
+  const at::Tensor q = qweight.contiguous(), m = meta.contiguous();
+  at::Tensor out = at::empty({nb8 * 8, k}, qweight.options().dtype(fp32 ? at::kFloat : at::kBFloat16));
+  if (fp32) {
+    dequantize_q4k_x8(q.data_ptr<uint8_t>(), m.data_ptr<uint8_t>(), nb8, k, out.data_ptr<float>());
+  } else {
+    dequantize_q4k_x8(q.data_ptr<uint8_t>(), m.data_ptr<uint8_t>(), nb8, k,
+                      reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()));
+  }
+  return out;
+}
+
 // An 8-bit-set layer or head (kernels/ops/int4_ops.py int8_linear_impl's arguments): rows as a decode step passes
 // them, [M <= avx2_rows, K] bf16, run w8a16_linear without leaving C++; any other batch goes to the Python op
 // vllm::cpu_int8_linear, as int4_linear does. The default model's int8 head is called once a step outside the
@@ -905,6 +977,7 @@ TORCH_LIBRARY(edge_avx2, m) {
   m.def("blocks_linear(Tensor x, Tensor blocks, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("blocks_dequantize(Tensor blocks) -> Tensor");
   m.def("int4_dequantize(Tensor qweight, Tensor scales, Tensor zeros, int group, bool fp32) -> Tensor");
+  m.def("q4k_dequantize(Tensor qweight, Tensor meta, bool fp32) -> Tensor");
   m.def("int8_embedding(Tensor ids, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales, int dequant_threshold, int avx2_rows) -> Tensor");
   m.def("uses_vnni() -> bool", &vnni_in_use);
@@ -933,6 +1006,7 @@ TORCH_LIBRARY_IMPL(edge_avx2, CPU, m) {
   m.impl("blocks_linear", &blocks_linear);
   m.impl("blocks_dequantize", &blocks_dequantize);
   m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("q4k_dequantize", &q4k_dequantize);
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_embedding", &int8_embedding);
   m.impl("int4_linear", &int4_linear);

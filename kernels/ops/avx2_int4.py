@@ -129,6 +129,11 @@ def _register_fake() -> None:
         return qweight.new_empty((qweight.shape[0] * X8_CHANNELS, qweight.shape[1] * 8),
                                  dtype=torch.float32 if fp32 else torch.bfloat16)  # fmt: skip
 
+    @torch.library.register_fake(f"{OP_NAMESPACE}::q4k_dequantize")
+    def _fake_q4k_dequantize(qweight, meta, fp32):
+        return qweight.new_empty((qweight.shape[0] * X8_CHANNELS, qweight.shape[1] * 8),
+                                 dtype=torch.float32 if fp32 else torch.bfloat16)  # fmt: skip
+
     @torch.library.register_fake(f"{OP_NAMESPACE}::blocks_linear")
     def _fake_blocks(x, blocks, dequant_threshold, avx2_rows):
         return x.new_empty((*x.shape[:-1], blocks.shape[0] * X8_CHANNELS), dtype=torch.bfloat16)
@@ -235,11 +240,16 @@ def row_major(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     come back as codes and their own grids. New tensors."""
     if qweight.dim() != 3:
         return unpack_nibbles(qweight), scales, zeros
+    grids = (g.permute(0, 2, 1).reshape(qweight.shape[0] * X8_CHANNELS, -1) for g in (scales, zeros))  # [N, K/g]
+    return (decoded_codes(qweight), *grids)
+
+
+def decoded_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """The decode layout's codes [N/8, K/8, 32] -> uint8 [N, K], one code a byte (interleaved_codes undone)."""
     blocks, k = qweight.shape[0], qweight.shape[1] * 8
     packed = qweight.view(blocks, k // 8, X8_CHANNELS, 4).permute(0, 2, 1, 3)  # [b, c, j, t]
     codes = torch.stack((packed & 0x0F, packed >> 4), dim=3)  # [b, c, j, half, t]: k = 8j + 4 half + t
-    grids = (g.permute(0, 2, 1).reshape(blocks * X8_CHANNELS, -1) for g in (scales, zeros))  # [N, K/g]
-    return (codes.reshape(blocks * X8_CHANNELS, k), *grids)
+    return codes.reshape(blocks * X8_CHANNELS, k)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
@@ -248,6 +258,10 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     zero rounded once, as kernels.ops.int4.dequantize gives for the row-major tensors, bit for bit. The decode layout
     dequantizes in C++ where the extension loads (a layer that keeps no tinygemm buffer does this for every batch
     wider than the decode kernel's rows)."""
+    if scales.dtype == torch.uint8:  # a GGUF's own Q4_K blocks: `scales` is their meta (kernels/ops/q4k.py)
+        from kernels.ops import q4k
+
+        return q4k.dequantize_any(qweight, scales, dtype)
     if qweight.dim() == 3 and load() is None:
         return op("int4_dequantize")(qweight, scales, zeros, group, dtype == torch.float32)
     codes, row_scales, row_zeros = row_major(qweight, scales, zeros)

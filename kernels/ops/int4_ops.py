@@ -59,13 +59,17 @@ def int4_linear_impl(
     rows = x2.shape[0]
     if rows == 0:
         return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16)
-    if rows <= avx2_rows and scales.dtype == torch.uint8:  # a GGUF's own Q4_K blocks: scales is their meta
+    # the decode copy alone (kernels/vllm_plugin/cpu_int4.py decode_copy_only): the batches tinygemm would take go to
+    # the decode kernel, faster than tinygemm at every width below the threshold (1536x576 at 16 rows: 0.18 against
+    # 0.34 ms, at 91: 1.01 against 1.92; Zen 4, 2026-12-06, docs/reports/2026-12-06-engine-memory.md)
+    kernel_rows = max(avx2_rows, dequant_threshold - 1) if packed.numel() == 0 and avx2_rows else avx2_rows
+    if rows <= kernel_rows and scales.dtype == torch.uint8:  # a GGUF's own Q4_K blocks: scales is their meta
         y = q4k.linear(x2, qweight, scales)  # [M, N] bf16
-    elif rows <= avx2_rows:
+    elif rows <= kernel_rows:
         y = avx2_int4.linear(x2, qweight, scales, zeros, group, avx2_bits)  # [M, N] bf16; loads the op here
-    elif packed.numel() == 0:  # the decode copy alone (kernels/vllm_plugin/cpu_int4.py _repack's one_copy)
+    elif packed.numel() == 0:  # the decode copy alone, a batch at the threshold or wider: dequantized
         dtype = torch.float32 if fp32_prefill else torch.bfloat16
-        w = avx2_int4.dequantize(qweight, scales, zeros, group, dtype)  # [N, K]
+        w = avx2_int4.dequantize(qweight, scales, zeros, group, dtype)  # [N, K]; Q4_K blocks too
         y = torch.mm(x2.to(dtype), w.t()).to(torch.bfloat16)  # [M, N]
     elif mode == KERNEL_ONLY or rows < dequant_threshold:
         y = linear(x2, packed, scales_and_zeros, group)  # [M, N]

@@ -85,6 +85,40 @@ def dequantize(qweight: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     return (codes * scales[..., None] - mins[..., None]).reshape(n, 2 * half_k)
 
 
+def row_major(qweight: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_layout undone: (qweight [N, K/2], meta [N, K/256 * 16]) as from_blocks gives them; row-major pairs come
+    back as they are. New tensors."""
+    if qweight.dim() != 3:
+        return qweight, meta
+    from kernels.ops.avx2_int4 import decoded_codes
+
+    codes = decoded_codes(qweight)  # [N, K], one code a byte
+    blocks8, nb = meta.shape[0], meta.shape[1]
+    d, dmin = meta[..., 0:16].reshape(blocks8, nb, X8, 2), meta[..., 16:32].reshape(blocks8, nb, X8, 2)
+    low, pairs = meta[..., 32:96], meta[..., 96:128]
+    nibbles = torch.cat([low & 0x0F, low >> 4], dim=-1)  # [b, block, 128]: value i
+    tops = torch.cat([(pairs >> (2 * q)) & 0x03 for q in range(4)], dim=-1)  # value i's top bits at i
+    values = (nibbles | (tops << 4)).view(blocks8, nb, 2, 8, X8)  # [b, block, sc|m, j, c]
+    sc, mins = values[:, :, 0].permute(0, 3, 1, 2), values[:, :, 1].permute(0, 3, 1, 2)  # [b, c, block, j]
+    packed = torch.zeros(blocks8, X8, nb, 12, dtype=torch.uint8)  # get_scale_min_k4's 12 bytes, inverted
+    packed[..., 0:4] = (sc[..., 0:4] & 0x3F) | ((sc[..., 4:8] >> 4) << 6)
+    packed[..., 4:8] = (mins[..., 0:4] & 0x3F) | ((mins[..., 4:8] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((mins[..., 4:8] & 0x0F) << 4)
+    head = torch.cat([d.permute(0, 2, 1, 3), dmin.permute(0, 2, 1, 3)], dim=-1)  # [b, c, block, 4]
+    rows = torch.cat([head, packed], dim=-1).reshape(blocks8 * X8, nb * META_BYTES)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), rows
+
+
+def dequantize_any(qweight: torch.Tensor, meta: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dequantize for the pair row-major or in decode_layout's layout, in dtype (bf16: the float32 values rounded
+    once); the decode layout in C++ where the AVX2 extension loads (kernels/ops/avx2_int4.cpp q4k_dequantize)."""
+    from kernels.ops import avx2_int4
+
+    if qweight.dim() == 3 and avx2_int4.load() is None:
+        return avx2_int4.op("q4k_dequantize")(qweight, meta, dtype == torch.float32)
+    return dequantize(*row_major(qweight, meta)).to(dtype)
+
+
 def nbytes(n: int, k: int) -> int:
     """Bytes of the pair for an [N, K] tensor: the file's own, 144 per 256 weights."""
     return n * (k // BLOCK) * BLOCK_BYTES

@@ -509,9 +509,10 @@ class CpuQ4kLinearMethod(CpuInt4LinearMethod):
     """An int4 layer whose weights are a GGUF's own Q4_K blocks (quantization_config.q4k; kernels/ops/q4k.py):
     qweight (cpu_int4's codes) and meta (the file's 16 scale bytes a block), 144 bytes per 256 weights. Decode rows
     read them in the decode layout (torch.ops.edge_avx2.q4k_linear: int8 activations, the scales applied in fp32
-    from the file's fp16 and 6-bit values); wider batches read a tinygemm buffer built from the same codes and the
-    bf16 grid of those scales, as a cpu_int4 checkpoint of the file holds (direct, or kernel-only where N does not
-    tile the host block: no bf16 grid is kept for dual's dequantize)."""
+    from the file's fp16 and 6-bit values). Wider batches dequantize the blocks themselves in the direct layout
+    (edge_avx2::q4k_dequantize, the file's float32 values rounded once), else read a tinygemm buffer built from the
+    same codes and the bf16 grid of those scales, as a cpu_int4 checkpoint of the file holds (kernel-only, also
+    where N does not tile the host block: no bf16 grid is kept for dual's dequantize)."""
 
     def register(self, layer: torch.nn.Module, n: int, k: int, extra: dict[str, Any]) -> None:
         _check_shape(n, k, self.config.group_size)
@@ -528,13 +529,17 @@ class CpuQ4kLinearMethod(CpuInt4LinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from kernels.ops import q4k
 
-        scales, zeros = q4k.int4_grid(layer.meta.data)  # [N, K/32] bf16: for the tinygemm buffer only
-        packed, scales_and_zeros = to_tinygemm(layer.qweight.data, scales, zeros, self.config.group_size,
-                                               chunk_rows=self.config.repack_chunk_rows)  # fmt: skip
-        del scales, zeros
+        n, k = layer.qweight.shape[0], layer.qweight.shape[1] * 2
+        if self.config.decode_copy_only(self.config.mode):  # the blocks alone: wider batches dequantize them
+            packed = torch.empty(0, k // 2, dtype=torch.uint8)  # [0, K/2]: no tinygemm buffer, K still readable
+            scales_and_zeros = torch.empty(0, n, 2, dtype=torch.bfloat16)  # [0, N, 2]: N still readable
+        else:
+            scales, zeros = q4k.int4_grid(layer.meta.data)  # [N, K/32] bf16: for the tinygemm buffer only
+            packed, scales_and_zeros = to_tinygemm(layer.qweight.data, scales, zeros, self.config.group_size,
+                                                   chunk_rows=self.config.repack_chunk_rows)  # fmt: skip
+            del scales, zeros
         layer.register_parameter("tinygemm_packed", Parameter(packed, requires_grad=False))  # [N, K/2] host layout
         layer.register_parameter("tinygemm_sz", Parameter(scales_and_zeros, requires_grad=False))  # [K/g, N, 2]
-        n = layer.qweight.shape[0]
         layer.int4_mode = DIRECT if self.config.mode != KERNEL_ONLY and tiles(n, host_layout()) else KERNEL_ONLY
         layer.zeros = empty_param(torch.bfloat16)
         if self.config.avx2_rows > 0:

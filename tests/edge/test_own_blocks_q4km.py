@@ -72,7 +72,8 @@ def test_every_linear_keeps_a_block_type_and_a_q5_0_weight_fused_with_q8_0_takes
 
 def test_the_ledger_counts_every_block_at_its_types_bytes(planned):
     _, model, _, lossy = planned
-    items = [i for i in lossy.memory.items if "blocks" in i.name and i.kind in ("int8-weights", "row-major-copy")]
+    items = [i for i in lossy.memory.items if "blocks" in i.name and i.kind in ("int8-weights", "int4-weights",
+                                                                            "row-major-copy")]
     by_layer = {}
     for layer in lossy.layers:
         if layer.blocks:

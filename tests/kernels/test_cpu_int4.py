@@ -506,7 +506,7 @@ def test_the_config_refuses_blocks_for_a_kernel_that_does_not_read_them():
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_layer_of_q4_k_blocks_decodes_on_them_and_prefills_on_their_grid(layout):
+def test_a_layer_of_q4_k_blocks_decodes_on_them_and_prefills_on_them_or_their_grid(layout):
     from kernels.ops import q4k
     from kernels.vllm_plugin.cpu_int4 import CpuQ4kLinearMethod
 
@@ -521,8 +521,15 @@ def test_a_layer_of_q4_k_blocks_decodes_on_them_and_prefills_on_their_grid(layou
     assert layer.int4_mode == (KERNEL_ONLY if layout == "kernel-only" else DIRECT)  # no bf16 grid kept for dual
     reference = lambda x: x.float() @ q4k.dequantize(*blocks).t()  # noqa: E731
     wide = torch.randn(64, HIDDEN * 4, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-    assert snr_db(layer.quant_method.apply(layer, wide), reference(wide)) > 35  # tinygemm on the bf16 grid
+    assert snr_db(layer.quant_method.apply(layer, wide), reference(wide)) > 35  # dequantized, or tinygemm's grid
     one = wide[:1]
+    if config.avx2_rows and layout == "direct":  # the blocks alone: wide batches dequantize them
+        assert layer.tinygemm_packed.numel() == 0
+        dtype = torch.float32 if config.prefill_dtype == "float32" else torch.bfloat16
+        expected = torch.mm(wide.to(dtype), q4k.dequantize(*blocks).to(dtype).t()).to(torch.bfloat16)
+        assert torch.equal(layer.quant_method.apply(layer, wide), expected)
+    elif config.avx2_rows:
+        assert layer.tinygemm_packed.shape == (HIDDEN, HIDDEN * 2)
     if config.avx2_rows:  # the blocks in the decode layout, read by q4k_linear
         assert layer.scales.dtype == torch.uint8 and layer.qweight.dim() == 3
         assert torch.equal(layer.quant_method.apply(layer, one), q4k.linear(one, *q4k.decode_layout(*blocks)))
@@ -661,7 +668,12 @@ def test_the_config_refuses_an_own_block_key_it_does_not_know_and_blocks_for_the
 
 @pytest.mark.parametrize("decode_kernel", ["avx2-w4a8", "avx2"])
 def test_a_direct_layer_with_an_avx2_decode_kernel_keeps_its_weights_once(decode_kernel):
-    config = CpuInt4Config.from_config(quant_config("direct", group_size=32, decode_kernel=decode_kernel))
+    """Batches below the dequant threshold run the decode kernel (tinygemm's, before); wider ones dequantize the
+    decode copy, as the plan's prefill dtype, and run the GEMM."""
+    from kernels.ops import avx2_int4
+
+    config = CpuInt4Config.from_config(quant_config("direct", group_size=32, decode_kernel=decode_kernel,
+                                                    dequant_threshold=64))  # fmt: skip
     if not config.avx2_rows:
         pytest.skip("the AVX2 extension does not build on this host: the layer keeps tinygemm, as before")
     layer = MergedColumnParallelLinear(HIDDEN, [INTERMEDIATE] * 2, bias=False, quant_config=config,
@@ -675,10 +687,12 @@ def test_a_direct_layer_with_an_avx2_decode_kernel_keeps_its_weights_once(decode
     tensors = [torch.cat(parts) for parts in zip(gate, up, strict=True)]
     dtype = torch.float32 if config.prefill_dtype == "float32" else torch.bfloat16
     w = dequantize(*tensors, 32, dtype)  # [2 x 1536, 576], as the plan's prefill dtype
-    for rows in (config.avx2_rows + 1, config.avx2_rows + 90):  # every batch past the decode rows dequantizes
+    for rows in (config.avx2_rows + 1, 63):  # past the decode rows, below the threshold: the decode kernel
         x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-        expected = torch.mm(x.to(dtype), w.t()).to(torch.bfloat16)
-        assert torch.equal(layer.quant_method.apply(layer, x), expected), rows
+        kernel = avx2_int4.linear(x, layer.qweight, layer.scales, layer.zeros, 32, config.avx2_bits)
+        assert torch.equal(layer.quant_method.apply(layer, x), kernel), rows
+    x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(64)).to(torch.bfloat16)
+    assert torch.equal(layer.quant_method.apply(layer, x), torch.mm(x.to(dtype), w.t()).to(torch.bfloat16))
 
 
 def test_a_dual_layer_keeps_its_tinygemm_buffer_beside_the_decode_copy():

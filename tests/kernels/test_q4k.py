@@ -148,3 +148,31 @@ def test_the_kernel_names_the_tensor_whose_shape_is_wrong():
     codes, meta_x8 = q4k.decode_layout(*q4k.from_blocks(random_blocks(8, 512, seed=0)))
     with pytest.raises(RuntimeError, match=r"meta: expected uint8 \[1, 2, 128\]"):
         q4k.linear(torch.zeros(1, 512), codes, meta_x8[:, :1])
+
+
+# --- the blocks dequantized in their decode layout (a Q4_K layer holding no tinygemm buffer) -------------------------
+
+
+@pytest.mark.parametrize(("n", "k"), [(8, 256), (64, 512), (576, 1536)])
+def test_undoing_the_decode_layout_gives_the_pair_back(n, k):
+    qweight, meta = q4k.from_blocks(random_blocks(n, k, seed=n + k))
+    back = q4k.row_major(*q4k.decode_layout(qweight, meta))
+    assert torch.equal(back[0], qweight) and torch.equal(back[1], meta)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k"), [(8, 256), (64, 512), (576, 1536)])
+def test_the_decode_layout_dequantizes_to_gguf_pys_float32_weights_bit_for_bit(n, k):
+    blocks = random_blocks(n, k, seed=n * k)
+    qweight, meta = q4k.from_blocks(blocks)
+    laid = q4k.decode_layout(qweight, meta)
+    expected = torch.from_numpy(gguf_weights(blocks))
+    assert torch.equal(q4k.dequantize_any(*laid, torch.float32), expected)  # C++
+    assert torch.equal(q4k.dequantize_any(*laid, torch.bfloat16), expected.to(torch.bfloat16))
+
+
+@needs_kernel
+def test_the_q4_k_dequantizer_names_meta_of_the_wrong_shape():
+    qweight, meta = q4k.decode_layout(*q4k.from_blocks(random_blocks(8, 256, seed=1)))
+    with pytest.raises(RuntimeError, match=r"meta: expected uint8 \[1, 1, 128\]"):
+        avx2_int4.op("q4k_dequantize")(qweight, meta[..., :64], False)
