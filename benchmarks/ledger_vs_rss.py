@@ -56,10 +56,17 @@ def _env_pairs(text: str) -> dict[str, str]:
 
 
 def fill_context(url: str, model: str, tokenizer, max_model_len: int, seed: int) -> int:
-    """One completion whose prompt (about max_model_len - 64 tokens) and 48 generated tokens fill the context."""
-    body = {"model": model, "prompt": long_prompt(tokenizer, seed, max_model_len - 64), "max_tokens": 48,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=900)
+    """One completion whose prompt (about max_model_len - 64 tokens) and 48 generated tokens fill the context. The
+    prompt is sized with `tokenizer`; where the served model's own tokenizer makes more tokens of it (a GGUF's, which
+    vLLM reads from the file) and the server refuses it (400), it is shortened by a fifth and sent again."""
+    target = max_model_len - 64
+    for _ in range(5):
+        body = {"model": model, "prompt": long_prompt(tokenizer, seed, target), "max_tokens": 48, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=900)
+        if response.status_code != 400:
+            break
+        target = target * 4 // 5
     response.raise_for_status()
     return response.json()["usage"]["total_tokens"]
 
@@ -155,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:  # convert first, so that no timed start includes the converter's peak
         subprocess.run(edge_argv(mode, args, "--dry-run"), check=True, stdout=subprocess.DEVNULL)
     status_model = args.model
-    if status_model is None:
-        from kernels.source.default_model import ensure_default_model
+    if status_model is None or status_model.is_file():  # a GGUF: prompts are sized with the default model's
+        from kernels.source.default_model import ensure_default_model  # tokenizer, as bench_serve sizes them
 
         status_model = Path(ensure_default_model())
     tokenizer = AutoTokenizer.from_pretrained(status_model)

@@ -51,6 +51,8 @@ def estimate(
     quant: QuantRules | None = None,
     layers: list[LayerDecision] | None = None,
     bf16_repack_retention: float = 0.0,
+    tokenizers: int = 1,
+    tokenizer_bytes_per_token: int = 0,
 ) -> MemoryLedger:
     """Itemized resident footprint and load-time peak of running `model` on `path`.
 
@@ -75,11 +77,13 @@ def estimate(
             *_biases(model),
             _rope(model, max_model_len),
             _kv_cache(model, max_model_len, max_num_seqs),
+            _tokenizer(model, tokenizers, tokenizer_bytes_per_token),
+            _prefill_activations(model),
             resident(
                 "engine-baseline",
                 "engine baseline",
                 engine_baseline_bytes,
-                "the vLLM process tree's RssAnon without weights and KV cache (measured, passed in)",
+                "the vLLM process tree's RssAnon without the items above (measured on the default model, passed in)",
             ),
             *fmt.load_transients(model, parts, repack_chunk_rows=kernel.repack_chunk_rows),
         ]
@@ -165,6 +169,34 @@ def _rope(model: ModelShape, max_model_len: int) -> MemoryItem:
         f"model construction (~10 x {rows} x {cols} B of intermediates, before any weight loads)",
         avoidable_bytes=avoidable,
     )
+
+
+# vLLM 0.28's OpenAI server on CPU batches up to 2048 tokens a step (max_num_batched_tokens; its warm-up's dummy
+# forward runs at that size, kernels/vllm_plugin/warmup.py), so a prompt of the full context prefills in batches of it.
+PREFILL_BATCH_TOKENS = 2048
+
+
+def _prefill_activations(model: ModelShape) -> MemoryItem:
+    """What a full prefill batch's activations leave held: the allocator keeps the largest layer's working set
+    (measured: the engine's RssAnon after serving a full context grew 21 MiB on the default model, 166 MiB on the ~1B,
+    benchmarks/ledger_vs_rss.py breakdown, Zen 4, 2026-12-06). Counted from the widths, bf16: gate and up (2I), the
+    activation (I), q, k and v, and four hidden-wide tensors (the residual, the norm, attention's output, down's)."""
+    tokens = PREFILL_BATCH_TOKENS
+    heads = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    width = 3 * model.intermediate_size + 4 * model.hidden_size + heads
+    size = tokens * width * BF16
+    return resident("prefill-activations", "activations of a full prefill batch, held by the allocator", size,
+                    f"{tokens} tokens x (3 x {model.intermediate_size} + 4 x {model.hidden_size} + {heads}) x 2 B "
+                    f"= {mib(size)}")  # fmt: skip
+
+
+def _tokenizer(model: ModelShape, copies: int, bytes_per_token: int) -> MemoryItem:
+    """The loaded tokenizer, once per process that loads it: a 262144-token vocabulary held 460 MiB more than the
+    default model's 49152 in one process (facts any.tokenizer_bytes_per_vocab_token)."""
+    size = copies * model.vocab_size * bytes_per_token
+    return resident("tokenizer", "tokenizer (per process that loads it)", size,
+                    f"{copies} x {model.vocab_size} tokens x {bytes_per_token} B (measured per vocabulary token) "
+                    f"= {mib(size)}")  # fmt: skip
 
 
 def _kv_cache(model: ModelShape, max_model_len: int, max_num_seqs: int) -> MemoryItem:

@@ -71,15 +71,22 @@ class GgufHeader:
     path: Path | None
     metadata: dict[str, Any]  # scalars and strings; an array field is its length (`tokenizer.ggml.tokens`: 49152)
     tensors: tuple[GgufTensorInfo, ...]
-    reader: Any = field(default=None, repr=False, compare=False)  # gguf-py's, from a file: reused, not re-read
+    # the RoPE tensors' F32 values as the file holds them (a few floats each), by tensor name; {} from POST /plan's JSON
+    rope_data: dict[str, tuple[float, ...]] = field(default_factory=dict, repr=False, compare=False)
+    # gguf-py's reader, kept only where asked (read_header's keep_reader: the converter reuses its parse)
+    reader: Any = field(default=None, repr=False, compare=False)
 
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture"))
 
 
-def read_header(path: str | Path) -> GgufHeader:
-    """The metadata and the tensor table of a GGUF file; InputError naming the file when it is not one."""
+def read_header(path: str | Path, keep_reader: bool = False) -> GgufHeader:
+    """The metadata and the tensor table of a GGUF file; InputError naming the file when it is not one.
+
+    keep_reader: the header holds gguf-py's reader too, for a caller that reads the same file's tensors (the
+    converter). Otherwise it is dropped: its parsed fields (objects for every vocabulary token) stayed alive in
+    edge-serve's wrapper for as long as it ran."""
     path = Path(path)
     try:
         import gguf
@@ -106,7 +113,10 @@ def read_header(path: str | Path) -> GgufHeader:
         GgufTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
         for t in reader.tensors
     )
-    return GgufHeader(path, metadata, tensors, reader)
+    rope = {t.name: tuple(float(str(value)) for value in t.data)  # numpy's str of a float32: its shortest decimal
+            for t in reader.tensors if t.name in (ROPE_FREQS_TENSOR, ROPE_LONG_TENSOR, ROPE_SHORT_TENSOR)
+            and t.tensor_type.name == "F32"}  # fmt: skip
+    return GgufHeader(path, metadata, tensors, rope, reader if keep_reader else None)
 
 
 def header_from_json(body: Mapping[str, Any]) -> GgufHeader:
@@ -331,12 +341,11 @@ def _rope_values(header: GgufHeader, name: str, length: int) -> list[float] | No
     the file has none, or the header no data: POST /plan's JSON lists tensors without it, and these factors change
     no shape or byte count the planner reads, so it plans without them."""
     info = _tensor(header, name)
-    if info is None or header.reader is None:
+    if info is None or header.path is None:
         return None
     if info.type != "F32" or info.shape != (length,):
         raise InputError(name, f"{info.type} {list(info.shape)}", f"F32 [{length}]: one per rotary frequency")
-    data = next(t.data for t in header.reader.tensors if t.name == name)
-    return [float(str(value)) for value in data]  # numpy's str of a float32 is its shortest round-trip decimal
+    return list(header.rope_data[name])
 
 
 def _context(key: str, value: Any) -> int:

@@ -190,6 +190,13 @@ def engine_baseline(mode: ServingMode, isa_class: str) -> MeasuredFact:
     return FACTS[elsewhere[0]] if elsewhere else generic
 
 
+def tokenizer_copies(mode: ServingMode) -> int:
+    """The engine's processes that load the tokenizer: the API server, and an engine core of its own where it is
+    another process (vLLM 0.28's StructuredOutputManager loads one; in one-process mode it finds the API server's in
+    the same process's cache)."""
+    return 1 if mode == "one-process" else 2
+
+
 def bf16_repack_retention(isa_class: str) -> float:
     """The share of bf16 linear bytes the engine's allocator keeps after repacking (ledger item repack-retention),
     where this class's engine baseline was measured on a quantized plan (fact `<class>.bf16_repack_retention`, which
@@ -206,6 +213,8 @@ def _estimate(weights: Weights, req: Request, max_model_len: int | None = None) 
         max_model_len=max_model_len or req.max_model_len, max_num_seqs=req.max_num_seqs,
         kernel=req.kernel, budget_bytes=req.budget,
         engine_baseline_bytes=int(baseline.value), quant=weights.quant, layers=weights.layers,
+        tokenizers=tokenizer_copies(req.serving_mode),
+        tokenizer_bytes_per_token=int(fact("any.tokenizer_bytes_per_vocab_token").value),
         # the retention the baseline's own measurement left out (a baseline measured on bf16 already holds it)
         bf16_repack_retention=bf16_repack_retention(baseline.isa_class),
     )  # fmt: skip

@@ -168,7 +168,7 @@ def _read_gguf_source(src: Path) -> Source:
     from edge.model.gguf_metadata import hf_config, read_header
     from kernels.source.gguf_source import read_gguf
 
-    header = read_header(src)
+    header = read_header(src, keep_reader=True)
     config = hf_config(header)
     model = read_gguf(src, header.reader)  # the same parse of the header
     shapes = {name: (list(t.shape), t.type) for name, t in model.tensors.items()}

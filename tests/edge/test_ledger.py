@@ -310,3 +310,21 @@ def test_repack_retention_counts_the_bf16_linears_glibc_keeps_and_nothing_else()
     assert big_linears > 10 * 2**30
     small_tensors = sum(2 * lin.n * lin.k * lin.count for lin in big.linears if 2 * lin.n * lin.k <= MMAP_THRESHOLD_MAX)
     assert big_got == round(0.72 * small_tensors) < 0.72 * big_linears
+
+
+def test_the_tokenizer_item_is_each_loading_process_times_the_vocabulary():
+    model = default_model()
+    one, two = (estimate(model, "bf16", None, None, max_model_len=2048, max_num_seqs=1, kernel=kernel(),
+                         budget_bytes=None, engine_baseline_bytes=BASELINE, tokenizers=copies,
+                         tokenizer_bytes_per_token=2000) for copies in (1, 2))  # fmt: skip
+    assert by_kind(one)["tokenizer", None].bytes == 49152 * 2000
+    assert by_kind(two)["tokenizer", None].bytes == 2 * 49152 * 2000
+    assert two.resident_bytes - one.resident_bytes == 49152 * 2000
+
+
+def test_prefill_activations_follow_the_widths_of_a_full_batch():
+    """The default model: 2048 tokens x (3 x 1536 + 4 x 576 + (9 + 2 x 3) x 64) x 2 B."""
+    items = by_kind(ledger(default_model(), "bf16"))
+    assert items["prefill-activations", None].bytes == 2048 * (3 * 1536 + 4 * 576 + 15 * 64) * 2
+    wider = read_model(CONFIGS / "gemma-2-2b.json")
+    assert by_kind(ledger(wider, "bf16"))["prefill-activations", None].bytes > items["prefill-activations", None].bytes

@@ -611,3 +611,13 @@ def test_the_ledgers_engine_baseline_follows_the_serving_mode(zen5, smollm2):
     for mode in ("one-process", "two-process", "three-process"):
         assert baseline(mode) == fact(f"avx512.vllm_engine_baseline_bytes.{mode}").value
     assert baseline("one-process") < baseline("two-process") < baseline("three-process")
+
+
+def test_a_plan_counts_a_tokenizer_in_each_process_that_loads_one(avx2_host, smollm2):
+    from edge.facts import fact
+
+    per_token = int(fact("any.tokenizer_bytes_per_vocab_token").value)
+    for mode, copies in (("one-process", 1), ("two-process", 2), ("three-process", 2)):
+        plan = make_plan(avx2_host, smollm2, serving_mode=mode)
+        item = next(i for i in plan.memory.items if i.kind == "tokenizer")
+        assert item.bytes == copies * smollm2.vocab_size * per_token, mode
