@@ -258,10 +258,6 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     zero rounded once, as kernels.ops.int4.dequantize gives for the row-major tensors, bit for bit. The decode layout
     dequantizes in C++ where the extension loads (a layer that keeps no tinygemm buffer does this for every batch
     wider than the decode kernel's rows)."""
-    if scales.dtype == torch.uint8:  # a GGUF's own Q4_K blocks: `scales` is their meta (kernels/ops/q4k.py)
-        from kernels.ops import q4k
-
-        return q4k.dequantize_any(qweight, scales, dtype)
     if qweight.dim() == 3 and load() is None:
         return op("int4_dequantize")(qweight, scales, zeros, group, dtype == torch.float32)
     codes, row_scales, row_zeros = row_major(qweight, scales, zeros)

@@ -69,7 +69,10 @@ def int4_linear_impl(
         y = avx2_int4.linear(x2, qweight, scales, zeros, group, avx2_bits)  # [M, N] bf16; loads the op here
     elif packed.numel() == 0:  # the decode copy alone, a batch at the threshold or wider: dequantized
         dtype = torch.float32 if fp32_prefill else torch.bfloat16
-        w = avx2_int4.dequantize(qweight, scales, zeros, group, dtype)  # [N, K]; Q4_K blocks too
+        if scales.dtype == torch.uint8:  # a GGUF's own Q4_K blocks: `scales` is their meta
+            w = q4k.dequantize_any(qweight, scales, dtype)  # [N, K]
+        else:
+            w = avx2_int4.dequantize(qweight, scales, zeros, group, dtype)  # [N, K]
         y = torch.mm(x2.to(dtype), w.t()).to(torch.bfloat16)  # [M, N]
     elif mode == KERNEL_ONLY or rows < dequant_threshold:
         y = linear(x2, packed, scales_and_zeros, group)  # [M, N]
