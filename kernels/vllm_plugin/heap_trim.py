@@ -3,8 +3,9 @@
 Loading frees what it built on the way (the checkpoint's tensors once repacked, each layer's repack chunks, the
 warm-up's activations), and glibc keeps freed blocks in its arenas: a block freed from an mmap raises the dynamic
 mmap threshold (malloc(3) M_MMAP_THRESHOLD), so the next ones of that size come from the arenas and stay there when
-freed. On the default model's speed plan that was 49 MiB free but held at the end of the start
-(kernels/vllm_plugin/memory_trace.py's `kept`, Zen 4, 2026-12-06). `malloc_trim(0)` returns every free page of
+freed. On the default model's speed plan glibc held 42-49 MiB free at the end of the start (mallinfo2, in
+kernels/vllm_plugin/memory_trace.py's lines), and trimming gave back 21-23 MiB of RssAnon (86-92 MiB on a Gemma
+3-shaped GGUF; benchmarks/ledger_vs_rss.py, Zen 4, 2026-12-06). `malloc_trim(0)` returns every free page of
 every arena (glibc >= 2.8 releases the middle of an arena too, with MADV_DONTNEED), once, after
 `CPUWorker.compile_or_warm_up_model`, the worker's last step before it serves. A step later allocates what it needs
 again; nothing is trimmed while serving.

@@ -1,7 +1,8 @@
 """What the engine process holds after each phase of its start (issue 44): one JSON line a phase to EDGE_MEMORY_TRACE.
 
 Each line: the phase, this process's RssAnon and RssFile (/proc/self/status), and glibc's own account of its heap
-(mallinfo2): bytes in use, bytes free but kept (the allocator's retention) and bytes in mmapped blocks. The phases are
+(mallinfo2): bytes in use, bytes free in its arenas (the allocator's retention; pages a trim gave back still count
+as free there, so RssAnon says what is held) and bytes in mmapped blocks. The phases are
 vLLM 0.28's CPU worker's own steps, wrapped where they run:
 
     imports      vLLM's CPU worker imported: torch, vLLM and (one-process) its API server
