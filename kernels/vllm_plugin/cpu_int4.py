@@ -397,6 +397,12 @@ def _create_int4_params(layer: torch.nn.Module, n: int, k: int, group: int, extr
     layer.register_parameter("zeros", weight_param(empty(n, k // group, dtype=torch.bfloat16), **attrs))
 
 
+def _no_tinygemm_buffer(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tinygemm tensors of a layer that keeps only its decode copy: empty, shaped so that K ([0, K/2]) and N
+    ([0, N, 2]) still read as from a buffer; int4_ops takes an empty `packed` to mean the decode copy alone."""
+    return torch.empty(0, k // 2, dtype=torch.uint8), torch.empty(0, n, 2, dtype=torch.bfloat16)
+
+
 def _repack(
     layer: torch.nn.Module, group: int, mode: int, chunk_rows: int, keep_row_major: bool = False, act_bits: int = 16,
     one_copy: bool = False,
@@ -417,8 +423,7 @@ def _repack(
     if keep_row_major:
         assert _avx2_available(), "the config checked the AVX2 kernel runs on this host"
     if one_copy:  # the decode copy alone: wider batches dequantize it (int4_ops.int4_linear_impl)
-        packed = torch.empty(0, k // 2, dtype=torch.uint8)  # [0, K/2]: no tinygemm buffer, K still readable
-        scales_and_zeros = torch.empty(0, n, 2, dtype=torch.bfloat16)  # [0, N, 2]: N still readable
+        packed, scales_and_zeros = _no_tinygemm_buffer(n, k)
     else:
         if mode == DIRECT and not tiles(n, host_layout()):
             mode = DUAL
@@ -531,8 +536,7 @@ class CpuQ4kLinearMethod(CpuInt4LinearMethod):
 
         n, k = layer.qweight.shape[0], layer.qweight.shape[1] * 2
         if self.config.decode_copy_only(self.config.mode):  # the blocks alone: wider batches dequantize them
-            packed = torch.empty(0, k // 2, dtype=torch.uint8)  # [0, K/2]: no tinygemm buffer, K still readable
-            scales_and_zeros = torch.empty(0, n, 2, dtype=torch.bfloat16)  # [0, N, 2]: N still readable
+            packed, scales_and_zeros = _no_tinygemm_buffer(n, k)
         else:
             scales, zeros = q4k.int4_grid(layer.meta.data)  # [N, K/32] bf16: for the tinygemm buffer only
             packed, scales_and_zeros = to_tinygemm(layer.qweight.data, scales, zeros, self.config.group_size,

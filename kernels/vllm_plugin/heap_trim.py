@@ -30,14 +30,19 @@ _MARK = "_edge_select_heap_trim"
 
 
 @functools.cache
-def _malloc_trim() -> Any:
-    """glibc's malloc_trim, or None where the C library has none (musl)."""
+def glibc(name: str, restype: Any, *argtypes: Any) -> Any:
+    """The C library's function `name` with its types set, or None where it has none (musl; mallinfo2 before glibc
+    2.33). Shared with kernels/vllm_plugin/memory_trace.py."""
     try:
-        fn = ctypes.CDLL(None).malloc_trim
+        fn = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn.argtypes, fn.restype = list(argtypes), restype
     return fn
+
+
+def _malloc_trim() -> Any:
+    return glibc("malloc_trim", ctypes.c_int, ctypes.c_size_t)
 
 
 def trim() -> bool:

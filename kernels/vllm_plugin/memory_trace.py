@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.vllm_plugin import on_import
+from kernels.vllm_plugin.heap_trim import glibc
 
 ENV = "EDGE_MEMORY_TRACE"
 _MARK = "_edge_select_memory_trace"
@@ -39,21 +40,10 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]  # fmt: skip
 
 
-@functools.cache
-def _mallinfo2() -> Any:
-    """glibc's mallinfo2, or None where the C library has none (musl, glibc < 2.33)."""
-    try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _MallInfo2
-    return fn
-
-
 def heap_bytes() -> dict[str, int]:
     """glibc's heap: `in_use` (allocated from its arenas), `kept` (freed, held by the arenas: the allocator's
     retention), `mmapped` (blocks above the mmap threshold, returned to the system when freed); {} without glibc."""
-    fn = _mallinfo2()
+    fn = glibc("mallinfo2", _MallInfo2)
     if fn is None:
         return {}
     info = fn()
