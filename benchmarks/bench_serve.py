@@ -39,6 +39,8 @@ Variants:
                   (edge.formats.tinygemm decode_copy_only)
     edge:MODE+no-trim  the same without returning the start's freed heap pages (EDGE_HEAP_TRIM=0,
                   kernels/vllm_plugin/heap_trim.py)
+    edge:MODE+no-map  the same with the weights held as the engine loaded them (EDGE_MAPPED_WEIGHTS=0), instead of
+                  mapped from an image file in the cache (kernels/vllm_plugin/mapped_weights.py)
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
@@ -65,7 +67,8 @@ one request, then measures through the OpenAI API:
                  bound` = bytes x decode tok/s / this host's read bandwidth at the variant's thread count
                  (benchmarks/read_bandwidth.py, timed before any server starts; --no-bound skips it)
     rss          RssAnon summed over the server's whole process tree (benchmarks/rss.py), sampled every 0.25 s:
-                 `settled` is the median over 3 s of idle after the warm-up, `peak` the maximum from launch to stop
+                 `settled` is the median over 3 s of idle after the warm-up, `peak` the maximum from launch to stop;
+                 RssFile apart (mapped files: the libraries, and the weights where the engine maps them)
 
 Both servers get the same thread count unless a variant names its own: --threads N where given (edge-serve's
 --threads, for one- and two-process variants), else the first edge variant's, what its plan starts vLLM with (read from
@@ -110,7 +113,8 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "row-major": {"EDGE_AVX2_DECODE_LAYOUT": "row-major"},
                   "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}, "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
                   "grid": {"EDGE_OWN_BLOCKS": "0"}, "no-table": {"EDGE_LAYER_TABLE": "0"},
-                  "two-copies": {"EDGE_DECODE_COPY_ONLY": "0"}, "no-trim": {"EDGE_HEAP_TRIM": "0"}}
+                  "two-copies": {"EDGE_DECODE_COPY_ONLY": "0"}, "no-trim": {"EDGE_HEAP_TRIM": "0"},
+                  "no-map": {"EDGE_MAPPED_WEIGHTS": "0"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names
@@ -226,6 +230,7 @@ def measure(server: Server, model: str, tokenizer, seed: int, sampling: dict | N
     idle_from = time.monotonic()
     time.sleep(3)
     settled = server.sampler.settled_bytes(idle_from)
+    settled_file = server.sampler.settled_file_bytes(idle_from)
     ones = [stream(server.url, model, f"{seed}.{i} {SHORT_PROMPT}", DECODE_TOKENS, sampling)
             for i in range(DECODE_STREAMS)]
     one = {key: statistics.median(v) if (v := [o[key] for o in ones if o[key] is not None]) else None
@@ -236,7 +241,7 @@ def measure(server: Server, model: str, tokenizer, seed: int, sampling: dict | N
             "decode_tok_s_each": [o["decode_tok_s"] for o in ones],
             "prefill_tok_s": max(f["tok_s"] for f in fills), "prefill_prompt_tokens": fills[0]["prompt_tokens"],
             "streams4_tok_s": many["tok_s"], "streams4_tokens": many["tokens"],
-            "rss_settled_mib": settled / 2**20}  # fmt: skip
+            "rss_settled_mib": settled / 2**20, "rss_file_settled_mib": settled_file / 2**20}  # fmt: skip
 
 
 def decode_rounds(servers: dict[str, tuple], rounds: int, samplings: dict[str, dict | None],
@@ -368,7 +373,7 @@ def read_bound() -> dict[int, float]:
 
 def summarize(rows: list[dict], bound: dict[int, float] | None = None) -> dict[str, dict]:
     keys = ("decode_tok_s", "ttft_s", "prefill_tok_s", "streams4_tok_s", "rss_settled_mib", "rss_peak_mib",
-            "warm_start_s")  # fmt: skip
+            "rss_file_settled_mib", "warm_start_s")  # fmt: skip
     out: dict[str, dict] = {}
     for variant in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == variant]
@@ -398,8 +403,8 @@ def summarize(rows: list[dict], bound: dict[int, float] | None = None) -> dict[s
 
 def table(summary: dict[str, dict]) -> str:
     lines = ["| variant | decode tok/s | MB a token | of read bound | TTFT ms | prefill@512 tok/s | 4 streams tok/s "
-             "| RssAnon settled MiB | RssAnon peak MiB | start s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| RssAnon settled MiB | RssAnon peak MiB | RssFile settled MiB | start s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for variant, s in summary.items():
         def f(key: str, scale: float = 1.0, digits: int = 1, s: dict = s) -> str:
             return f"{s[key] * scale:.{digits}f}" if key in s else "-"
@@ -409,7 +414,7 @@ def table(summary: dict[str, dict]) -> str:
         lines.append(f"| {variant} | {f('decode_tok_s')} | {mb} | {share} | {f('ttft_s', 1000, 0)} "
                      f"| {f('prefill_tok_s', digits=0)} "
                      f"| {f('streams4_tok_s')} | {f('rss_settled_mib', digits=0)} | {f('rss_peak_mib', digits=0)} "
-                     f"| {f('warm_start_s')} |")  # fmt: skip
+                     f"| {f('rss_file_settled_mib', digits=0)} | {f('warm_start_s')} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -75,10 +75,11 @@ def rss_anon_mib(pid: int) -> float:
     return rss_anon_bytes(pid) / MIB
 
 
-def phases(trace: Path) -> dict[str, float]:
-    """The engine process's RssAnon after each start phase (MiB), from its EDGE_MEMORY_TRACE lines."""
+def phases(trace: Path, key: str = "rss_anon") -> dict[str, float]:
+    """The engine process's RssAnon (or `key`: rss_file) after each start phase (MiB), from its EDGE_MEMORY_TRACE
+    lines."""
     lines = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
-    return {line["phase"]: line["rss_anon"] / MIB for line in lines}
+    return {line["phase"]: line[key] / MIB for line in lines}
 
 
 def compile_cache(mode: str, args: argparse.Namespace) -> Path:
@@ -111,7 +112,7 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
     measured = {"peak": engine.peak_bytes, "settled": engine.settled_bytes(idle_from)}
     ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"]}
     baseline = sum(i["bytes"] for i in plan["memory"]["items"] if i["kind"] == "engine-baseline")
-    steps = phases(trace)
+    steps, file_steps = phases(trace), phases(trace, "rss_file")
     trace.unlink(missing_ok=True)
     breakdown = _breakdown(steps, at_ready["engine"], settled)
     return {
@@ -123,8 +124,12 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
         "implied_baseline_bytes": measured["settled"] - (ledger["settled"] - baseline),
         "tree_settled_mib": server.sampler.settled_bytes(idle_from) / MIB,
         "tree_peak_mib": server.sampler.peak_bytes / MIB,
+        "tree_file_settled_mib": server.sampler.settled_file_bytes(idle_from) / MIB,
+        "engine_file_settled_mib": engine.settled_file_bytes(idle_from) / MIB,
+        "engine_file_peak_mib": engine.peak_file_bytes / MIB,
         "wrapper_settled_mib": (server.sampler.settled_bytes(idle_from) - measured["settled"]) / MIB,
-        "phases_mib": steps, "at_ready_mib": at_ready, "settled_by_process_mib": settled, "breakdown_mib": breakdown,
+        "phases_mib": steps, "phases_file_mib": file_steps,
+        "at_ready_mib": at_ready, "settled_by_process_mib": settled, "breakdown_mib": breakdown,
         "items_mib": {item["kind"] + (f":{item['layer']}" if item.get("layer") else ""): item["bytes"] / MIB
                       for item in plan["memory"]["items"]},  # fmt: skip
     }
@@ -189,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{med('engine_peak_mib'):.0f} | {100 * med('ledger_over_peak'):+.1f} % | "
               f"{med('wrapper_settled_mib'):.0f} |")  # fmt: skip
     pieces = list(dict.fromkeys(k for r in rows for k in r["breakdown_mib"]))
-    print("\n| mode | " + " | ".join(pieces) + " | tree settled | tree peak |")
-    print("|---" * (len(pieces) + 3) + "|")
+    print("\n| mode | " + " | ".join(pieces) + " | tree settled | tree peak | tree RssFile settled |")
+    print("|---" * (len(pieces) + 4) + "|")
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode and not r["cold"]] or [r for r in rows if r["mode"] == mode]
         cells = [f"{statistics.median(r['breakdown_mib'].get(p, 0.0) for r in mine):.0f}" for p in pieces]
         print(f"| {mode} | " + " | ".join(cells) + f" | {statistics.median(r['tree_settled_mib'] for r in mine):.0f} "
-              f"| {statistics.median(r['tree_peak_mib'] for r in mine):.0f} |")
+              f"| {statistics.median(r['tree_peak_mib'] for r in mine):.0f} "
+              f"| {statistics.median(r['tree_file_settled_mib'] for r in mine):.0f} |")
     for mode in modes:
         cold = [r["engine_settled_mib"] for r in rows if r["mode"] == mode and r["cold"]]
         warm = [r for r in rows if r["mode"] == mode and not r["cold"]]

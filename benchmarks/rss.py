@@ -36,15 +36,25 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def rss_anon_bytes(pid: int) -> int:
-    """RssAnon of one process in bytes; 0 when it has gone."""
+def rss_bytes(pid: int) -> tuple[int, int]:
+    """(RssAnon, RssFile) of one process in bytes; zeros when it has gone. RssFile is the mapped files' resident
+    pages: the libraries, and the weights where an engine maps them (kernels/vllm_plugin/mapped_weights.py,
+    llama.cpp's mmap); a page shared by two processes counts in each."""
+    anon = file = 0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
+                anon = int(line.split()[1]) * 1024
+            elif line.startswith("RssFile:"):
+                file = int(line.split()[1]) * 1024
     except OSError:
-        return 0
-    return 0
+        return 0, 0
+    return anon, file
+
+
+def rss_anon_bytes(pid: int) -> int:
+    """RssAnon of one process in bytes; 0 when it has gone."""
+    return rss_bytes(pid)[0]
 
 
 def tree_rss_anon_bytes(pid: int) -> int:
@@ -53,12 +63,14 @@ def tree_rss_anon_bytes(pid: int) -> int:
 
 @dataclass
 class TreeSampler:
-    """Samples a process tree's RssAnon in a background thread until stopped."""
+    """Samples a process tree's RssAnon (and RssFile, apart) in a background thread until stopped."""
 
     pid: int
     interval_s: float = 0.2
     samples: list[tuple[float, int]] = field(default_factory=list)
     root_samples: list[tuple[float, int]] = field(default_factory=list)  # the root process's own, same instants
+    file_samples: list[tuple[float, int]] = field(default_factory=list)  # the tree's RssFile, same instants
+    root_file_samples: list[tuple[float, int]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -70,9 +82,11 @@ class TreeSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             now, tree = time.monotonic(), process_tree(self.pid)
-            sizes = [rss_anon_bytes(p) for p in tree]
-            self.samples.append((now, sum(sizes)))
-            self.root_samples.append((now, sizes[0]))
+            sizes = [rss_bytes(p) for p in tree]
+            self.samples.append((now, sum(a for a, _ in sizes)))
+            self.root_samples.append((now, sizes[0][0]))
+            self.file_samples.append((now, sum(f for _, f in sizes)))
+            self.root_file_samples.append((now, sizes[0][1]))
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -89,8 +103,20 @@ class TreeSampler:
         tail = [b for t, b in self.samples if t >= since]
         return int(statistics.median(tail)) if tail else 0
 
+    def settled_file_bytes(self, since: float) -> int:
+        """RssFile's median after `since`."""
+        tail = [b for t, b in self.file_samples if t >= since]
+        return int(statistics.median(tail)) if tail else 0
+
+    @property
+    def peak_file_bytes(self) -> int:
+        """RssFile's peak."""
+        return max((b for _, b in self.file_samples), default=0)
+
     def below_root(self) -> TreeSampler:
         """The same samples less the root process's own RssAnon: what its children hold (a wrapper's engine)."""
         below = TreeSampler(self.pid, self.interval_s)
         below.samples = [(t, b - r) for (t, b), (_, r) in zip(self.samples, self.root_samples, strict=True)]
+        below.file_samples = [(t, b - r) for (t, b), (_, r) in zip(self.file_samples, self.root_file_samples,
+                                                                   strict=True)]  # fmt: skip
         return below

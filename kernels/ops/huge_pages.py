@@ -28,32 +28,49 @@ ENV = "EDGE_HUGE_PAGES"
 
 
 class Arena:
-    """Slabs carved in order; the slabs live as long as the arena (the process, for the engine's weights)."""
+    """Slabs carved in order. The arena holds each slab until `forget` lets it go; a slab's memory is returned once
+    no tensor carved from it is left either (the tensors hold their slab)."""
 
     def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
         self.slab_bytes = slab_bytes
         self.slabs: list[tuple[mmap.mmap, torch.Tensor]] = []
+        self.current: torch.Tensor | None = None  # the slab being carved
         self.used = 0
 
     def _room(self, nbytes: int) -> torch.Tensor:
-        if not self.slabs or self.used + nbytes > self.slabs[-1][1].numel():
+        if self.current is None or self.used + nbytes > self.current.numel():
             size = max(self.slab_bytes, nbytes)
             slab = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 # EINVAL from a kernel built without THP: the slab stays plain memory
                 with contextlib.suppress(OSError):
                     slab.madvise(mmap.MADV_HUGEPAGE)
-            self.slabs.append((slab, torch.frombuffer(slab, dtype=torch.uint8)))
+            self.current = torch.frombuffer(slab, dtype=torch.uint8)
+            self.slabs.append((slab, self.current))
             self.used = 0
-        return self.slabs[-1][1]
+        return self.current
+
+    def forget(self, address: int) -> bool:
+        """Let go of the slab holding `address` (True if one does): nothing is carved from it again, and its memory
+        goes back to the system when the last tensor carved from it is freed. Safe whatever still reads it."""
+        for i, (_, buf) in enumerate(self.slabs):
+            if buf.data_ptr() <= address < buf.data_ptr() + buf.numel():
+                if buf is self.current:
+                    self.current = None
+                del self.slabs[i]
+                return True
+        return False
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized contiguous tensor in the arena (zeros where the slab is fresh)."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         buf = self._room(nbytes)
-        out = buf[self.used : self.used + nbytes].view(dtype).view(shape)
+        # On the slab's storage, not a view of the slab tensor: a view keeps its base (the whole slab) alive for
+        # its lifetime, even once set_ has pointed it elsewhere (kernels/vllm_plugin/mapped_weights.py)
+        out = torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), self.used // itemsize, shape)
         self.used += -(-nbytes // ALIGN) * ALIGN
         return out
 
@@ -69,3 +86,8 @@ def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     if _PROCESS_ARENA is None:
         _PROCESS_ARENA = Arena()
     return _PROCESS_ARENA.empty(shape, dtype)
+
+
+def forget(address: int) -> bool:
+    """Let go of the process arena's slab holding `address` (Arena.forget); False where none does."""
+    return _PROCESS_ARENA is not None and _PROCESS_ARENA.forget(address)

@@ -70,3 +70,24 @@ def test_edge_huge_pages_0_gives_torch_empty(monkeypatch):
     monkeypatch.delenv(huge_pages.ENV)
     t = huge_pages.empty(4, 8, dtype=torch.int8)
     assert t.shape == (4, 8) and _in_slab(huge_pages._PROCESS_ARENA, t)
+
+
+def _slab_mapped(address: int) -> bool:
+    return any(lo <= address < hi for lo, hi in (
+        (int(a, 16), int(b, 16)) for a, b in (line.split()[0].split("-") for line in
+                                              Path("/proc/self/maps").read_text().splitlines())))  # fmt: skip
+
+
+def test_a_forgotten_slab_is_unmapped_once_the_last_tensor_carved_from_it_is_gone():
+    arena = Arena(slab_bytes=1 << 20)
+    a, b = arena.empty((1000,), torch.uint8), arena.empty((1000,), torch.uint8)
+    start = a.data_ptr()
+    assert arena.forget(start) and not arena.slabs and arena.current is None
+    assert not arena.forget(start)  # nothing left to forget
+    c = arena.empty((10,), torch.uint8)  # carved from a new slab, not the forgotten one
+    assert not (start <= c.data_ptr() < start + (1 << 20))
+    del a
+    assert _slab_mapped(start)  # b still reads the slab
+    with torch.no_grad():
+        b.set_(torch.zeros(1000, dtype=torch.uint8))  # b now elsewhere: the last reference to the slab is gone
+    assert not _slab_mapped(start)

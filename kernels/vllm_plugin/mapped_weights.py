@@ -1,0 +1,311 @@
+"""The engine's weights mapped from a file, not held as anonymous memory (issue 44).
+
+Once vLLM's CPU model runner has loaded and repacked the model, every tensor the model's modules hold is written,
+byte for byte, to an image under the cache directory (`mapped/<key>.bin`), and each tensor is pointed at its bytes
+in a private mapping of that image (`Tensor.set_`: the same tensor object, so vLLM's modules and the C++ layer table
+see it). The repacked copies are then freed, slab by slab (kernels/ops/huge_pages.py `forget`). What the engine holds
+of its weights is then page cache: RssFile, not RssAnon. It is shared with any other engine on the same image,
+evictable under memory pressure, and still there for the next start. The mapping is advised MADV_HUGEPAGE: on a
+kernel whose file system gives the page cache large folios (ext4 on Linux 6.18 here), the weights are read through
+2 MiB mappings as they were from the anonymous huge-page slabs (FilePmdMapped in /proc/self/smaps).
+
+The image is never trusted: a start compares it with what it has just loaded, and an image that differs in one byte
+(or in its index) is replaced by a new one, written to a temporary file and renamed into place. An image is never
+written in place, since a private mapping sees the file's pages it has not copied. The mapping is private and
+writable, so a module that writes into a weight gets its own copy of that page and the file never changes.
+
+Where the image cannot be written (a read-only cache, a full disk), the engine keeps its anonymous copies and logs
+why. EDGE_MAPPED_WEIGHTS=0 keeps them too (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.ops import huge_pages
+from kernels.vllm_plugin import on_import
+
+ENV = "EDGE_MAPPED_WEIGHTS"
+MAGIC = b"EDGEMAP1"
+DATA_ALIGN = 4096  # the data starts on a page
+TENSOR_ALIGN = 64  # each tensor on a cache line (and on any dtype's size)
+KEEP_IMAGES = 4  # images kept in the cache, the most recently used: a box switching plans or models keeps its last
+logger = logging.getLogger("vllm.edge_select.mapped_weights")
+_MARK = "_edge_select_mapped_weights"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor's place in the image: the first name it was found under, its dtype and shape, its byte offset."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor the model's modules hold (parameters, buffers, plain attributes, as the quantization methods keep
+    their packed weights) that can be mapped: on the CPU, contiguous, not empty, not already in a file mapping. Each
+    tensor object once, in address order. A tensor that overlaps another's bytes without being the same region is
+    left out (a view into a weight: mapping one would leave the other on the old memory)."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for module_name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            items = value.items() if isinstance(value, dict) else [(attr, value)]
+            for key, tensor in items:
+                if (isinstance(tensor, torch.Tensor) and id(tensor) not in found and tensor.device.type == "cpu"
+                        and tensor.is_contiguous() and tensor.numel() > 0 and not tensor.requires_grad):  # fmt: skip
+                    found[id(tensor)] = (f"{module_name}.{key}" if module_name else str(key), tensor)
+    file_backed = _file_mapped_ranges()
+    out, end, last = [], 0, None
+    for name, tensor in sorted(found.values(), key=lambda nt: (nt[1].data_ptr(), -_nbytes(nt[1]))):
+        start = tensor.data_ptr()
+        region = (start, _nbytes(tensor))
+        if any(lo <= start < hi for lo, hi in file_backed):
+            continue
+        if start < end and region != last:
+            continue  # overlaps an earlier tensor's bytes, not the same region
+        out.append((name, tensor))
+        end, last = max(end, start + region[1]), region
+    return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _file_mapped_ranges() -> list[tuple[int, int]]:
+    """This process's mappings of files (/proc/self/maps: a path after the inode)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)  # [nbytes] uint8, the same memory
+
+
+def index(tensors: list[tuple[str, torch.Tensor]]) -> list[Entry]:
+    """The image's index: tensors in order, each region once (a second tensor on the same bytes shares its entry)."""
+    entries, at, offset = [], {}, 0
+    for name, tensor in tensors:
+        region = (tensor.data_ptr(), _nbytes(tensor))
+        if region in at:
+            continue
+        at[region] = offset
+        entries.append(Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, region[1]))
+        offset += -(-region[1] // TENSOR_ALIGN) * TENSOR_ALIGN
+    return entries
+
+
+def _header(entries: list[Entry]) -> bytes:
+    return json.dumps([[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]).encode()
+
+
+def _data_start(header: bytes) -> int:
+    return -(-(len(MAGIC) + 8 + len(header)) // DATA_ALIGN) * DATA_ALIGN
+
+
+def write_image(path: Path, tensors: list[tuple[str, torch.Tensor]], entries: list[Entry]) -> None:
+    """Write the image beside `path` and rename it into place once complete and on disk: a reader sees the old image
+    or the whole new one. The bytes are written from the tensors' own memory, no copy."""
+    header = _header(entries)
+    start = _data_start(header)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            for entry, (_, tensor) in zip(entries, _first_of_regions(tensors), strict=True):
+                out.seek(start + entry.offset)
+                out.write(memoryview(_bytes_of(tensor).numpy()))
+            size = start + (entries[-1].offset + entries[-1].nbytes if entries else 0)
+            out.truncate(size)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_index(view: memoryview) -> tuple[list[Entry], int] | None:
+    """The index and the data's start of a mapped image; None where it is not one."""
+    if len(view) < len(MAGIC) + 8 or bytes(view[: len(MAGIC)]) != MAGIC:
+        return None
+    (size,) = struct.unpack("<Q", view[len(MAGIC) : len(MAGIC) + 8])
+    header = bytes(view[len(MAGIC) + 8 : len(MAGIC) + 8 + size])
+    try:
+        rows = json.loads(header)
+        return [Entry(n, d, tuple(s), o, b) for n, d, s, o, b in rows], _data_start(header)
+    except (ValueError, TypeError):
+        return None
+
+
+class Image:
+    """A private, writable, huge-page-advised mapping of an image file, and its bytes as one uint8 tensor."""
+
+    def __init__(self, path: Path) -> None:
+        self.bytes, self.index = torch.empty(0, dtype=torch.uint8), None
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:  # not an image (mmap maps no empty file)
+                return
+            self.map = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):  # EINVAL from a kernel without THP: 4 KiB mappings
+                self.map.madvise(mmap.MADV_HUGEPAGE)
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)  # holds the mapping as long as a view of it lives
+        self.index = read_index(memoryview(self.map))
+
+    def view(self, start: int, entry: Entry) -> torch.Tensor:
+        at = start + entry.offset
+        return self.bytes[at : at + entry.nbytes].view(getattr(torch, entry.dtype)).view(entry.shape)
+
+    def holds(self, tensors: list[tuple[str, torch.Tensor]], entries: list[Entry]) -> bool:
+        """Whether the image is exactly these tensors: the same index and every byte equal."""
+        if self.index is None or self.index[0] != entries:
+            return False
+        start = self.index[1]
+        if len(self.bytes) < start + (entries[-1].offset + entries[-1].nbytes if entries else 0):
+            return False
+        return all(torch.equal(self.bytes[start + e.offset : start + e.offset + e.nbytes], _bytes_of(t))
+                   for e, (_, t) in zip(entries, _first_of_regions(tensors), strict=True))  # fmt: skip
+
+
+def swap_in(image: Image, tensors: list[tuple[str, torch.Tensor]], entries: list[Entry]) -> int:
+    """Point each tensor at its bytes in the image, in address order, and let the arena's slabs go as they empty;
+    the bytes mapped."""
+    assert image.index is not None and image.index[0] == entries
+    start = image.index[1]
+    by_region = {(t.data_ptr(), _nbytes(t)): e for (_, t), e in zip(_first_of_regions(tensors), entries, strict=True)}
+    with torch.no_grad():
+        for _, tensor in tensors:
+            old = tensor.data_ptr()
+            entry = by_region[(old, _nbytes(tensor))]
+            tensor.set_(image.view(start, entry))
+            huge_pages.forget(old)
+    return sum(entry.nbytes for entry in entries)
+
+
+def _first_of_regions(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    seen, out = set(), []
+    for name, tensor in tensors:
+        region = (tensor.data_ptr(), _nbytes(tensor))
+        if region not in seen:
+            seen.add(region)
+            out.append((name, tensor))
+    return out
+
+
+def prune(folder: Path, keep: int) -> list[Path]:
+    """Remove all but the `keep` most recently used images (and temporary files a killed writer left, older than a
+    day); what was removed. An engine that still maps a removed image keeps reading it: the file lives on until
+    unmapped."""
+    images = sorted(folder.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+    stale = [p for p in folder.glob("*.tmp") if p.stat().st_mtime < time.time() - 86400]
+    gone = images[keep:] + stale
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
+
+
+def image_path(identity: str, entries: list[Entry], cache: Path) -> Path:
+    """The image's file: one per model and configuration (`identity`) and index."""
+    key = hashlib.sha256(identity.encode() + _header(entries)).hexdigest()[:16]
+    return cache / "mapped" / f"{key}.bin"
+
+
+def map_model(model: torch.nn.Module, identity: str, cache: Path) -> dict[str, Any]:
+    """Map `model`'s tensors from their image (written first where missing or different); what was done."""
+    tensors = model_tensors(model)
+    entries = index(tensors)
+    if not entries:
+        return {"mapped_bytes": 0, "tensors": 0, "image": None, "written": False}
+    path = image_path(identity, entries, cache)
+    written = False
+    image = Image(path) if path.exists() else None
+    if image is None or not image.holds(tensors, entries):
+        del image
+        write_image(path, tensors, entries)
+        written = True
+        image = Image(path)
+        assert image.holds(tensors, entries), f"{path}: the image just written differs from the model"
+        prune(path.parent, KEEP_IMAGES)
+    else:
+        os.utime(path)  # used now: pruning keeps the most recently used
+    mapped = swap_in(image, tensors, entries)
+    return {"mapped_bytes": mapped, "tensors": len(tensors), "image": str(path), "written": written}
+
+
+def _identity(runner: Any) -> str:
+    """What the image depends on besides its index: the model and its quantization. A setting that changes the
+    loaded tensors changes the index, and one that changes only their bytes is caught by the comparison."""
+    config = runner.vllm_config
+    quant = getattr(config, "quant_config", None)
+    quant_dict = quant.to_dict() if quant is not None and hasattr(quant, "to_dict") else repr(quant)
+    model = config.model_config
+    return json.dumps(
+        [str(model.model), str(getattr(model, "revision", None)), str(model.dtype), quant_dict], default=str
+    )
+
+
+def _after_load(method: Any) -> Any:
+    @functools.wraps(method)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        from edge.paths import cache_dir
+        from kernels.vllm_plugin import memory_trace
+
+        try:
+            done = map_model(self.model, _identity(self), cache_dir())
+        except OSError as error:
+            logger.warning("mapped weights: the weights stay in anonymous memory: %s", error)
+            return result
+        logger.info("mapped weights: %d tensors, %.1f MiB from %s (%s)", done["tensors"], done["mapped_bytes"] / 2**20,
+                    done["image"], "written" if done["written"] else "reused")  # fmt: skip
+        memory_trace.record("mapped", **done)
+        return result
+
+    setattr(load_model, _MARK, method)
+    return load_model
+
+
+def _patch(cpu_worker: Any) -> None:
+    from vllm.v1.worker import cpu_model_runner
+
+    runner = cpu_model_runner.CPUModelRunner
+    if not getattr(runner.load_model, _MARK, None):
+        runner.load_model = _after_load(runner.load_model)
+
+
+def install() -> bool:
+    """Map the weights once loaded, in the process that imports the CPU worker; False when turned off."""
+    if not enabled():
+        return False
+    on_import.when_imported("vllm.v1.worker.cpu_worker", _patch)
+    return True
