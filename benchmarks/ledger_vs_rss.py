@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     log = ROOT / ".cache" / "ledger_vs_rss.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     for mode in modes:  # convert first, so that no timed start includes the converter's peak
         subprocess.run(edge_argv(mode, args, "--dry-run"), check=True, stdout=subprocess.DEVNULL)
     status_model = args.model

@@ -110,16 +110,24 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def index(tensors: list[tuple[str, torch.Tensor]]) -> list[Entry]:
-    """The image's index: tensors in order, each region once (a second tensor on the same bytes shares its entry)."""
-    entries, at, offset = [], {}, 0
+    """The image's index: each region once, under the first of its tensors' names (a second tensor on the same bytes
+    shares its entry), in name order: the same on every start, wherever the allocator put the tensors."""
+    names: dict[tuple[int, int], tuple[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         region = (tensor.data_ptr(), _nbytes(tensor))
-        if region in at:
-            continue
-        at[region] = offset
-        entries.append(Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, region[1]))
-        offset += -(-region[1] // TENSOR_ALIGN) * TENSOR_ALIGN
+        names[region] = min(names.get(region, (name, tensor)), (name, tensor), key=lambda nt: nt[0])
+    entries, offset = [], 0
+    for name, tensor in sorted(names.values(), key=lambda nt: nt[0]):
+        nbytes = _nbytes(tensor)
+        entries.append(Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        offset += -(-nbytes // TENSOR_ALIGN) * TENSOR_ALIGN
     return entries
+
+
+def _entry_tensors(tensors: list[tuple[str, torch.Tensor]], entries: list[Entry]) -> list[torch.Tensor]:
+    """The tensor each entry was made from, in the entries' order."""
+    by_name = dict(tensors)
+    return [by_name[entry.name] for entry in entries]
 
 
 def _header(entries: list[Entry]) -> bytes:
@@ -140,7 +148,7 @@ def write_image(path: Path, tensors: list[tuple[str, torch.Tensor]], entries: li
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            for entry, (_, tensor) in zip(entries, _first_of_regions(tensors), strict=True):
+            for entry, tensor in zip(entries, _entry_tensors(tensors, entries), strict=True):
                 out.seek(start + entry.offset)
                 out.write(memoryview(_bytes_of(tensor).numpy()))
             size = start + (entries[-1].offset + entries[-1].nbytes if entries else 0)
@@ -194,7 +202,7 @@ class Image:
         if len(self.bytes) < start + (entries[-1].offset + entries[-1].nbytes if entries else 0):
             return False
         return all(torch.equal(self.bytes[start + e.offset : start + e.offset + e.nbytes], _bytes_of(t))
-                   for e, (_, t) in zip(entries, _first_of_regions(tensors), strict=True))  # fmt: skip
+                   for e, t in zip(entries, _entry_tensors(tensors, entries), strict=True))  # fmt: skip
 
 
 def swap_in(image: Image, tensors: list[tuple[str, torch.Tensor]], entries: list[Entry]) -> int:
@@ -202,7 +210,7 @@ def swap_in(image: Image, tensors: list[tuple[str, torch.Tensor]], entries: list
     the bytes mapped."""
     assert image.index is not None and image.index[0] == entries
     start = image.index[1]
-    by_region = {(t.data_ptr(), _nbytes(t)): e for (_, t), e in zip(_first_of_regions(tensors), entries, strict=True)}
+    by_region = {(t.data_ptr(), _nbytes(t)): e for t, e in zip(_entry_tensors(tensors, entries), entries, strict=True)}
     with torch.no_grad():
         for _, tensor in tensors:
             old = tensor.data_ptr()
@@ -210,16 +218,6 @@ def swap_in(image: Image, tensors: list[tuple[str, torch.Tensor]], entries: list
             tensor.set_(image.view(start, entry))
             huge_pages.forget(old)
     return sum(entry.nbytes for entry in entries)
-
-
-def _first_of_regions(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    seen, out = set(), []
-    for name, tensor in tensors:
-        region = (tensor.data_ptr(), _nbytes(tensor))
-        if region not in seen:
-            seen.add(region)
-            out.append((name, tensor))
-    return out
 
 
 def prune(folder: Path, keep: int) -> list[Path]:
@@ -265,10 +263,8 @@ def map_model(model: torch.nn.Module, identity: str, cache: Path) -> dict[str, A
 def _identity(runner: Any) -> str:
     """What the image depends on besides its index: the model and its quantization. A setting that changes the
     loaded tensors changes the index, and one that changes only their bytes is caught by the comparison."""
-    config = runner.vllm_config
-    quant = getattr(config, "quant_config", None)
-    quant_dict = quant.to_dict() if quant is not None and hasattr(quant, "to_dict") else repr(quant)
-    model = config.model_config
+    model = runner.vllm_config.model_config
+    quant_dict = getattr(model.hf_config, "quantization_config", None)  # the checkpoint's, as the plan wrote it
     return json.dumps(
         [str(model.model), str(getattr(model, "revision", None)), str(model.dtype), quant_dict], default=str
     )

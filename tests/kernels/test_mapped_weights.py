@@ -138,3 +138,11 @@ def test_old_images_beyond_the_kept_ones_are_pruned(tmp_path):
 def test_turned_off_it_installs_nothing(monkeypatch):
     monkeypatch.setenv(mapped_weights.ENV, "0")
     assert not mapped_weights.install()
+
+
+def test_the_index_is_the_same_wherever_the_allocator_put_the_tensors():
+    a, b = _layer(), _layer()
+    b.scales = b.scales.clone()  # now elsewhere in memory, after the codes instead of beside them
+    tensors_a, tensors_b = mapped_weights.model_tensors(a), mapped_weights.model_tensors(b)
+    assert mapped_weights.index(tensors_a) == mapped_weights.index(tensors_b)
+    assert [e.name for e in mapped_weights.index(tensors_a)] == ["norm", "qweight", "scales"]  # codes: qweight's object
