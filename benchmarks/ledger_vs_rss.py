@@ -9,8 +9,11 @@ and over the tree less the wrapper's own process, which is what the ledger predi
 processes and the watchdog). Once ready, the plan's context is filled (one prompt of about max_model_len - 64 tokens
 and 48 generated: the KV pool is one context the streams share, edge.catalog.shape_rules.kv_tokens_per_layer), then
 max_num_seqs concurrent streams of 128 tokens. Then 5 s of idle give the settled figure. Compared with the plan's own
-ledger as /status reports it: resident against settled, load-time peak against the peak. A conversion the plan needs
-is run before the timed starts (`edge-serve --dry-run`), so the peak is the engine's load, not the converter's.
+ledger as /status reports it: resident less its file-backed items (the weights the engine maps,
+kernels/vllm_plugin/mapped_weights.py) against settled RssAnon, load-time peak against the peak (the weights are
+anonymous while they load); the file-backed items against what the engine's RssFile grew by when it mapped them
+(`mapped_file_mib`). A conversion the plan needs is run before the timed starts (`edge-serve --dry-run`), so the
+peak is the engine's load, not the converter's.
 
 Where it goes: the engine process writes its RssAnon after each phase of its start (EDGE_MEMORY_TRACE,
 kernels/vllm_plugin/memory_trace.py): imports, load (the weights as loaded and repacked), warm-up (the compiled
@@ -110,7 +113,8 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
         server.stop()
     engine = server.sampler.below_root()
     measured = {"peak": engine.peak_bytes, "settled": engine.settled_bytes(idle_from)}
-    ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"]}
+    file_backed = plan["memory"].get("file_backed_bytes", 0)  # RssFile once mapped: the ledger's anonymous part
+    ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"] - file_backed}
     baseline = sum(i["bytes"] for i in plan["memory"]["items"] if i["kind"] == "engine-baseline")
     steps, file_steps = phases(trace), phases(trace, "rss_file")
     trace.unlink(missing_ok=True)
@@ -128,6 +132,8 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
         "engine_file_settled_mib": engine.settled_file_bytes(idle_from) / MIB,
         "engine_file_peak_mib": engine.peak_file_bytes / MIB,
         "wrapper_settled_mib": (server.sampler.settled_bytes(idle_from) - measured["settled"]) / MIB,
+        "ledger_file_backed_mib": file_backed / MIB,
+        "mapped_file_mib": file_steps["mapped"] - file_steps["imports"] if "mapped" in file_steps else None,
         "phases_mib": steps, "phases_file_mib": file_steps,
         "at_ready_mib": at_ready, "settled_by_process_mib": settled, "breakdown_mib": breakdown,
         "items_mib": {item["kind"] + (f":{item['layer']}" if item.get("layer") else ""): item["bytes"] / MIB

@@ -134,6 +134,18 @@ def _gib(n: int | None) -> str:
     return "unknown" if n is None else format_bytes(n)
 
 
+def _held(memory) -> str:
+    """The resident items by what they are, largest first, the file-backed ones marked: where the memory goes."""
+    held: dict[str, list[int]] = {}  # label -> [anonymous, file-backed]
+    for item in memory.items:
+        if item.phase == "resident":
+            label = "weights" if item.layer else item.kind.replace("-", " ")
+            held.setdefault(label, [0, 0])[item.backing == "file"] += item.bytes
+    parts = sorted(held.items(), key=lambda kv: -sum(kv[1]))
+    return ", ".join(f"{label} {_gib(anon + file)}" + (" mapped" if file and not anon else f" ({_gib(file)} mapped)"
+                                                       if file else "") for label, (anon, file) in parts)  # fmt: skip
+
+
 def _refused(plan: Plan) -> list[str]:
     """One line per path the device cannot run, naming its layouts: "w4a16-tinygemm (direct, dual): why"."""
     by_path: dict[str, dict[str, list[str]]] = {}  # path -> why_not -> layouts, in the plan's order
@@ -170,6 +182,7 @@ def render(plan: Plan) -> str:
         f"  timed     {_timed(plan)}",
         f"  memory    resident {_gib(memory.resident_bytes)}, load peak {_gib(memory.peak_bytes)}, "
         f"budget {_gib(memory.budget_bytes)}: {fits}",
+        f"  held      {_held(memory)} (mapped: from a file, page cache the system can share and evict)",
     ]  # fmt: skip
     if plan.vllm is not None:
         env = " ".join(f"{k}={v}" for k, v in sorted(plan.vllm.env.items()))

@@ -46,6 +46,11 @@ class MemoryItem(BaseModel):
     avoidable_bytes: int | None = Field(
         default=None, description="What a stated change (named in detail) would save, e.g. capping RoPE."
     )
+    backing: Literal["anonymous", "file"] = Field(
+        default="anonymous",
+        description="Where a resident item lives: anonymous memory (RssAnon) or a file the engine maps (RssFile: the "
+        "page cache, shared and evictable; kernels/vllm_plugin/mapped_weights.py maps the loaded weights).",
+    )
 
 
 class WeightFormat:
@@ -60,6 +65,9 @@ class WeightFormat:
     # bytes read per weight per decode step, which ranks a path on an ISA class nothing measured; None: not ranked
     derived_bytes: ClassVar[float | None] = None
     runs_in_engine: ClassVar[bool] = True  # False: a bundle for another runtime (no engine, no KV cache)
+    # the engine maps its linear layers' tensors from a file once loaded (kernels/vllm_plugin/mapped_weights.py):
+    # False where vLLM repacks them into memory no module holds as a tensor (oneDNN's and sgl's packed bf16)
+    linears_mapped: ClassVar[bool] = True
     decode_kernels: ClassVar[bool] = False  # its 4-bit layers' decode rows take a decode_kernel choice
     eight_bit: ClassVar[Any] = None  # the format of the 8-bit set beside its 4-bit layers (edge.formats.int8)
 

@@ -24,6 +24,9 @@ class Bf16(WeightFormat):
     name = "bf16"
     kernel_layouts = ("bf16",)
     derived_bytes = 2.0
+    # vLLM 0.28 packs each bf16 linear for oneDNN or its sgl kernel (model_executor/layers/utils.py
+    # dispatch_cpu_unquantized_gemm): memory the engine holds outside any module's tensors, so not mapped
+    linears_mapped = False
 
     def bytes(self, lin: LinearShape, group: int | None = None) -> int:
         return bf16_bytes(lin)

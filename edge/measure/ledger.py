@@ -20,6 +20,8 @@ from edge.formats import format_of
 from edge.formats.base import (
     BF16,
     MemoryItem,
+    WeightFormat,
+    embedding,
     head,
     layer_linears,
     mib,
@@ -31,6 +33,7 @@ from edge.model.shapes import ModelShape
 
 class MemoryLedger(BaseModel):
     resident_bytes: int  # sum of resident items
+    file_backed_bytes: int = 0  # of which mapped from a file (RssFile, the page cache), the rest anonymous (RssAnon)
     peak_bytes: int  # resident + the largest transient (load or run)
     budget_bytes: int | None
     fits: bool  # peak within budget (True when no budget is known)
@@ -53,6 +56,7 @@ def estimate(
     bf16_repack_retention: float = 0.0,
     tokenizers: int = 1,
     tokenizer_bytes_per_token: int = 0,
+    mapped_weights: bool = True,
 ) -> MemoryLedger:
     """Itemized resident footprint and load-time peak of running `model` on `path`.
 
@@ -63,6 +67,9 @@ def estimate(
     bf16_repack_retention: the share of the bf16 linears' bytes the engine's allocator keeps after vLLM repacks
     them for oneDNN and frees the originals, where the engine baseline was measured on a quantized plan (which
     repacks nothing); 0 where it was measured on bf16 and so holds it (edge.plan.planner.engine_baseline).
+    mapped_weights: the engine maps the tensors its modules hold from a file once loaded
+    (kernels/vllm_plugin/mapped_weights.py; EDGE_MAPPED_WEIGHTS=0 turns it off): those items are file-backed once
+    the engine has started. The load-time peak is unchanged: the weights are loaded into anonymous memory first.
     """
     quant = quant or rules_for(model, path, group_size, own_blocks=reads_own_blocks(kernel.decode_kernel))
     # a kind split by format (a GGUF's mixed grid): parts; `layers`, when given, are model_layers(model, quant)
@@ -92,16 +99,35 @@ def estimate(
         items += fmt.run_transients(model, parts, layout, dequant_threshold=kernel.dequant_threshold,
                                     prefill_dtype=kernel.prefill_dtype, max_model_len=max_model_len,
                                     max_num_seqs=max_num_seqs)  # fmt: skip
+        if mapped_weights:
+            items = [_mapped(item, fmt, embedding(model).name) for item in items]
     resident_bytes = sum(item.bytes for item in items if item.phase == "resident")
     transient = max((item.bytes for item in items if item.phase != "resident"), default=0)
     peak = resident_bytes + transient
     return MemoryLedger(
         resident_bytes=resident_bytes,
+        file_backed_bytes=sum(item.bytes for item in items if item.phase == "resident" and item.backing == "file"),
         peak_bytes=peak,
         budget_bytes=budget_bytes,
         fits=budget_bytes is None or peak <= budget_bytes,
         items=items,
     )
+
+
+WEIGHT_KINDS = ("bf16-weights", "int4-weights", "int8-weights", "row-major-copy", "lookup-copy", "untie-cost")
+PLAIN_TENSOR_KINDS = ("norms", "biases", "rope")  # tensors a module holds as it loaded them, on every path
+
+
+def _mapped(item: MemoryItem, fmt: WeightFormat, embedding_name: str) -> MemoryItem:
+    """`item` as the engine holds it once it has mapped its modules' tensors (kernels/vllm_plugin/mapped_weights.py):
+    the weights, norms, biases and RoPE table file-backed, except linears a format's kernel repacks into memory of
+    its own (an embedding is a lookup table and is never repacked)."""
+    linear = item.kind in WEIGHT_KINDS and item.layer != embedding_name
+    if item.phase != "resident" or not (item.kind in PLAIN_TENSOR_KINDS or item.kind in WEIGHT_KINDS):
+        return item
+    if linear and not fmt.linears_mapped:
+        return item
+    return item.model_copy(update={"backing": "file"})
 
 
 # glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, malloc(3) M_MMAP_THRESHOLD): a block

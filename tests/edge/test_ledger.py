@@ -328,3 +328,32 @@ def test_prefill_activations_follow_the_widths_of_a_full_batch():
     assert items["prefill-activations", None].bytes == 2048 * (3 * 1536 + 4 * 576 + 15 * 64) * 2
     wider = read_model(CONFIGS / "gemma-2-2b.json")
     assert by_kind(ledger(wider, "bf16"))["prefill-activations", None].bytes > items["prefill-activations", None].bytes
+
+
+def test_the_weights_the_engine_maps_are_file_backed_and_the_rest_anonymous():
+    led = ledger(default_model(), "w4a16-tinygemm", "direct", 32)
+    file = {(i.kind, i.layer) for i in led.items if i.backing == "file"}
+    assert {("int4-weights", "q_proj"), ("int8-weights", "embed_tokens"), ("norms", None), ("rope", None)} <= file
+    assert not {"kv-cache", "tokenizer", "engine-baseline", "prefill-activations"} & {kind for kind, _ in file}
+    assert led.file_backed_bytes == sum(i.bytes for i in led.items if i.backing == "file" and i.phase == "resident")
+    assert all(i.phase == "resident" for i in led.items if i.backing == "file")
+
+
+def test_mapping_moves_bytes_to_the_page_cache_without_changing_the_totals():
+    model = default_model()
+    mapped = ledger(model, "w4a16-tinygemm", "direct", 32)
+    held = estimate(model, "w4a16-tinygemm", "direct", 32, max_model_len=2048, max_num_seqs=1, kernel=kernel(),
+                    budget_bytes=None, engine_baseline_bytes=BASELINE, mapped_weights=False)  # fmt: skip
+    assert held.file_backed_bytes == 0 and mapped.file_backed_bytes > 0
+    assert (held.resident_bytes, held.peak_bytes) == (mapped.resident_bytes, mapped.peak_bytes)  # loaded anonymous
+
+
+def test_bf16_linears_stay_anonymous_since_vllm_repacks_them_but_the_embedding_is_mapped():
+    items = by_kind(ledger(read_model(CONFIGS / "mistral-7b-v0.3.json"), "bf16"))
+    assert items["bf16-weights", "q_proj"].backing == "anonymous"
+    assert items["bf16-weights", "lm_head"].backing == "anonymous"
+    assert items["bf16-weights", "embed_tokens"].backing == "file"
+
+
+def test_export_only_maps_nothing():
+    assert ledger(default_model(), "export-only").file_backed_bytes == 0
