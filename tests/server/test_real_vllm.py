@@ -73,6 +73,19 @@ def start_wrapper(tmp_path: Path, extra_env: dict[str, str] | None = None, args:
     return process, f"http://127.0.0.1:{port}", log
 
 
+def mapped_image(pid: int) -> tuple[str, int] | None:
+    """The weight image that process `pid` or one of its children (the engine core, where vLLM runs it apart) maps:
+    its path and inode (/proc/PID/maps), if any."""
+    from benchmarks.rss import process_tree
+
+    for member in process_tree(pid):
+        for line in Path(f"/proc/{member}/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].endswith(".bin") and "/mapped/" in fields[5]:
+                return fields[5], int(fields[4])
+    return None
+
+
 def stop_wrapper(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGTERM)  # uvicorn shuts down; the lifespan stops the engine group
     try:
@@ -124,6 +137,8 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     with open(f"/proc/{engine_pid}/cmdline", "rb") as f:
         argv = f.read().decode().split("\0")
     assert argv[argv.index("--uds") + 1] == str(engine_socket) and "--port" not in argv
+    image = mapped_image(engine_pid)  # the weights are read from a file's pages (kernels/vllm_plugin/mapped_weights.py)
+    assert image is not None and Path(image[0]).parent.name == "mapped", image
     os.kill(engine_pid, signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: get(f"{url}/status").json()["engine"]["restarts"] == 1, process, log, guard_s=120)
@@ -135,6 +150,7 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     assert "SIGKILL" in engine["last_error"] and engine["restart_reasons"] == {"exited": 1}
     assert group_members(group) == []  # nothing of the killed engine is left: its engine core and worker neither
     assert not engine_socket.exists() and Path(engine["engine_socket"]).is_socket()  # a fresh socket, the old gone
+    assert mapped_image(engine["engine_pid"]) == image  # the same file (path and inode): reused, not written again
 
     again = complete(url, model)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
