@@ -10,10 +10,11 @@ processes and the watchdog). Once ready, the plan's context is filled (one promp
 and 48 generated: the KV pool is one context the streams share, edge.catalog.shape_rules.kv_tokens_per_layer), then
 max_num_seqs concurrent streams of 128 tokens. Then 5 s of idle give the settled figure. Compared with the plan's own
 ledger as /status reports it: resident less its file-backed items (the weights the engine maps,
-kernels/vllm_plugin/mapped_weights.py) against settled RssAnon, load-time peak against the peak (the weights are
-anonymous while they load); the file-backed items against what the engine's RssFile grew by when it mapped them
-(`mapped_file_mib`). A conversion the plan needs is run before the timed starts (`edge-serve --dry-run`), so the
-peak is the engine's load, not the converter's.
+kernels/vllm_plugin/mapped_weights.py) against settled RssAnon; the peak against the engine's peak of RssAnon plus
+the RssFile it gained after loading its libraries (total_peak_bytes: the weights are anonymous while they load and
+mapped once loaded, and the ledger's peak counts both); the file-backed items against what the engine's RssFile
+grew by when it mapped them (`mapped_file_mib`). A conversion the plan needs is run before the timed starts
+(`edge-serve --dry-run`), so the peak is the engine's load, not the converter's.
 
 Where it goes: the engine process writes its RssAnon after each phase of its start (EDGE_MEMORY_TRACE,
 kernels/vllm_plugin/memory_trace.py): imports, load (the weights as loaded and repacked), warm-up (the compiled
@@ -44,7 +45,7 @@ import httpx
 from transformers import AutoTokenizer
 
 from benchmarks.bench_serve import ROOT, concurrent, edge_argv, edge_server, long_prompt
-from benchmarks.rss import process_tree, rss_anon_bytes, tree_rss_anon_bytes
+from benchmarks.rss import TreeSampler, process_tree, rss_anon_bytes, tree_rss_anon_bytes
 from edge.paths import resolve
 
 MIB = 2**20
@@ -76,6 +77,17 @@ def fill_context(url: str, model: str, tokenizer, max_model_len: int, seed: int)
 
 def rss_anon_mib(pid: int) -> float:
     return rss_anon_bytes(pid) / MIB
+
+
+def total_peak_bytes(engine: TreeSampler) -> int:
+    """The engine's peak of RssAnon plus the RssFile it gained after loading its libraries: the weights it maps
+    (kernels/vllm_plugin/mapped_weights.py), what the ledger's peak counts. The libraries' share is RssFile at the
+    moment RssAnon peaked, while the weights were still anonymous (they are mapped after they load)."""
+    if not engine.samples:
+        return 0
+    peak_at = max(range(len(engine.samples)), key=lambda i: engine.samples[i][1])
+    libraries = engine.file_samples[peak_at][1]
+    return max(a + f for (_, a), (_, f) in zip(engine.samples, engine.file_samples, strict=True)) - libraries
 
 
 def phases(trace: Path, key: str = "rss_anon") -> dict[str, float]:
@@ -112,7 +124,7 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
     finally:
         server.stop()
     engine = server.sampler.below_root()
-    measured = {"peak": engine.peak_bytes, "settled": engine.settled_bytes(idle_from)}
+    measured = {"peak": total_peak_bytes(engine), "settled": engine.settled_bytes(idle_from)}
     file_backed = plan["memory"].get("file_backed_bytes", 0)  # RssFile once mapped: the ledger's anonymous part
     ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"] - file_backed}
     baseline = sum(i["bytes"] for i in plan["memory"]["items"] if i["kind"] == "engine-baseline")
@@ -128,6 +140,7 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
         "implied_baseline_bytes": measured["settled"] - (ledger["settled"] - baseline),
         "tree_settled_mib": server.sampler.settled_bytes(idle_from) / MIB,
         "tree_peak_mib": server.sampler.peak_bytes / MIB,
+        "engine_anon_peak_mib": engine.peak_bytes / MIB,
         "tree_file_settled_mib": server.sampler.settled_file_bytes(idle_from) / MIB,
         "engine_file_settled_mib": engine.settled_file_bytes(idle_from) / MIB,
         "engine_file_peak_mib": engine.peak_file_bytes / MIB,
@@ -188,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"pass": p + 1, "cold": args.cold and p == 0, **row})
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "items_mib"}))
-    print("| mode | ledger resident MiB | engine settled MiB | ledger over | ledger peak MiB | engine peak MiB | "
-          "ledger over | wrapper MiB |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print("| mode | ledger anonymous MiB | engine RssAnon settled MiB | ledger over | ledger peak MiB "
+          "| engine peak MiB | ledger over | wrapper MiB |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode and not r["cold"]] or [r for r in rows if r["mode"] == mode]
 

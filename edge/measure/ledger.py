@@ -1,8 +1,11 @@
 """The memory ledger: every byte a plan costs, named, computed from shapes, with the arithmetic shown.
 
-Peak model: peak_bytes = resident_bytes + the largest single transient. Transients are not summed: the loader
-converts one tensor (or one chunk of one tensor) at a time, and a w4a16 batch dequantizes one layer at a time.
-That run-time working set is filed under phase "run-transient". Memory means RssAnon summed over the vLLM
+Peak model: peak_bytes is the larger of two moments. Loading: every resident item but the KV cache and the prefill
+activations (they come after the load), plus the largest load transient. Serving: every resident item plus the
+largest run transient. Transients are not summed: the loader converts one tensor (or one chunk of one tensor) at a
+time, and a w4a16 batch dequantizes one layer at a time. That run-time working set is filed under phase
+"run-transient". The peak counts file-backed items too (the weights the engine maps): they are anonymous while
+they load, and page cache a budget must hold while serving. Memory means RssAnon summed over the vLLM
 process tree (docs/FACTS.md), which is what engine_baseline_bytes was measured as; the allocator's retention is
 inside that measurement, so it is not an item of its own (it was, as a 150 MiB reference figure, until
 benchmarks/ledger_vs_rss.py showed the ledger 16-20 % above the two-process engine, 2026-12-01).
@@ -34,7 +37,7 @@ from edge.model.shapes import ModelShape
 class MemoryLedger(BaseModel):
     resident_bytes: int  # sum of resident items
     file_backed_bytes: int = 0  # of which mapped from a file (RssFile, the page cache), the rest anonymous (RssAnon)
-    peak_bytes: int  # resident + the largest transient (load or run)
+    peak_bytes: int  # the larger of loading's and serving's: see the module's docstring
     budget_bytes: int | None
     fits: bool  # peak within budget (True when no budget is known)
     items: list[MemoryItem]
@@ -102,8 +105,7 @@ def estimate(
         if mapped_weights:
             items = [_mapped(item, fmt, embedding(model).name) for item in items]
     resident_bytes = sum(item.bytes for item in items if item.phase == "resident")
-    transient = max((item.bytes for item in items if item.phase != "resident"), default=0)
-    peak = resident_bytes + transient
+    peak = max(_load_peak(items), resident_bytes + _largest(items, "run-transient"))
     return MemoryLedger(
         resident_bytes=resident_bytes,
         file_backed_bytes=sum(item.bytes for item in items if item.phase == "resident" and item.backing == "file"),
@@ -112,6 +114,21 @@ def estimate(
         fits=budget_bytes is None or peak <= budget_bytes,
         items=items,
     )
+
+
+# resident items that do not exist yet while the weights load: vLLM's CPU worker allocates the KV cache after
+# load_model (Worker.initialize_from_config), and a full prefill batch's activations come with the first long prompt
+AFTER_LOAD_KINDS = ("kv-cache", "prefill-activations")
+
+
+def _largest(items: list[MemoryItem], phase: str) -> int:
+    return max((item.bytes for item in items if item.phase == phase), default=0)
+
+
+def _load_peak(items: list[MemoryItem]) -> int:
+    """While loading: every resident item but those that come after the load, and the largest load transient."""
+    held = sum(i.bytes for i in items if i.phase == "resident" and i.kind not in AFTER_LOAD_KINDS)
+    return held + _largest(items, "load-transient")
 
 
 WEIGHT_KINDS = ("bf16-weights", "int4-weights", "int8-weights", "row-major-copy", "lookup-copy", "untie-cost")
