@@ -112,10 +112,11 @@ def test_nothing_fits_gives_the_closest_option_and_what_would_make_it_fit(avx2_h
 
 
 def test_a_shorter_context_is_offered_when_it_would_make_an_option_fit(sapphire_rapids, llama_1b):
-    full = make_plan(sapphire_rapids, llama_1b, priority="fidelity", path="bf16", max_model_len=8192)
+    # 65536 tokens: a KV cache (2 GiB) larger than loading's copy of the embedding, so the context decides the peak
+    full = make_plan(sapphire_rapids, llama_1b, priority="fidelity", path="bf16", max_model_len=65536)
     short = make_plan(sapphire_rapids, llama_1b, priority="fidelity", path="bf16", max_model_len=512)
     budget = (full.memory.peak_bytes + short.memory.peak_bytes) // 2
-    plan = make_plan(sapphire_rapids, llama_1b, priority="fidelity", budget_bytes=budget, max_model_len=8192)
+    plan = make_plan(sapphire_rapids, llama_1b, priority="fidelity", budget_bytes=budget, max_model_len=65536)
     bf16 = _alternative(plan, "bf16")
     assert bf16.status == "fits-with-hint"
     fitting_len = int(bf16.hint.split()[-1])
