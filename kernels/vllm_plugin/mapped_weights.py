@@ -248,6 +248,41 @@ def pmd_mapped_bytes(path: Path) -> int:
     return total
 
 
+HUGE_PAGE = 2 << 20
+LOW_COVERAGE = 0.9  # below this share of an image in 2 MiB pages, its cached pages are dropped and read again
+
+
+def huge_page_share(path: Path) -> float:
+    """The share of `path` the page cache holds in 2 MiB folios, probed by a throwaway mapping touched once every
+    2 MiB (a touch maps a whole 2 MiB folio with one entry, and a smaller folio without): reads a page a folio."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < HUGE_PAGE:
+            return 1.0
+        probe = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    try:
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                probe.madvise(mmap.MADV_HUGEPAGE)
+        for offset in range(0, size - HUGE_PAGE + 1, HUGE_PAGE):
+            probe[offset]
+        return pmd_mapped_bytes(path) / (size // HUGE_PAGE * HUGE_PAGE)
+    finally:
+        probe.close()
+
+
+def refresh_page_cache(path: Path) -> bool:
+    """Drop `path`'s cached pages where they are mostly in small folios (True if it did): the next faults read it
+    back through readahead in 2 MiB folios. Reused images mapped 80-95 % in 2 MiB pages after other runs had pressed
+    on the page cache (a fresh one 99 %), and 4 KiB pages cost decode 10 % (docs/reports/2026-12-06-mapped-weights.md).
+    Pages another process maps stay: DONTNEED drops only unmapped clean pages. Costs a read of the file."""
+    if huge_page_share(path) >= LOW_COVERAGE:
+        return False
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return True
+
+
 def prune(folder: Path, keep: int) -> list[Path]:
     """Remove all but the `keep` most recently used images (and temporary files a killed writer left, older than a
     day); what was removed. An engine that still maps a removed image keeps reading it: the file lives on until
@@ -273,7 +308,9 @@ def map_model(model: torch.nn.Module, identity: str, cache: Path) -> dict[str, A
     if not entries:
         return {"mapped_bytes": 0, "tensors": 0, "image": None, "written": False}
     path = image_path(identity, entries, cache)
-    written = False
+    written = refreshed = False
+    if path.exists():
+        refreshed = refresh_page_cache(path)
     if not (path.exists() and swap_in(Image(path), tensors, entries)):
         # Missing, or it differs from the first region that does on: a new image from the tensors as they are now
         # (those already moved read their own values from the old image, which stays mapped while they do)
@@ -284,7 +321,7 @@ def map_model(model: torch.nn.Module, identity: str, cache: Path) -> dict[str, A
     else:
         os.utime(path)  # used now: pruning keeps the most recently used
     return {"mapped_bytes": sum(e.nbytes for e in entries), "tensors": len(tensors), "image": str(path),
-            "written": written, "huge_mapped_bytes": pmd_mapped_bytes(path)}  # fmt: skip
+            "written": written, "refreshed": refreshed, "huge_mapped_bytes": pmd_mapped_bytes(path)}  # fmt: skip
 
 
 def _identity(runner: Any) -> str:
@@ -309,9 +346,9 @@ def _after_load(method: Any) -> Any:
         except OSError as error:
             logger.warning("mapped weights: the weights stay in anonymous memory: %s", error)
             return result
+        how = "written" if done["written"] else "reused, read again" if done["refreshed"] else "reused"
         logger.info("mapped weights: %d tensors, %.1f MiB from %s (%s), %.1f MiB of it in 2 MiB pages", done["tensors"],
-                    done["mapped_bytes"] / 2**20, done["image"], "written" if done["written"] else "reused",
-                    done["huge_mapped_bytes"] / 2**20)  # fmt: skip
+                    done["mapped_bytes"] / 2**20, done["image"], how, done["huge_mapped_bytes"] / 2**20)  # fmt: skip
         memory_trace.record("mapped", **done)
         return result
 

@@ -146,3 +146,15 @@ def test_the_index_is_the_same_wherever_the_allocator_put_the_tensors():
     tensors_a, tensors_b = mapped_weights.model_tensors(a), mapped_weights.model_tensors(b)
     assert mapped_weights.index(tensors_a) == mapped_weights.index(tensors_b)
     assert [e.name for e in mapped_weights.index(tensors_a)] == ["norm", "qweight", "scales"]  # codes: qweight's object
+
+
+def test_the_huge_page_share_of_an_image_is_a_fraction_and_a_small_file_is_never_read_again(tmp_path):
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"\1" * 4096)
+    assert mapped_weights.huge_page_share(small) == 1.0 and not mapped_weights.refresh_page_cache(small)
+    large = tmp_path / "large.bin"
+    content = os.urandom(3 * mapped_weights.HUGE_PAGE)
+    large.write_bytes(content)
+    assert 0.0 <= mapped_weights.huge_page_share(large) <= 1.0
+    mapped_weights.refresh_page_cache(large)
+    assert large.read_bytes() == content  # dropping cached pages loses nothing
