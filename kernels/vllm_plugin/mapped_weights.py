@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from kernels.ops import huge_pages
-from kernels.vllm_plugin import on_import
+from kernels.vllm_plugin import memory_trace, on_import
+from kernels.vllm_plugin.memory_trace import module_tensors
 
 ENV = "EDGE_MAPPED_WEIGHTS"
 MAGIC = b"EDGEMAP1"
@@ -69,13 +70,9 @@ def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     tensor object once, in address order. A tensor that overlaps another's bytes without being the same region is
     left out (a view into a weight: mapping one would leave the other on the old memory)."""
     found: dict[int, tuple[str, torch.Tensor]] = {}
-    for module_name, module in model.named_modules():
-        for attr, value in vars(module).items():
-            items = value.items() if isinstance(value, dict) else [(attr, value)]
-            for key, tensor in items:
-                if (isinstance(tensor, torch.Tensor) and id(tensor) not in found and tensor.device.type == "cpu"
-                        and tensor.is_contiguous() and tensor.numel() > 0 and not tensor.requires_grad):  # fmt: skip
-                    found[id(tensor)] = (f"{module_name}.{key}" if module_name else str(key), tensor)
+    for name, tensor in module_tensors(model):
+        if id(tensor) not in found and tensor.is_contiguous() and tensor.numel() > 0 and not tensor.requires_grad:
+            found[id(tensor)] = (name, tensor)
     file_backed = _file_mapped_ranges()
     out, end, last = [], 0, None
     for name, tensor in sorted(found.values(), key=lambda nt: (nt[1].data_ptr(), -_nbytes(nt[1]))):
@@ -200,16 +197,6 @@ class Image:
         at = start + entry.offset
         return self.bytes[at : at + entry.nbytes].view(getattr(torch, entry.dtype)).view(entry.shape)
 
-    def holds(self, tensors: list[tuple[str, torch.Tensor]], entries: list[Entry]) -> bool:
-        """Whether the image is exactly these tensors: the same index and every byte equal."""
-        if self.index is None or self.index[0] != entries:
-            return False
-        start = self.index[1]
-        if len(self.bytes) < start + (entries[-1].offset + entries[-1].nbytes if entries else 0):
-            return False
-        return all(torch.equal(self.bytes[start + e.offset : start + e.offset + e.nbytes], _bytes_of(t))
-                   for e, t in zip(entries, _entry_tensors(tensors, entries), strict=True))  # fmt: skip
-
 
 def swap_in(image: Image, tensors: list[tuple[str, torch.Tensor]], entries: list[Entry]) -> bool:
     """Point each tensor at its bytes in the image, in address order, each compared first, and let the arena's slabs
@@ -220,6 +207,8 @@ def swap_in(image: Image, tensors: list[tuple[str, torch.Tensor]], entries: list
     if image.index is None or image.index[0] != entries:
         return False
     start = image.index[1]
+    if len(image.bytes) < start + entries[-1].offset + entries[-1].nbytes:  # cut short: a copy or a disk went wrong
+        return False
     by_region = {(t.data_ptr(), _nbytes(t)): e for t, e in zip(_entry_tensors(tensors, entries), entries, strict=True)}
     checked: set[int] = set()
     with torch.no_grad():
@@ -339,7 +328,6 @@ def _after_load(method: Any) -> Any:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = method(self, *args, **kwargs)
         from edge.paths import cache_dir
-        from kernels.vllm_plugin import memory_trace
 
         try:
             done = map_model(self.model, _identity(self), cache_dir())

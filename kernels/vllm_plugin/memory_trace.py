@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,25 +78,30 @@ def mapping_bytes() -> dict[str, int]:
     return out
 
 
-def model_bytes(model: Any) -> dict[str, int]:
-    """The bytes of every tensor the model's modules hold (parameters, buffers and plain tensor attributes, as
-    the quantization methods keep their packed weights), each storage counted once, by dtype."""
+def module_tensors(model: Any) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every CPU tensor the model's modules hold: parameters, buffers and plain tensor attributes
+    (as the quantization methods keep their packed weights), and tensors in a dict attribute. A tensor held under two
+    names comes twice. Shared with kernels/vllm_plugin/mapped_weights.py."""
     import torch
 
+    for module_name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            for key, tensor in value.items() if isinstance(value, dict) else [(attr, value)]:
+                if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                    yield (f"{module_name}.{key}" if module_name else str(key)), tensor
+
+
+def model_bytes(model: Any) -> dict[str, int]:
+    """The bytes of every tensor the model's modules hold (module_tensors), each storage counted once, by dtype."""
     seen: set[int] = set()
     out: dict[str, int] = {}
-    for module in model.modules():
-        for value in vars(module).values():
-            tensors = value.values() if isinstance(value, dict) else [value]
-            for tensor in tensors:
-                if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
-                    continue
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen:
-                    continue
-                seen.add(storage.data_ptr())
-                key = str(tensor.dtype).removeprefix("torch.")
-                out[key] = out.get(key, 0) + storage.nbytes()
+    for _, tensor in module_tensors(model):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        key = str(tensor.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + storage.nbytes()
     return out
 
 

@@ -84,8 +84,8 @@ def test_a_write_into_a_mapped_weight_stays_in_the_process(tmp_path):
     layer = _layer()
     done = map_model(layer, "a model", tmp_path)
     layer.norm.add_(1)  # private mapping: the page is copied, the file is not touched
-    fresh = mapped_weights.model_tensors(_layer())
-    assert Image(Path(done["image"])).holds(fresh, mapped_weights.index(fresh))
+    fresh = mapped_weights.model_tensors(_layer())  # the image still holds the original bytes
+    assert mapped_weights.swap_in(Image(Path(done["image"])), fresh, mapped_weights.index(fresh))
 
 
 def test_a_broken_image_is_rewritten(tmp_path):
@@ -93,6 +93,9 @@ def test_a_broken_image_is_rewritten(tmp_path):
     Path(first["image"]).write_bytes(b"not an image")
     assert map_model(_layer(), "a model", tmp_path)["written"]
     Path(first["image"]).write_bytes(b"")
+    assert map_model(_layer(), "a model", tmp_path)["written"]
+    image = Path(first["image"])
+    image.write_bytes(image.read_bytes()[: image.stat().st_size // 2])  # the index whole, the data cut short
     assert map_model(_layer(), "a model", tmp_path)["written"]
 
 
