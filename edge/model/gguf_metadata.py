@@ -17,9 +17,11 @@ RoPE scaling becomes transformers 5's `rope_parameters` (what vLLM 0.28's get_ro
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from edge.bounds import MAX_TENSOR_DIM
@@ -81,6 +83,26 @@ class GgufHeader:
         return str(self.metadata.get("general.architecture"))
 
 
+def import_gguf() -> ModuleType:
+    """gguf-py, imported without mistral_common where nothing imported it yet.
+
+    gguf-py's package imports its tokenizer converters (gguf.vocab), and they import mistral_common where it is
+    installed (vLLM depends on it): 30 MiB of RssAnon and 0.23 s (pydantic models, pycountry's languages, jsonschema,
+    PIL; Zen 5, 2026-12-07) that reading a header never uses. In edge-serve's wrapper, which reads a GGUF's header to
+    plan and then serves for as long as the box runs, it stayed. gguf.vocab's Mistral vocabularies are then
+    unavailable in this process; nothing here uses them. ImportError where gguf-py is not installed."""
+    if "gguf" in sys.modules or "mistral_common" in sys.modules:
+        import gguf
+
+        return gguf
+    sys.modules["mistral_common"] = None  # type: ignore[assignment]  # import fails: gguf.vocab carries on without
+    try:
+        import gguf
+    finally:
+        del sys.modules["mistral_common"]
+    return gguf
+
+
 def read_header(path: str | Path, keep_reader: bool = False) -> GgufHeader:
     """The metadata and the tensor table of a GGUF file; InputError naming the file when it is not one.
 
@@ -89,7 +111,7 @@ def read_header(path: str | Path, keep_reader: bool = False) -> GgufHeader:
     edge-serve's wrapper for as long as it ran."""
     path = Path(path)
     try:
-        import gguf
+        gguf = import_gguf()
     except ImportError:  # the planner's own install has no numpy; the engine side's (the vllm extra) has gguf
         raise InputError("model", str(path), "gguf-py installed to read a GGUF header (pip install gguf, or the "
                          "project's vllm extra)") from None

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 def register() -> None:
     """Register the `cpu_int4` and `cpu_w4a8` quantization methods and their ops; fix the CPU compile cache; the
     sampler's and the CPU attention's leaner Python (sampling.py, attention.py); the weights mapped from a file once
-    loaded (mapped_weights.py)."""
+    loaded (mapped_weights.py); one tokenizer copy in the renderer's pool up front (tokenizer_pool.py)."""
     from kernels.vllm_plugin import compile_cache
 
     compile_cache.install()
@@ -38,8 +38,9 @@ def register() -> None:
     # Importing registers: @register_quantization_config("cpu_int4") and the torch.ops.vllm.cpu_int4_* ops.
     import kernels.vllm_plugin.cpu_int4  # noqa: F401
     import kernels.vllm_plugin.cpu_w4a8  # noqa: F401  (@register_quantization_config("cpu_w4a8"), torch.ops.vllm.cpu_w4a8_linear)
-    from kernels.vllm_plugin import heap_trim, mapped_weights, memory_trace
+    from kernels.vllm_plugin import heap_trim, mapped_weights, memory_trace, tokenizer_pool
 
+    tokenizer_pool.install()
     mapped_weights.install()
     heap_trim.install()
     memory_trace.install()  # after warmup's and heap_trim's patches: it records what they leave

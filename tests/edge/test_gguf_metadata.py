@@ -310,3 +310,20 @@ def test_the_8_bit_set_is_per_group_only_where_the_weights_come_from_a_gguf_and_
     assert "int8" in hf.quantization_config and "int8_group_size" not in hf.quantization_config
     arm = make_plan(graviton, default_model(), priority="speed", path="w4a16-tinygemm")
     assert "int8_group_size" not in arm.quantization_config
+
+
+def test_reading_a_header_leaves_mistral_common_unimported():
+    """edge-serve's wrapper reads a GGUF's header to plan and then serves: gguf-py's package would import
+    mistral_common where it is installed (30 MiB it never uses; edge.model.gguf_metadata.import_gguf). A fresh
+    process reads the default model's header without it, and can still import it afterwards."""
+    import subprocess
+    import sys
+
+    path = default_gguf()
+    pytest.importorskip("mistral_common")
+    code = ("import sys; from edge.model.gguf_metadata import read_header; "
+            f"header = read_header({str(path)!r}); "
+            "print(header.architecture, 'mistral_common' in sys.modules); "
+            "import mistral_common.tokens.tokenizers.mistral; print('importable')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["llama", "False", "importable"]

@@ -125,3 +125,9 @@ def test_uvicorn_serves_with_a_bound_on_concurrent_connections_and_keep_alive(mo
     monkeypatch.setattr(cli.uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
     cli.serve_app(cli.Settings(limit_concurrency=7, timeout_keep_alive_s=3), object())
     assert seen["limit_concurrency"] == 7 and seen["timeout_keep_alive"] == 3
+
+
+def test_the_planning_heap_is_given_back_where_glibc_can():
+    import platform
+
+    assert cli.release_planning_heap() is (platform.libc_ver()[0] == "glibc")
