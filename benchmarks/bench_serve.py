@@ -41,8 +41,10 @@ Variants:
                   kernels/vllm_plugin/heap_trim.py)
     edge:MODE+no-map  the same with the weights held as the engine loaded them (EDGE_MAPPED_WEIGHTS=0), instead of
                   mapped from an image file in the cache (kernels/vllm_plugin/mapped_weights.py)
-    edge:MODE+vllm-tokenizer-pool  the same with vLLM's renderer filling its tokenizer pool with its own count of
-                  deep copies up front (EDGE_TOKENIZER_COPIES=2), instead of one (kernels/vllm_plugin/tokenizer_pool.py)
+    edge:MODE+vllm-tokenizer-pool  the same with vLLM's tokenizer copies as it ships them: its renderer's pool
+                  filled with 2 deep copies up front (EDGE_TOKENIZER_COPIES=2), and each copy of the cached tokenizer
+                  building its cache again (EDGE_TOKENIZER_SHALLOW_COPY=0), instead of one copy sharing the cache
+                  (kernels/vllm_plugin/tokenizer_pool.py)
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
@@ -116,7 +118,8 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}, "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
                   "grid": {"EDGE_OWN_BLOCKS": "0"}, "no-table": {"EDGE_LAYER_TABLE": "0"},
                   "two-copies": {"EDGE_DECODE_COPY_ONLY": "0"}, "no-trim": {"EDGE_HEAP_TRIM": "0"},
-                  "no-map": {"EDGE_MAPPED_WEIGHTS": "0"}, "vllm-tokenizer-pool": {"EDGE_TOKENIZER_COPIES": "2"}}
+                  "no-map": {"EDGE_MAPPED_WEIGHTS": "0"},
+                  "vllm-tokenizer-pool": {"EDGE_TOKENIZER_COPIES": "2", "EDGE_TOKENIZER_SHALLOW_COPY": "0"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names

@@ -1,10 +1,10 @@
 """The memory ledger: every byte a plan costs, named, computed from shapes, with the arithmetic shown.
 
 Peak model: peak_bytes is the larger of two moments. Loading: every resident item but the KV cache and the prefill
-activations (they come after the load) and the engine baseline's part that comes after it (the API server's start and
-what serving leaves: engine_baseline_at_load_bytes), plus the largest load transient. Serving: every resident item plus the
-largest run transient. Transients are not summed: the loader converts one tensor (or one chunk of one tensor) at a
-time, and a w4a16 batch dequantizes one layer at a time. That run-time working set is filed under phase
+activations (they come after the load) and the engine baseline's part that comes after it (the API server's start
+and what serving leaves: engine_baseline_at_load_bytes), plus the largest load transient. Serving: every resident
+item plus the largest run transient. Transients are not summed: the loader converts one tensor (or one chunk of one
+tensor) at a time, and a w4a16 batch dequantizes one layer at a time. That run-time working set is filed under phase
 "run-transient". The peak counts file-backed items too (the weights the engine maps): they are anonymous while
 they load, and page cache a budget must hold while serving. Memory means RssAnon summed over the vLLM
 process tree (docs/FACTS.md), which is what engine_baseline_bytes was measured as; the allocator's retention is

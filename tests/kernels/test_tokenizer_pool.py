@@ -111,3 +111,55 @@ def test_a_bad_value_keeps_the_default_and_says_so(monkeypatch, caplog, value):
     with caplog.at_level(logging.WARNING, logger=tokenizer_pool.logger.name):
         assert tokenizer_pool.copies_up_front() == tokenizer_pool.DEFAULT_COPIES
     assert f"{tokenizer_pool.ENV}={value!r}" in caplog.text
+
+
+@pytest.fixture
+def tokenizers_hf(monkeypatch):
+    """vllm.tokenizers.hf with get_cached_tokenizer as vLLM ships it, restored afterwards."""
+    module = importlib.import_module("vllm.tokenizers.hf")
+    original = getattr(module.get_cached_tokenizer, tokenizer_pool._MARK, module.get_cached_tokenizer)
+    monkeypatch.setattr(module, "get_cached_tokenizer", original)
+    return module
+
+
+def test_vllms_copies_of_a_cached_tokenizer_rebuild_its_vocabulary(tokenizers_hf):
+    """What the patch is for: copy.copy and copy.deepcopy go through the cached class's __reduce__
+    (get_cached_tokenizer again, on the original or its deep copy)."""
+    cached = tokenizers_hf.get_cached_tokenizer(fast_tokenizer())
+    assert copy.copy(cached).get_vocab() is not cached.get_vocab()
+    assert copy.deepcopy(cached).get_vocab() is not cached.get_vocab()
+
+
+def test_a_shallow_copy_shares_the_cache_and_pickling_and_deep_copies_are_as_before(tokenizers_hf):
+    import pickle
+
+    tokenizer_pool._patch_cache(tokenizers_hf)
+    cached = tokenizers_hf.get_cached_tokenizer(fast_tokenizer())
+    shallow = copy.copy(cached)
+    assert type(shallow) is type(cached) and shallow is not cached
+    assert shallow.get_vocab() is cached.get_vocab()  # one vocabulary dict, not a second
+    assert shallow._tokenizer is cached._tokenizer  # a shallow copy, as vLLM's was
+    text = "the quick brown fox jumps over the lazy dog"
+    assert shallow.encode(text) == cached.encode(text) == fast_tokenizer().encode(text)
+    assert shallow.all_special_ids == cached.all_special_ids and len(shallow) == len(cached)
+    deep = copy.deepcopy(cached)
+    assert type(deep) is type(cached) and deep.get_vocab() is cached.get_vocab()  # the read-only cache, shared
+    assert deep._tokenizer is not cached._tokenizer and deep.encode(text) == cached.encode(text)  # the state, not
+    deep._tokenizer.enable_truncation(2)  # what vLLM's pool copies guard against: one thread's settings, another's
+    assert len(deep._tokenizer.encode(text).ids) == 2 and len(cached._tokenizer.encode(text).ids) == 9
+    unpickled = pickle.loads(pickle.dumps(cached))
+    assert unpickled.encode(text) == cached.encode(text)
+
+
+def test_a_pooled_tokenizers_copy_is_still_a_pool_of_its_own(tokenizers_hf, renderers_hf, deep_copies, monkeypatch):
+    monkeypatch.delenv(tokenizer_pool.ENV, raising=False)
+    tokenizer_pool._patch_cache(tokenizers_hf)
+    tokenizer_pool._patch(renderers_hf)
+    cached = tokenizers_hf.get_cached_tokenizer(fast_tokenizer())
+    pooled = renderers_hf.maybe_make_thread_pool(copy.copy(cached), 2)  # as HfRenderer.__init__ calls it
+    assert len(deep_copies) == 1
+    for again in (copy.copy(pooled), copy.deepcopy(pooled)):
+        assert _pool_queue(again) is not _pool_queue(pooled)  # vLLM's TokenizerPool.__reduce__: a new pool
+        assert again.encode("the lazy dog") == cached.encode("the lazy dog")
+    assert type(cached).__copy__ is tokenizer_pool._shallow_copy  # the cached class keeps the shared copies
+    assert type(cached).__deepcopy__ is tokenizer_pool._deep_copy
