@@ -33,6 +33,8 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+from kernels.vllm_plugin import heap_trim
+
 ENV = "EDGE_ENGINE_CORE_START"
 THREAD = "thread"
 logger = logging.getLogger("vllm.edge_select.engine_thread")
@@ -90,10 +92,11 @@ class ThreadEngineClient:
         started.set_result(None)
         logger.info("engine core runs in thread %r of the API server's process (pid %d): %d threads to start, %d to "
                     "serve", threading.current_thread().name, os.getpid(), startup, serving)
+        idle = heap_trim.IdleTrim()
         try:
             while True:
                 # Wait for work when there is none; take every queued input before the next step.
-                item = self._inputs.get() if not core.scheduler.has_requests() else self._next_input()
+                item = self._wait_for_input(idle) if not core.scheduler.has_requests() else self._next_input()
                 while item is not None:
                     if item is _STOP:
                         return
@@ -105,12 +108,24 @@ class ThreadEngineClient:
                 for out in outputs.values() if outputs else ():
                     self._deliver(out)
                 core.post_step(executed)
+                idle.worked()
         except BaseException as e:  # noqa: BLE001 - the engine is dead: every request and /health learn it
             logger.exception("engine core thread failed")
             self.resources.engine_dead = True
             self._deliver(e)
         finally:
             self._fail_inputs()
+
+    def _wait_for_input(self, idle: heap_trim.IdleTrim) -> Any:
+        """The next input, however long it takes; past idle.timeout() without one, the heap is trimmed first
+        (heap_trim: what serving left in the allocator's arenas goes back while the box is idle)."""
+        timeout = idle.timeout()
+        if timeout is not None:
+            try:
+                return self._inputs.get(timeout=timeout)
+            except queue.Empty:
+                idle.trim()
+        return self._inputs.get()
 
     def _next_input(self) -> Any:
         try:

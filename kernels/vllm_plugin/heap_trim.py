@@ -10,7 +10,16 @@ every arena (glibc >= 2.8 releases the middle of an arena too, with MADV_DONTNEE
 `CPUWorker.compile_or_warm_up_model`, the worker's last step before it serves. A step later allocates what it needs
 again; nothing is trimmed while serving.
 
-EDGE_HEAP_TRIM=0 leaves the heap as it is (benchmarks compare the two).
+Serving leaves the same kind of garbage: each step's logits, sampler and activation buffers, freed into the arenas of
+the threads that made them (the engine's, the event loop's, the renderer's). After a full context and 4 streams the
+one-process engine held 21-43 MiB more on the default model, 28-155 on a Gemma 3-shaped vocabulary and 117-164 on a
+~1B (benchmarks/ledger_vs_rss.py's `workload`, Zen 5, 2026-12-07), and kept it for as long as the box sat idle. So the
+one-process engine's thread trims once more whenever it has had nothing to do for IDLE_TRIM_S after serving
+(`IdleTrim`, kernels/vllm_plugin/engine_thread.py): never during a burst, and never twice in one idle spell. The next
+request faults back in what it needs.
+
+EDGE_HEAP_TRIM=0 leaves the heap as it is (benchmarks compare the two); EDGE_IDLE_TRIM=0 keeps the trim after the
+start and drops the idle one.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from typing import Any
 from kernels.vllm_plugin import on_import
 
 ENV = "EDGE_HEAP_TRIM"
+IDLE_ENV = "EDGE_IDLE_TRIM"
+IDLE_TRIM_S = 2.0  # idle this long after serving before the heap is trimmed: longer than a client's gap in a burst
 logger = logging.getLogger("vllm.edge_select.heap_trim")
 _MARK = "_edge_select_heap_trim"
 
@@ -53,6 +64,44 @@ def trim() -> bool:
     gc.collect()
     fn(0)
     return True
+
+
+def _rss_anon() -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+class IdleTrim:
+    """When to trim while serving: `worked()` after each step, `due()` tells the waiting loop how long to wait for
+    the next input before `trim()` is worth it (None: wait without a limit, nothing to give back)."""
+
+    def __init__(self, idle_s: float = IDLE_TRIM_S, enabled: bool | None = None) -> None:
+        if enabled is None:
+            enabled = os.environ.get(ENV, "1") != "0" and os.environ.get(IDLE_ENV, "1") != "0"
+        self.idle_s = idle_s
+        self.enabled = enabled and _malloc_trim() is not None
+        self.dirty = False
+        self.trims = 0
+        self.returned_bytes = 0
+
+    def worked(self) -> None:
+        self.dirty = True
+
+    def timeout(self) -> float | None:
+        return self.idle_s if self.enabled and self.dirty else None
+
+    def trim(self) -> None:
+        before = _rss_anon()
+        trim()
+        after = _rss_anon()
+        self.dirty = False
+        self.trims += 1
+        if before is not None and after is not None:
+            self.returned_bytes += max(0, before - after)
+            logger.debug("idle heap trim: %.1f MiB returned", (before - after) / 2**20)
 
 
 def _after_start(method: Any) -> Any:

@@ -95,3 +95,43 @@ def test_model_bytes_counts_each_storage_once_by_dtype():
     module.packed = torch.zeros(16, dtype=torch.uint8)
     module.alias = module.packed[:8]
     assert memory_trace.model_bytes(module) == {"bfloat16": 64, "uint8": 16}
+
+
+def test_the_idle_trim_waits_for_work_then_for_idle(monkeypatch):
+    monkeypatch.delenv(heap_trim.ENV, raising=False)
+    monkeypatch.delenv(heap_trim.IDLE_ENV, raising=False)
+    idle = heap_trim.IdleTrim(idle_s=0.5)
+    assert idle.enabled is (heap_trim._malloc_trim() is not None)
+    assert idle.timeout() is None  # nothing served yet: nothing to give back, wait without a limit
+    idle.worked()
+    assert idle.timeout() == (0.5 if idle.enabled else None)
+    idle.trim()
+    assert idle.timeout() is None and idle.trims == 1  # once per idle spell
+
+
+@pytest.mark.parametrize("env", [heap_trim.ENV, heap_trim.IDLE_ENV])
+def test_the_idle_trim_can_be_turned_off(monkeypatch, env):
+    monkeypatch.setenv(env, "0")
+    idle = heap_trim.IdleTrim()
+    idle.worked()
+    assert idle.timeout() is None
+
+
+@pytest.mark.skipif(heap_trim._malloc_trim() is None, reason="this C library has no malloc_trim (not glibc)")
+def test_the_engine_thread_trims_once_while_it_waits_after_serving():
+    """ThreadEngineClient._wait_for_input on a queue: an input that arrives after the idle time is still returned,
+    and the heap was trimmed once meanwhile; with nothing served before, nothing is trimmed."""
+    import queue
+    import threading
+    import types
+
+    from kernels.vllm_plugin.engine_thread import ThreadEngineClient
+
+    for served, trims in ((True, 1), (False, 0)):
+        inputs = queue.Queue()
+        idle = heap_trim.IdleTrim(idle_s=0.05, enabled=True)
+        if served:
+            idle.worked()
+        threading.Timer(0.3, inputs.put, args=("request",)).start()
+        assert ThreadEngineClient._wait_for_input(types.SimpleNamespace(_inputs=inputs), idle) == "request"
+        assert idle.trims == trims
