@@ -39,6 +39,8 @@ Variants:
                   (edge.formats.tinygemm decode_copy_only)
     edge:MODE+no-trim  the same without returning the start's freed heap pages (EDGE_HEAP_TRIM=0,
                   kernels/vllm_plugin/heap_trim.py)
+    edge:MODE+no-idle-trim  the same without the heap trim when the one-process engine has idled 2 s after serving
+                  (EDGE_IDLE_TRIM=0, kernels/vllm_plugin/heap_trim.py IdleTrim)
     edge:MODE+no-map  the same with the weights held as the engine loaded them (EDGE_MAPPED_WEIGHTS=0), instead of
                   mapped from an image file in the cache (kernels/vllm_plugin/mapped_weights.py)
     edge:MODE+vllm-tokenizer-pool  the same with vLLM's tokenizer copies as it ships them: its renderer's pool
@@ -118,7 +120,7 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "vllm-attention": {"EDGE_SELECT_ATTENTION": "vllm"}, "no-huge-pages": {"EDGE_HUGE_PAGES": "0"},
                   "grid": {"EDGE_OWN_BLOCKS": "0"}, "no-table": {"EDGE_LAYER_TABLE": "0"},
                   "two-copies": {"EDGE_DECODE_COPY_ONLY": "0"}, "no-trim": {"EDGE_HEAP_TRIM": "0"},
-                  "no-map": {"EDGE_MAPPED_WEIGHTS": "0"},
+                  "no-map": {"EDGE_MAPPED_WEIGHTS": "0"}, "no-idle-trim": {"EDGE_IDLE_TRIM": "0"},
                   "vllm-tokenizer-pool": {"EDGE_TOKENIZER_COPIES": "2", "EDGE_TOKENIZER_SHALLOW_COPY": "0"}}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}

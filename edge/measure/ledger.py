@@ -1,10 +1,9 @@
 """The memory ledger: every byte a plan costs, named, computed from shapes, with the arithmetic shown.
 
 Peak model: peak_bytes is the larger of two moments. Loading: every resident item but the KV cache and the prefill
-activations (they come after the load) and the engine baseline's part that comes after it (the API server's start
-and what serving leaves: engine_baseline_at_load_bytes), plus the largest load transient. Serving: every resident
-item plus the largest run transient. Transients are not summed: the loader converts one tensor (or one chunk of one
-tensor) at a time, and a w4a16 batch dequantizes one layer at a time. That run-time working set is filed under phase
+activations (they come after the load), plus the largest load transient. Serving: every resident item plus the
+largest run transient. Transients are not summed: the loader converts one tensor (or one chunk of one tensor) at a
+time, and a w4a16 batch dequantizes one layer at a time. That run-time working set is filed under phase
 "run-transient". The peak counts file-backed items too (the weights the engine maps): they are anonymous while
 they load, and page cache a budget must hold while serving. Memory means RssAnon summed over the vLLM
 process tree (docs/FACTS.md), which is what engine_baseline_bytes was measured as; the allocator's retention is
@@ -55,7 +54,6 @@ def estimate(
     kernel: KernelParams,
     budget_bytes: int | None,
     engine_baseline_bytes: int,
-    engine_baseline_at_load_bytes: int | None = None,
     quant: QuantRules | None = None,
     layers: list[LayerDecision] | None = None,
     bf16_repack_retention: float = 0.0,
@@ -72,18 +70,14 @@ def estimate(
     bf16_repack_retention: the share of the bf16 linears' bytes the engine's allocator keeps after vLLM repacks
     them for oneDNN and frees the originals, where the engine baseline was measured on a quantized plan (which
     repacks nothing); 0 where it was measured on bf16 and so holds it (edge.plan.planner.engine_baseline).
-    engine_baseline_at_load_bytes: the part of engine_baseline_bytes the engine holds when its weights start to load
-    (measured beside it); None: all of it.
     mapped_weights: the engine maps the tensors its modules hold from a file once loaded
     (kernels/vllm_plugin/mapped_weights.py; EDGE_MAPPED_WEIGHTS=0 turns it off): those items are file-backed once
     the engine has started. The load-time peak is unchanged: the weights are loaded into anonymous memory first.
     """
     quant = quant or rules_for(model, path, group_size, own_blocks=reads_own_blocks(kernel.decode_kernel))
-    at_load = engine_baseline_bytes if engine_baseline_at_load_bytes is None else engine_baseline_at_load_bytes
     # a kind split by format (a GGUF's mixed grid): parts; `layers`, when given, are model_layers(model, quant)
     parts = by_kind(layers if layers is not None else model_layers(model, quant))
     fmt = format_of(path)  # which weight items, edge.formats
-    after_load = max(0, engine_baseline_bytes - at_load) if fmt.runs_in_engine else 0
     items = fmt.weight_items(model, parts, layout, group_size, block=kernel.block, decode_kernel=kernel.decode_kernel)
     if not fmt.runs_in_engine:
         items.append(_norms(model))
@@ -95,7 +89,12 @@ def estimate(
             _kv_cache(model, max_model_len, max_num_seqs),
             _tokenizer(model, tokenizers, tokenizer_bytes_per_token),
             _prefill_activations(model),
-            _engine_baseline(engine_baseline_bytes, after_load),
+            resident(
+                "engine-baseline",
+                "engine baseline",
+                engine_baseline_bytes,
+                "the vLLM process tree's RssAnon without the items above (measured on the default model, passed in)",
+            ),
             *fmt.load_transients(model, parts, repack_chunk_rows=kernel.repack_chunk_rows),
         ]
         if bf16_repack_retention > 0:
@@ -106,7 +105,7 @@ def estimate(
         if mapped_weights:
             items = [_mapped(item, fmt, embedding(model).name) for item in items]
     resident_bytes = sum(item.bytes for item in items if item.phase == "resident")
-    peak = max(_load_peak(items) - after_load, resident_bytes + _largest(items, "run-transient"))
+    peak = max(_load_peak(items), resident_bytes + _largest(items, "run-transient"))
     return MemoryLedger(
         resident_bytes=resident_bytes,
         file_backed_bytes=sum(item.bytes for item in items if item.phase == "resident" and item.backing == "file"),
@@ -120,14 +119,6 @@ def estimate(
 # resident items that do not exist yet while the weights load: vLLM's CPU worker allocates the KV cache after
 # load_model (Worker.initialize_from_config), and a full prefill batch's activations come with the first long prompt
 AFTER_LOAD_KINDS = ("kv-cache", "prefill-activations")
-
-
-def _engine_baseline(size: int, after_load: int) -> MemoryItem:
-    after = (f"; {mib(after_load)} of it comes after the weights load (the API server's start, what serving leaves), "
-             "so the load-time peak leaves that out") if after_load else ""  # fmt: skip
-    return resident("engine-baseline", "engine baseline", size,
-                    "the vLLM process tree's RssAnon without the items above (measured on the default model, passed "
-                    f"in){after}")  # fmt: skip
 
 
 def _largest(items: list[MemoryItem], phase: str) -> int:

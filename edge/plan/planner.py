@@ -190,16 +190,6 @@ def engine_baseline(mode: ServingMode, isa_class: str) -> MeasuredFact:
     return FACTS[elsewhere[0]] if elsewhere else generic
 
 
-def engine_baseline_at_load(mode: ServingMode, baseline: MeasuredFact) -> int:
-    """The part of `baseline` the engine holds while the weights load (fact `<class>.vllm_engine_baseline_at_load_
-    bytes.<mode>`, measured beside it); all of it where the mode was not measured that way, which overstates the
-    load-time peak rather than understate it."""
-    found = FACTS.get(f"{baseline.isa_class}.vllm_engine_baseline_at_load_bytes.{mode}")
-    if found is None or baseline.key != f"{baseline.isa_class}.vllm_engine_baseline_bytes.{mode}":
-        return int(baseline.value)
-    return min(int(found.value), int(baseline.value))
-
-
 def tokenizer_copies(mode: ServingMode) -> int:
     """The engine's processes that load the tokenizer: the API server, and an engine core of its own where it is
     another process (vLLM 0.28's StructuredOutputManager loads one; in one-process mode it finds the API server's in
@@ -223,7 +213,6 @@ def _estimate(weights: Weights, req: Request, max_model_len: int | None = None) 
         max_model_len=max_model_len or req.max_model_len, max_num_seqs=req.max_num_seqs,
         kernel=req.kernel, budget_bytes=req.budget,
         engine_baseline_bytes=int(baseline.value), quant=weights.quant, layers=weights.layers,
-        engine_baseline_at_load_bytes=engine_baseline_at_load(req.serving_mode, baseline),
         tokenizers=tokenizer_copies(req.serving_mode),
         tokenizer_bytes_per_token=int(fact("any.tokenizer_bytes_per_vocab_token").value),
         # the retention the baseline's own measurement left out (a baseline measured on bf16 already holds it)

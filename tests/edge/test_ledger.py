@@ -81,25 +81,6 @@ def test_resident_items_sum_to_resident_and_peak_is_loading_or_serving_whichever
     assert all(i.bytes >= 0 and i.detail for i in led.items)
 
 
-@pytest.mark.parametrize("fixture", MODELS)
-def test_the_baselines_part_after_the_load_leaves_only_the_load_time_peak(fixture):
-    """engine_baseline_at_load_bytes: the API server's start and what serving leaves come after the weights load, so
-    the loading moment holds the baseline less them; the resident sum and the serving moment hold all of it."""
-    model = read_model(CONFIGS / f"{fixture}.json")
-    group = rules.pick_group_size(model) or 32
-    whole = ledger(model, "w4a16-tinygemm", "direct", group)
-    part = estimate(model, "w4a16-tinygemm", "direct", group, max_model_len=2048, max_num_seqs=1,
-                    kernel=kernel(AVX2_BLOCK), budget_bytes=None, engine_baseline_bytes=BASELINE,
-                    engine_baseline_at_load_bytes=BASELINE - 50 * 2**20)  # fmt: skip
-    assert part.resident_bytes == whole.resident_bytes
-    run = max(i.bytes for i in whole.items if i.phase == "run-transient")
-    load = max(i.bytes for i in whole.items if i.phase == "load-transient")
-    loading = whole.resident_bytes - sum(i.bytes for i in whole.items if i.kind in ("kv-cache", "prefill-activations"))
-    assert whole.peak_bytes == max(whole.resident_bytes + run, loading + load)
-    assert part.peak_bytes == max(whole.resident_bytes + run, loading + load - 50 * 2**20)
-    assert "50.00 MiB of it comes after the weights load" in by_kind(part)["engine-baseline", None].detail
-
-
 @pytest.mark.parametrize("fixture", ["smollm2-135m-instruct", "llama-3.2-1b"])
 def test_direct_is_smaller_than_dual_which_is_smaller_than_bf16(fixture):
     model = read_model(CONFIGS / f"{fixture}.json")

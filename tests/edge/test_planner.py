@@ -622,19 +622,3 @@ def test_a_plan_counts_a_tokenizer_in_each_process_that_loads_one(avx2_host, smo
         plan = make_plan(avx2_host, smollm2, serving_mode=mode)
         item = next(i for i in plan.memory.items if i.kind == "tokenizer")
         assert item.bytes == copies * smollm2.vocab_size * per_token, mode
-
-
-def test_only_a_mode_measured_at_load_leaves_the_baselines_later_part_out_of_the_load_peak(avx2_host, smollm2):
-    from edge.facts import FACTS, fact
-    from edge.plan.planner import engine_baseline, engine_baseline_at_load
-
-    one = engine_baseline("one-process", "avx512")
-    assert engine_baseline_at_load("one-process", one) == fact(
-        "avx512.vllm_engine_baseline_at_load_bytes.one-process").value < one.value
-    for mode in ("two-process", "three-process"):
-        assert f"avx512.vllm_engine_baseline_at_load_bytes.{mode}" not in FACTS
-        baseline = engine_baseline(mode, "avx512")
-        assert engine_baseline_at_load(mode, baseline) == baseline.value
-    plan = make_plan(avx2_host, smollm2, serving_mode="one-process")
-    detail = next(item.detail for item in plan.memory.items if item.kind == "engine-baseline")
-    assert "comes after the weights load" in detail
