@@ -210,18 +210,20 @@ FACTS: dict[str, MeasuredFact] = {
         # when the engine idles after serving (kernels/vllm_plugin/heap_trim.py): python -m benchmarks.ledger_vs_rss
         # --modes one-process --passes 2 on the default model and on the Gemma 3-shaped GGUF, warm; engine settled
         # 587.0 and 839.5 MiB (docs/reports/data-2026-12-07-ledger-vs-rss-{default,gemma}.json). This baseline and
-        # any.tokenizer_bytes_per_vocab_token are the pair that fits both. The two- and three-process figures below
-        # keep their measured totals: re-based on the new per-token figure (+2 x 49152 x 1182 B each), they still
-        # hold vLLM's tokenizer copies and no idle trim (which only the one-process engine's thread does).
-        _fact("avx512.vllm_engine_baseline_bytes.one-process", 471164928, "bytes", "here", "avx512", "2026-12-07",
+        # any.tokenizer_bytes_per_vocab_token are the pair that fits both, with a full prefill batch's activations
+        # counted while serving only (the idle trim gives them back; edge/measure/ledger.py idle_trim). The two- and
+        # three-process figures below keep their measured totals: re-based on the new per-token figure (+2 x 49152 x
+        # 817 B each), they still hold vLLM's tokenizer copies and no idle trim (only the one-process engine's thread
+        # trims when idle).
+        _fact("avx512.vllm_engine_baseline_bytes.one-process", 485468160, "bytes", "here", "avx512", "2026-12-07",
               "vLLM 0.28 OpenAI server with its engine core in a thread, RssAnon with the context filled, 4 "
-              "streams served and 5 s idle, less the ledger's weights, KV cache, norms, RoPE, tokenizer and prefill "
-              "activations (benchmarks/ledger_vs_rss.py, speed plan, default model)"),
-        _fact("avx512.vllm_engine_baseline_bytes.two-process", 1110846848, "bytes", "here", "avx512", "2026-12-02",
+              "streams served and 5 s idle, less the ledger's weights, KV cache, norms, RoPE and tokenizer "
+              "(benchmarks/ledger_vs_rss.py, speed plan, default model)"),
+        _fact("avx512.vllm_engine_baseline_bytes.two-process", 1074965888, "bytes", "here", "avx512", "2026-12-02",
               "vLLM 0.28 OpenAI server + engine core running its worker, RssAnon over the tree with the KV cache "
               "full, less the ledger's weights, KV cache, norms, RoPE, tokenizers and prefill activations "
               "(benchmarks/ledger_vs_rss.py, speed plan)"),
-        _fact("avx512.vllm_engine_baseline_bytes.three-process", 1513340288, "bytes", "here", "avx512", "2026-12-02",
+        _fact("avx512.vllm_engine_baseline_bytes.three-process", 1477459328, "bytes", "here", "avx512", "2026-12-02",
               "vLLM 0.28 OpenAI server + engine core + worker, RssAnon over the tree with the KV cache full, less "
               "the ledger's weights, KV cache, norms, RoPE, tokenizers and prefill activations "
               "(benchmarks/ledger_vs_rss.py, speed plan)"),
@@ -231,7 +233,7 @@ FACTS: dict[str, MeasuredFact] = {
         # 2026-12-07, Zen 5: 839.5 and 587.0 MiB (python -m benchmarks.ledger_vs_rss --model GEMMA3_SHAPE_Q4_K_M,
         # benchmarks/gguf_fidelity.py --make-float --shape gemma3). It was 2263 B on 2026-12-06 (Zen 4, imports and
         # API start), when vLLM's renderer held two deep copies beside the tokenizer, each building its cache again.
-        _fact("any.tokenizer_bytes_per_vocab_token", 1081, "bytes", "here", "avx512", "2026-12-07",
+        _fact("any.tokenizer_bytes_per_vocab_token", 1446, "bytes", "here", "avx512", "2026-12-07",
               "RssAnon a loaded tokenizer holds per vocabulary token (HF fast tokenizer, vLLM's cached copy and "
               "the renderer pool's one copy)"),
         # the same runs on the bf16 plan (--path bf16, warm) implied baselines 125 MB (two-process) and 182 MB
@@ -239,7 +241,7 @@ FACTS: dict[str, MeasuredFact] = {
         # oneDNN, which glibc keeps; their mean over the bf16 linears' 212 MB
         _fact("avx512.bf16_repack_retention", 0.72, "fraction", "here", "avx512", "2026-12-02",
               "engine RssAnon kept after repacking bf16 linears, as a share of their bytes (mean of two modes)"),
-        _fact("any.vllm_engine_baseline_bytes", 1468046904, "bytes", "here", "avx2", "2026-11-29",
+        _fact("any.vllm_engine_baseline_bytes", 1432165944, "bytes", "here", "avx2", "2026-11-29",
               "vLLM 0.28 OpenAI server + engine core + worker, RssAnon summed over the tree, settled after one "
               "completion, minus weights (269 MB) and KV cache (189 MB): median of 2 passes, 1.54 and 1.67 GB "
               "(python -m benchmarks.engine_baseline, bf16 SmolLM2-135M); less the ledger's two tokenizers and "

@@ -60,6 +60,7 @@ def estimate(
     tokenizers: int = 1,
     tokenizer_bytes_per_token: int = 0,
     mapped_weights: bool = True,
+    idle_trim: bool = False,
 ) -> MemoryLedger:
     """Itemized resident footprint and load-time peak of running `model` on `path`.
 
@@ -73,6 +74,9 @@ def estimate(
     mapped_weights: the engine maps the tensors its modules hold from a file once loaded
     (kernels/vllm_plugin/mapped_weights.py; EDGE_MAPPED_WEIGHTS=0 turns it off): those items are file-backed once
     the engine has started. The load-time peak is unchanged: the weights are loaded into anonymous memory first.
+    idle_trim: the engine gives its heap's free pages back once it idles after serving (the one-process engine,
+    kernels/vllm_plugin/heap_trim.py IdleTrim), so a full prefill batch's activations are held while it serves, not
+    while it idles: they count at the serving moment, added to its largest run transient, instead of as resident.
     """
     quant = quant or rules_for(model, path, group_size, own_blocks=reads_own_blocks(kernel.decode_kernel))
     # a kind split by format (a GGUF's mixed grid): parts; `layers`, when given, are model_layers(model, quant)
@@ -88,7 +92,7 @@ def estimate(
             _rope(model, max_model_len),
             _kv_cache(model, max_model_len, max_num_seqs),
             _tokenizer(model, tokenizers, tokenizer_bytes_per_token),
-            _prefill_activations(model),
+            _prefill_activations(model, idle_trim),
             resident(
                 "engine-baseline",
                 "engine baseline",
@@ -105,7 +109,7 @@ def estimate(
         if mapped_weights:
             items = [_mapped(item, fmt, embedding(model).name) for item in items]
     resident_bytes = sum(item.bytes for item in items if item.phase == "resident")
-    peak = max(_load_peak(items), resident_bytes + _largest(items, "run-transient"))
+    peak = max(_load_peak(items), resident_bytes + _serving_extra(items))
     return MemoryLedger(
         resident_bytes=resident_bytes,
         file_backed_bytes=sum(item.bytes for item in items if item.phase == "resident" and item.backing == "file"),
@@ -123,6 +127,15 @@ AFTER_LOAD_KINDS = ("kv-cache", "prefill-activations")
 
 def _largest(items: list[MemoryItem], phase: str) -> int:
     return max((item.bytes for item in items if item.phase == phase), default=0)
+
+
+def _serving_extra(items: list[MemoryItem]) -> int:
+    """What the serving moment holds beyond the resident items: the largest run transient, plus a full prefill
+    batch's activations where they are not resident (idle_trim): a prefill holds them and its layers' working set at
+    once."""
+    activations = sum(i.bytes for i in items if i.phase == "run-transient" and i.kind == "prefill-activations")
+    others = [i for i in items if i.kind != "prefill-activations"]
+    return activations + _largest(others, "run-transient")
 
 
 def _load_peak(items: list[MemoryItem]) -> int:
@@ -219,18 +232,25 @@ def _rope(model: ModelShape, max_model_len: int) -> MemoryItem:
 PREFILL_BATCH_TOKENS = 2048
 
 
-def _prefill_activations(model: ModelShape) -> MemoryItem:
+def _prefill_activations(model: ModelShape, idle_trim: bool = False) -> MemoryItem:
     """What a full prefill batch's activations leave held: the allocator keeps the largest layer's working set
     (measured: the engine's RssAnon after serving a full context grew 21 MiB on the default model, 166 MiB on the ~1B,
     benchmarks/ledger_vs_rss.py breakdown, Zen 4, 2026-12-06). Counted from the widths, bf16: gate and up (2I), the
-    activation (I), q, k and v, and four hidden-wide tensors (the residual, the norm, attention's output, down's)."""
+    activation (I), q, k and v, and four hidden-wide tensors (the residual, the norm, attention's output, down's).
+    With idle_trim, held only while serving: an engine that trims its heap when it idles gave it back (the ~1B's
+    engine settled at 603 MiB after 5 s idle, the ledger then booking these 108 MiB as resident put it 9.9 % over,
+    benchmarks/ledger_vs_rss.py, Zen 5, 2026-12-07)."""
     tokens = PREFILL_BATCH_TOKENS
     heads = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
     width = 3 * model.intermediate_size + 4 * model.hidden_size + heads
     size = tokens * width * BF16
-    return resident("prefill-activations", "activations of a full prefill batch, held by the allocator", size,
-                    f"{tokens} tokens x (3 x {model.intermediate_size} + 4 x {model.hidden_size} + {heads}) x 2 B "
-                    f"= {mib(size)}")  # fmt: skip
+    detail = (f"{tokens} tokens x (3 x {model.intermediate_size} + 4 x {model.hidden_size} + {heads}) x 2 B "
+              f"= {mib(size)}")  # fmt: skip
+    if idle_trim:
+        return MemoryItem(kind="prefill-activations", name="activations of a full prefill batch, while serving",
+                          bytes=size, phase="run-transient",
+                          detail=f"{detail}; given back when the engine idles (its heap trim)")  # fmt: skip
+    return resident("prefill-activations", "activations of a full prefill batch, held by the allocator", size, detail)
 
 
 def _tokenizer(model: ModelShape, copies: int, bytes_per_token: int) -> MemoryItem:

@@ -214,6 +214,7 @@ def _estimate(weights: Weights, req: Request, max_model_len: int | None = None) 
         kernel=req.kernel, budget_bytes=req.budget,
         engine_baseline_bytes=int(baseline.value), quant=weights.quant, layers=weights.layers,
         tokenizers=tokenizer_copies(req.serving_mode),
+        idle_trim=req.serving_mode == "one-process",  # only the one-process engine's thread trims when idle
         tokenizer_bytes_per_token=int(fact("any.tokenizer_bytes_per_vocab_token").value),
         # the retention the baseline's own measurement left out (a baseline measured on bf16 already holds it)
         bf16_repack_retention=bf16_repack_retention(baseline.isa_class),

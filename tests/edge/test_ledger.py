@@ -361,6 +361,29 @@ def test_export_only_maps_nothing():
     assert ledger(default_model(), "export-only").file_backed_bytes == 0
 
 
+@pytest.mark.parametrize("fixture", MODELS)
+def test_an_engine_that_trims_when_idle_holds_prefill_activations_only_while_serving(fixture):
+    """idle_trim (the one-process engine): a full prefill batch's activations leave the resident set, and the serving
+    moment holds them on top of its largest other run transient; the loading moment is unchanged."""
+    model = read_model(CONFIGS / f"{fixture}.json")
+    group = rules.pick_group_size(model) or 32
+
+    def led(idle_trim):
+        return estimate(model, "w4a16-tinygemm", "direct", group, max_model_len=2048, max_num_seqs=1,
+                        kernel=kernel(AVX2_BLOCK), budget_bytes=None, engine_baseline_bytes=BASELINE,
+                        idle_trim=idle_trim)  # fmt: skip
+
+    held, trimmed = led(False), led(True)
+    activations = by_kind(held)["prefill-activations", None]
+    assert activations.phase == "resident" and by_kind(trimmed)["prefill-activations", None].phase == "run-transient"
+    assert trimmed.resident_bytes == held.resident_bytes - activations.bytes
+    others = max(i.bytes for i in trimmed.items if i.phase == "run-transient" and i.kind != "prefill-activations")
+    load = max(i.bytes for i in held.items if i.phase == "load-transient")
+    loading = held.resident_bytes - activations.bytes - by_kind(held)["kv-cache", None].bytes + load
+    assert held.peak_bytes == max(held.resident_bytes + others, loading)
+    assert trimmed.peak_bytes == max(trimmed.resident_bytes + activations.bytes + others, loading)
+
+
 def test_the_kv_cache_and_prefill_activations_are_not_held_while_the_weights_load():
     # bf16 Llama 3.2 1B: loading copies its 501 MiB embedding once, more than the KV cache and activations it does
     # not hold yet; serving dequantizes nothing
