@@ -66,17 +66,9 @@ def trim() -> bool:
     return True
 
 
-def _rss_anon() -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
 class IdleTrim:
-    """When to trim while serving: `worked()` after each step, `due()` tells the waiting loop how long to wait for
-    the next input before `trim()` is worth it (None: wait without a limit, nothing to give back)."""
+    """When to trim while serving: `worked()` after each step; `timeout()` tells the waiting loop how long to wait
+    for the next input before `trim()` is worth it (None: wait without a limit, nothing to give back)."""
 
     def __init__(self, idle_s: float = IDLE_TRIM_S, enabled: bool | None = None) -> None:
         if enabled is None:
@@ -85,7 +77,6 @@ class IdleTrim:
         self.enabled = enabled and _malloc_trim() is not None
         self.dirty = False
         self.trims = 0
-        self.returned_bytes = 0
 
     def worked(self) -> None:
         self.dirty = True
@@ -94,14 +85,9 @@ class IdleTrim:
         return self.idle_s if self.enabled and self.dirty else None
 
     def trim(self) -> None:
-        before = _rss_anon()
         trim()
-        after = _rss_anon()
         self.dirty = False
         self.trims += 1
-        if before is not None and after is not None:
-            self.returned_bytes += max(0, before - after)
-            logger.debug("idle heap trim: %.1f MiB returned", (before - after) / 2**20)
 
 
 def _after_start(method: Any) -> Any:

@@ -26,8 +26,9 @@ read-only cache. Pickling still goes through `__reduce__`. The pool's own subcla
 a pooled tokenizer builds a new pool, as in vLLM. EDGE_TOKENIZER_SHALLOW_COPY=0 leaves vLLM's copies as they are.
 
 In a bare process (the renderer started on the served checkpoint, RssAnon after malloc_trim, Zen 5, 2026-12-07)
-the renderer with one pool copy held 181 MiB on the Gemma 3-shaped vocabulary and 35 on the default model's with
-vLLM's copies; 116 and 20 with shallow copies that share the cache.
+the renderer with one pool copy held 181 MiB on the Gemma 3-shaped vocabulary and 35 on the default model's where
+each copy rebuilt the cache; 84 and 12 where the shallow and the deep copies share it
+(docs/reports/2026-12-07-tokenizer-pool.md).
 """
 
 from __future__ import annotations
