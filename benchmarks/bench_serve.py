@@ -47,6 +47,8 @@ Variants:
                   filled with 2 deep copies up front (EDGE_TOKENIZER_COPIES=2), and each copy of the cached tokenizer
                   building its cache again (EDGE_TOKENIZER_SHALLOW_COPY=0), instead of one copy sharing the cache
                   (kernels/vllm_plugin/tokenizer_pool.py)
+    edge:MODE+w4a16, edge:MODE+w4a8  the same with the weight path pinned (--path w4a16-tinygemm, --path w4a8-gptq):
+                  another path beside the plan's own, e.g. the file's own blocks on a host whose speed plan is W4A8
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
@@ -96,6 +98,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -122,6 +125,8 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "two-copies": {"EDGE_DECODE_COPY_ONLY": "0"}, "no-trim": {"EDGE_HEAP_TRIM": "0"},
                   "no-map": {"EDGE_MAPPED_WEIGHTS": "0"}, "no-idle-trim": {"EDGE_IDLE_TRIM": "0"},
                   "vllm-tokenizer-pool": {"EDGE_TOKENIZER_COPIES": "2", "EDGE_TOKENIZER_SHALLOW_COPY": "0"}}
+# edge:MODE+NAME: the variant's edge-serve with these arguments (a pinned weight path beside the plan's own)
+EDGE_ARG_MODIFIERS = {"w4a16": ("--path", "w4a16-tinygemm"), "w4a8": ("--path", "w4a8-gptq")}
 SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names
@@ -306,9 +311,9 @@ def edge_argv(mode: str, args: argparse.Namespace, *extra: str, threads: int | N
 
 
 def edge_server(mode: str, args: argparse.Namespace, log: Path, threads: int | None = None,
-                env: dict[str, str] | None = None) -> tuple[Server, str, int]:  # fmt: skip
+                env: dict[str, str] | None = None, extra: Sequence[str] = ()) -> tuple[Server, str, int]:  # fmt: skip
     port = free_port()
-    argv = edge_argv(mode, args, "--port", str(port), threads=threads)
+    argv = edge_argv(mode, args, "--port", str(port), *extra, threads=threads)
     server = Server(argv, dict(os.environ) | (env or {}), port, log)
     server.ready_s = server.wait_ready("/readyz")
     status = httpx.get(f"{server.url}/status", timeout=30).json()
@@ -482,12 +487,13 @@ def main(argv: list[str] | None = None) -> int:
         what, _, own = what.partition("@")
         what, _, modifier = what.partition("+")
         own, _, modifier = own.partition("+") if own else ("", "", modifier)
-        if modifier not in ("", *EDGE_MODIFIERS) or (modifier and kind != "edge"):
+        if modifier not in ("", *EDGE_MODIFIERS, *EDGE_ARG_MODIFIERS) or (modifier and kind != "edge"):
             parser.error(f"--variants: unknown modifier +{modifier} in {variant!r} "
-                         f"(edge:MODE+{'|'.join(EDGE_MODIFIERS)})")  # fmt: skip
+                         f"(edge:MODE+{'|'.join([*EDGE_MODIFIERS, *EDGE_ARG_MODIFIERS])})")  # fmt: skip
         if kind == "edge":
             env = EDGE_MODIFIERS.get(modifier, {})
-            server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None, env)
+            server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None, env,
+                                                      EDGE_ARG_MODIFIERS.get(modifier, ()))  # fmt: skip
             threads = threads or threads_here
         else:
             gguf = {"Q4_0": q4_0, "Q4_1": q4_1, "file": args.model}[what]

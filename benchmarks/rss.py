@@ -52,6 +52,15 @@ def rss_bytes(pid: int) -> tuple[int, int]:
     return anon, file
 
 
+def _command(pid: int) -> str:
+    """A process's command line, shortened; empty when it has gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    return " ".join(a.decode(errors="replace") for a in argv if a)[:160]
+
+
 def rss_anon_bytes(pid: int) -> int:
     """RssAnon of one process in bytes; 0 when it has gone."""
     return rss_bytes(pid)[0]
@@ -71,6 +80,8 @@ class TreeSampler:
     root_samples: list[tuple[float, int]] = field(default_factory=list)  # the root process's own, same instants
     file_samples: list[tuple[float, int]] = field(default_factory=list)  # the tree's RssFile, same instants
     root_file_samples: list[tuple[float, int]] = field(default_factory=list)
+    # at the highest RssAnon sample: (time.monotonic(), [(pid, command line, RssAnon)]), to say what peaked
+    peak_members: tuple[float, list[tuple[int, str, int]]] = (0.0, [])
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -80,10 +91,15 @@ class TreeSampler:
         return self
 
     def _run(self) -> None:
+        highest = -1
         while not self._stop.is_set():
             now, tree = time.monotonic(), process_tree(self.pid)
             sizes = [rss_bytes(p) for p in tree]
-            self.samples.append((now, sum(a for a, _ in sizes)))
+            total = sum(a for a, _ in sizes)
+            if total > highest:
+                highest = total
+                self.peak_members = (now, [(p, _command(p), a) for p, (a, _) in zip(tree, sizes, strict=True)])
+            self.samples.append((now, total))
             self.root_samples.append((now, sizes[0][0]))
             self.file_samples.append((now, sum(f for _, f in sizes)))
             self.root_file_samples.append((now, sizes[0][1]))
@@ -97,6 +113,14 @@ class TreeSampler:
     @property
     def peak_bytes(self) -> int:
         return max((b for _, b in self.samples), default=0)
+
+    def describe_peak(self) -> str:
+        """What held the highest sample: each process's RssAnon and command line, and when (seconds from the
+        first sample)."""
+        at, members = self.peak_members
+        start = self.samples[0][0] if self.samples else at
+        rows = [f"{a / 2**20:7.0f} MiB  pid {p}  {c}" for p, c, a in sorted(members, key=lambda m: -m[2])]
+        return f"peak {self.peak_bytes / 2**20:.0f} MiB at {at - start:.1f} s:\n" + "\n".join(rows)
 
     def settled_bytes(self, since: float) -> int:
         """Median of the samples taken after `since` (time.monotonic())."""

@@ -21,7 +21,7 @@ BUDGET = 2**30
 ARGS = ("--memory-budget", "1GiB", "--max-model-len", "2048")
 
 
-def _serve_once(tmp_path, workload: bool) -> tuple[dict, TreeSampler]:
+def _serve_once(tmp_path, workload: bool) -> tuple[dict, TreeSampler, str]:
     tmp_path.mkdir()
     process, url, log = start_wrapper(tmp_path, args=ARGS)
     sampler = TreeSampler(process.pid, interval_s=0.1).start()
@@ -44,17 +44,19 @@ def _serve_once(tmp_path, workload: bool) -> tuple[dict, TreeSampler]:
     finally:
         stop_wrapper(process)
         sampler.stop()
-    return status, sampler
+    return status, sampler, log.read_text(errors="replace")
 
 
 def test_the_default_model_planned_for_1_gib_serves_under_it(tmp_path):
-    first_status, first = _serve_once(tmp_path / "first", workload=False)
+    first_status, first, _ = _serve_once(tmp_path / "first", workload=False)
     plan = first_status["plan"]
     assert plan["memory"]["budget_bytes"] == BUDGET and plan["memory"]["fits"], plan["memory"]
     assert plan["memory"]["peak_bytes"] <= BUDGET
-    status, second = _serve_once(tmp_path / "second", workload=True)
+    status, second, log = _serve_once(tmp_path / "second", workload=True)
     peak = second.peak_bytes
     print(f"tree RssAnon peak: first start {first.peak_bytes / 2**20:.0f} MiB, a later start with a full context and "
           f"{plan['max_num_seqs']} streams {peak / 2**20:.0f} MiB; the plan's ledger: resident "
           f"{plan['memory']['resident_bytes'] / 2**20:.0f} MiB, peak {plan['memory']['peak_bytes'] / 2**20:.0f} MiB")
-    assert peak <= BUDGET, f"{peak / 2**20:.0f} MiB over the tree, budget {BUDGET / 2**20:.0f} MiB"
+    print(second.describe_peak())
+    assert peak <= BUDGET, (f"{peak / 2**20:.0f} MiB over the tree, budget {BUDGET / 2**20:.0f} MiB; "
+                            f"{second.describe_peak()}\nthe second start's log, last lines:\n{log[-6000:]}")
