@@ -69,6 +69,8 @@ CORE_SLOW = {
         "compiled with the plan's C++ wrapper; the int8 kernel's decode layout the row-major layout's first tokens",
     "tests/kernels/test_q4k_serve_slow.py":
         "the real vLLM engine serving a GGUF's Q4_K tensors as the file's own blocks (quantization_config.q4k)",
+    "tests/kernels/test_w4a8_blocks_serve_slow.py":
+        "the real vLLM engine serving a w4a8-gptq plan whose 8-bit set keeps a GGUF's Q6_K and Q5_0 blocks",
     "tests/server/test_memory_budget_slow.py":
         "deploy/edge-up --memory-budget 1GiB with the real vLLM: a later start stays under it through a full context",
 }

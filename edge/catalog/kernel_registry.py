@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from edge.catalog.weight_paths import Layout, WeightPath
+from edge.catalog.weight_paths import METHODS, Layout, WeightPath
 from edge.facts import fact
 
 Role = Literal["all", "decode", "prefill"]
@@ -203,14 +203,18 @@ LOSSY_DECODE_KERNELS: tuple[str, ...] = tuple(name for name, spec in DECODE_KERN
 # blocks_linear), so a plan on one keeps them for the weights the file holds so (rules_for's own_blocks): Q4_K at 4.5
 # bits where the int4 grid holds 5, Q6_K at 6.5625, Q8_0 at 8.5 and Q5_0 at 5.5 where the 8-bit set holds 10, the
 # file's scales unrounded.
+# A path whose 4-bit layers quantize activations to int8 (W4A8: MethodSpec.int8_activations) runs its 8-bit set on
+# those kernels too, whatever its w4a16 decode kernel: they quantize no more than the path itself does.
 # EDGE_OWN_BLOCKS=0 plans the grids for them instead (benchmarks compare the two: bench_serve's +grid).
 OWN_BLOCK_DECODE_KERNELS: tuple[str, ...] = ("avx2-w4a8",)
 OWN_BLOCKS_ENV = "EDGE_OWN_BLOCKS"
 
 
-def reads_own_blocks(decode: str) -> bool:
-    """Whether a plan whose decode rows run on this decode kernel keeps a GGUF's own blocks (OWN_BLOCK_TYPES)."""
-    return decode in OWN_BLOCK_DECODE_KERNELS and os.environ.get(OWN_BLOCKS_ENV) != "0"
+def reads_own_blocks(decode: str, path: str | None = None) -> bool:
+    """Whether a plan on this path whose decode rows run on this decode kernel keeps a GGUF's own blocks
+    (OWN_BLOCK_TYPES; edge.catalog.quantized_layers.rules_for says which of them the path's methods keep)."""
+    w4a8 = path is not None and any(m.int8_activations for m in METHODS.values() if m.path == path)
+    return (decode in OWN_BLOCK_DECODE_KERNELS or w4a8) and os.environ.get(OWN_BLOCKS_ENV) != "0"
 
 
 def default_decode_kernel(capability: str | None, isa_class: str) -> str:

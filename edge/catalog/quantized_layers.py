@@ -437,13 +437,16 @@ def rules_for(
     (edge.catalog.kernel_registry.runs_grouped_int8); where it does not, the set stays per channel. `own_blocks`:
     the plan's decode kernel reads a GGUF's own blocks (edge.catalog.kernel_registry.reads_own_blocks); then the
     4-bit weights the file holds as Q4_K keep them for decode (`q4k`) where the plan copies the file's codes, and the
-    8-bit set's weights held as Q6_K, Q8_0 or Q5_0 keep theirs (`q6k`, `q8_0`, `q5_0`; OWN_BLOCK_TYPES)."""
+    8-bit set's weights held as Q6_K, Q8_0 or Q5_0 keep theirs (`q6k`, `q8_0`, `q5_0`; OWN_BLOCK_TYPES) where the plan
+    copies the file's codes or its method quantizes activations to int8 anyway (W4A8: MethodSpec.int8_activations)."""
     method = quant_method(path, amx=amx)
     spec = METHODS.get(method) if method else None
     eight_bit = spec is not None and spec.eight_bit
     plain_embedding = model.architecture in BF16_EMBEDDING_ARCHITECTURES
     head_format = ("bf16" if plain_embedding else HEAD_FORMAT[priority]) if eight_bit else None
     own_grid = spec is not None and copied_grid(model, spec.source_codes) == group_size
+    # W4A8 re-rounds a Q4_K file's 4-bit weights to its own grid, yet its 8-bit set may keep the file's blocks
+    int8_activations = spec is not None and spec.int8_activations
     sensitive: tuple[str, ...] = ()
     if eight_bit and priority == "fidelity":
         # a source grid without types (an edge-source.json: every linear Q4_0/Q4_1) holds them all already
@@ -460,7 +463,7 @@ def rules_for(
     # them; an untied head too (a tied one is the embedding's lookup table)
     held_head = set((model.source_types or {}).get(HEAD, {}))
     for own in OWN_BLOCK_TYPES.values():
-        if own.format != "int8" or not (own_blocks and eight_bit and int8_groups and own_grid):
+        if own.format != "int8" or not (own_blocks and eight_bit and int8_groups and (own_grid or int8_activations)):
             continue
         head = (HEAD,) if head_format == "int8" and not model.tie_word_embeddings and held_head == {own.type} else ()
         if names := source_weights(model, lambda type_name, t=own.type: type_name == t) + head:

@@ -128,6 +128,9 @@ class MethodSpec:
     int4_embedding: bool  # the embedding may take 4 bits (`quantize_embedding`)
     # the GGUF types whose 4-bit codes it copies from the source's own grid (`codes_from_source`); () none
     source_codes: tuple[str, ...]
+    # its 4-bit layers quantize their activations to int8 (W4A8): the file's own 8-bit-set blocks, whose kernels
+    # round activations to int8 per group of 32 (finer than per row), take nothing from it that it kept
+    int8_activations: bool = False
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -137,10 +140,10 @@ METHODS: dict[str, MethodSpec] = {
                    FOUR_BIT_GRIDS),
         # symmetric codes only: GPTQ's uint4b8 is Q4_0's grid
         MethodSpec("cpu_w4a8", "w4a8-gptq", True, True, rules.GPTQ_PARTITION_MULTIPLE,
-                   rules.GPTQ_PARTITION_MULTIPLE, True, False, False, SYMMETRIC_FOUR_BIT_GRIDS),
+                   rules.GPTQ_PARTITION_MULTIPLE, True, False, False, SYMMETRIC_FOUR_BIT_GRIDS, int8_activations=True),
         # vLLM's GPTQ keeps the embedding bf16 and quantizes the head (a tied one is untied)
         MethodSpec("gptq", "w4a8-gptq", False, False, rules.GPTQ_PARTITION_MULTIPLE,
-                   rules.GPTQ_PARTITION_MULTIPLE, True, True, False, ()),
+                   rules.GPTQ_PARTITION_MULTIPLE, True, True, False, (), int8_activations=True),
     )
 }  # fmt: skip
 # The plugin's methods (kernels/vllm plugin) run the 8-bit set (int8 head and embedding); vLLM's own gptq does not.

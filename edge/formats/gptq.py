@@ -79,6 +79,8 @@ class Gptq(WeightFormat):
                           f" + 4 B x {lin.n}/8 x {groups} qzeros) = {mib(self.bytes(lin, group))}")  # fmt: skip
                 items.append(resident("int4-weights", f"{lin.name} GPTQ int4", self.bytes(lin, group), detail,
                                       layer=lin.name))  # fmt: skip
+            elif decision.format == "int8" and decision.blocks:
+                items.append(INT8.blocks_item(lin, decision.blocks))
             elif decision.format == "int8":
                 items.append(INT8.item(lin, decision.group))
             else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from edge.errors import InputError
 from edge.formats.base import BF16, FP32, MemoryItem, WeightFormat, mib, resident, times
+from edge.model.gguf_metadata import GGML_BLOCKS
 from edge.model.shapes import LinearShape
 
 # Per-group int8's group sizes: a GGUF's Q8_0 / Q5_0 / Q4_0 blocks (32) and Q6_K's sub-blocks (16); the AVX2 int8
@@ -29,6 +30,15 @@ class Int8(WeightFormat):
         size = self.bytes(lin, group)
         detail = f"{times(lin)}({lin.n} x {lin.k} x 1 B + {scales} scales) = {mib(size)}{note}"
         return resident("int8-weights", f"{lin.name} int8 (8-bit set)", size, detail, layer=lin.name)
+
+    def blocks_item(self, lin: LinearShape, blocks: str) -> MemoryItem:
+        """An 8-bit-set weight kept as the file's own Q6_K, Q8_0 or Q5_0 blocks, at the file's size
+        (kernels/ops/q6k.py, g32.py: the decode layout rearranges them in place)."""
+        weights, nbytes = GGML_BLOCKS[blocks]
+        size = lin.count * lin.n * lin.k // weights * nbytes
+        return resident("int8-weights", f"{lin.name} {blocks} blocks (8-bit set)", size,
+                        f"the file's own {blocks} blocks, {times(lin)}({lin.n} x {lin.k} / {weights} blocks x "
+                        f"{nbytes} B) = {mib(size)}", layer=lin.name)  # fmt: skip
 
     def check_group(self, group: int | None, k: int | None = None, *, name: str = "int8_group_size") -> None:
         """None (per channel) or one of the group sizes, dividing K when K is given."""

@@ -159,11 +159,7 @@ class Tinygemm(WeightFormat):
                 items.append(resident("int4-weights", f"{lin.name} int4 tinygemm", self.bytes(lin, group),
                                       self.detail(lin, group), layer=lin.name))  # fmt: skip
             elif decision.format == "int8" and decision.blocks:
-                weights, nbytes = GGML_BLOCKS[decision.blocks]
-                size = lin.count * lin.n * lin.k // weights * nbytes
-                items.append(resident("int8-weights", f"{lin.name} {decision.blocks} blocks (8-bit set)", size,
-                                      f"the file's own {decision.blocks} blocks, {times(lin)}({lin.n} x {lin.k} / "
-                                      f"{weights} blocks x {nbytes} B) = {mib(size)}", layer=lin.name))  # fmt: skip
+                items.append(INT8.blocks_item(lin, decision.blocks))
             elif decision.format == "int8":
                 items.append(INT8.item(lin, decision.group))
             else:

@@ -78,7 +78,7 @@ def estimate(
     kernels/vllm_plugin/heap_trim.py IdleTrim), so a full prefill batch's activations are held while it serves, not
     while it idles: they count at the serving moment, added to its largest run transient, instead of as resident.
     """
-    quant = quant or rules_for(model, path, group_size, own_blocks=reads_own_blocks(kernel.decode_kernel))
+    quant = quant or rules_for(model, path, group_size, own_blocks=reads_own_blocks(kernel.decode_kernel, path))
     # a kind split by format (a GGUF's mixed grid): parts; `layers`, when given, are model_layers(model, quant)
     parts = by_kind(layers if layers is not None else model_layers(model, quant))
     fmt = format_of(path)  # which weight items, edge.formats

@@ -104,6 +104,9 @@ def _cpu_w4a8(
         "dequant_threshold": kernel.dequant_threshold,
         "int8": eight_bit_set(layers),
         **_int8_group(layers),
+        # the 8-bit set's weights kept as the file's own Q6_K, Q8_0 or Q5_0 blocks (never Q4_K: the 4-bit layers are
+        # vLLM's GPTQ layout)
+        **own_block_sets(layers),
         "ignore": kept_bf16(layers),
     }
 

@@ -99,7 +99,7 @@ class Weights:
         self.option, self.gate, self.req = option, gate, req
         self.quant = rules_for(req.model, option.path, gate.group_size, req.priority, amx=req.device.has_amx,
                                int8_groups=runs_grouped_int8(req.device.isa_class),
-                               own_blocks=reads_own_blocks(req.kernel.decode_kernel))  # fmt: skip
+                               own_blocks=reads_own_blocks(req.kernel.decode_kernel, option.path))  # fmt: skip
         self.layers = model_layers(req.model, self.quant)
 
     @functools.cached_property

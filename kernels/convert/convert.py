@@ -237,10 +237,12 @@ def decide(source: Source, qconfig: dict[str, Any] | None, path: str) -> Decisio
         decisions.kept["lm_head (tied)"] = "the head reuses the embedding, which stays bf16"
     if quant.method.source_codes and qconfig.get("codes_from_source"):
         _read_codes_from_source(source, qconfig, decisions, quant.method.source_codes)
-    _check_own_blocks(decisions)
     decisions.int8_group = quant.int8_group
     if quant.int8_group and decisions.int8:
         _read_int8_from_source(source, quant.int8_group, decisions)
+    if decisions.own_blocks and decisions.grid is None:  # blocks beside 4-bit codes not the file's (W4A8's grid)
+        decisions.grid = _source_gguf(source)
+    _check_own_blocks(decisions)
     return decisions
 
 

@@ -39,7 +39,7 @@ from kernels.ops.layout import host_layout
 from kernels.ops.tinygemm import tiles, to_tinygemm
 from kernels.scoring.eval_modules import prefix_of, replace_embedding, replace_module, submodule
 
-__all__ = ["BlocksLinear", "Int4Embedding", "Int4Linear", "Int4Settings", "Int8Embedding", "Int8Linear",
+__all__ = ["BlocksLinear", "Int4Embedding", "Int4Linear", "Int4Settings", "Int8Embedding", "Int8Linear", "blocks_type",
            "install_cpu_int4"]
 
 
@@ -233,7 +233,7 @@ def install_cpu_int4(
             embedding, linear = Int8Embedding(*weights), Int8Linear(*weights, settings, bias=bias)
         elif "blocks" in parts:  # a GGUF's own Q6_K, Q8_0 or Q5_0 blocks: a linear or an untied head
             int8.append(prefix)
-            replace_module(model, prefix, BlocksLinear(parts["blocks"], _blocks_type(prefix, qconfig), settings,
+            replace_module(model, prefix, BlocksLinear(parts["blocks"], blocks_type(prefix, qconfig), settings,
                                                        bias=bias))  # fmt: skip
             continue
         elif "meta" in parts:  # a GGUF's own Q4_K blocks (quantization_config.q4k): a linear, never the embedding
@@ -257,7 +257,7 @@ def install_cpu_int4(
     return describe(qconfig, settings, sorted(int4), sorted(int8), tied_head)
 
 
-def _blocks_type(prefix: str, qconfig: dict[str, Any]) -> str:
+def blocks_type(prefix: str, qconfig: dict[str, Any]) -> str:
     """The GGML type whose blocks the checkpoint holds for an 8-bit-set weight: the key of quantization_config that
     names it (q6k, q8_0, q5_0)."""
     for type_name, own in OWN_BLOCK_TYPES.items():
@@ -270,7 +270,7 @@ def _blocks_type(prefix: str, qconfig: dict[str, Any]) -> str:
 def _check_parts(prefix: str, parts: dict[str, torch.Tensor], module: nn.Module, group: int, eight_bit: bool,
                  qconfig: dict[str, Any]) -> None:  # fmt: skip
     if "blocks" in parts:  # a type's blocks: [N, K/block * block bytes]
-        type_name = _blocks_type(prefix, qconfig)
+        type_name = blocks_type(prefix, qconfig)
         weights, nbytes = GGML_BLOCKS[type_name]
         n, k = (module.out_features, module.in_features) if isinstance(module, nn.Linear) else (0, 0)
         if tuple(parts["blocks"].shape) != (n, k // weights * nbytes) or parts["blocks"].dtype != torch.uint8:

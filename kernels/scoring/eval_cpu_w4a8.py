@@ -4,8 +4,9 @@ A 4-bit linear holds what kernels.vllm_plugin.cpu_w4a8 keeps on a vLLM layer aft
 (kernels.vllm_plugin.cpu_w4a8.to_w4a8 of the checkpoint's GPTQ qweight and scales) and calls the body of the op vLLM
 runs (kernels.vllm_plugin.cpu_w4a8.w4a8_linear_impl: int4_scaled_mm_cpu, activations quantized to int8 per row, for
 every batch). The 8-bit set (the embedding, the head: qweight int8 [N, K], scales [N]) runs
-kernels.scoring.eval_cpu_int4's int8 modules, as the engine runs kernels.vllm_plugin.cpu_int4's int8 methods; a tied
-head shares the embedding's tensors. The settings come from the checkpoint's quantization_config through the engine's
+kernels.scoring.eval_cpu_int4's int8 modules, as the engine runs kernels.vllm_plugin.cpu_int4's int8 methods, and its
+weights kept as a GGUF's own blocks (q6k, q8_0, q5_0) that module's BlocksLinear; a tied head shares the embedding's
+tensors. The settings come from the checkpoint's quantization_config through the engine's
 own parser (CpuW4A8Config.from_config).
 """
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from edge.errors import InputError
-from kernels.scoring.eval_cpu_int4 import Int4Settings, Int8Embedding, Int8Linear
+from kernels.scoring.eval_cpu_int4 import BlocksLinear, Int4Settings, Int8Embedding, Int8Linear, blocks_type
 from kernels.scoring.eval_gptq import gptq_parts
 from kernels.scoring.eval_modules import prefix_of, replace_embedding, replace_module, submodule
 
@@ -61,6 +62,11 @@ def install_cpu_w4a8(
     for prefix, parts in quantized.items():
         module = submodule(model, prefix)
         bias = getattr(module, "bias", None)
+        if "blocks" in parts:  # a GGUF's own Q6_K, Q8_0 or Q5_0 blocks in the 8-bit set: a linear or an untied head
+            int8.append(prefix)
+            replace_module(model, prefix, BlocksLinear(parts["blocks"], blocks_type(prefix, qconfig), settings,
+                                                       bias=bias))  # fmt: skip
+            continue
         if parts.get("qweight") is None or parts["qweight"].dtype != torch.int8:
             if not isinstance(module, nn.Linear):
                 raise InputError(f"{prefix}.qweight", type(module).__name__, "a linear layer of the source (GPTQ)")

@@ -363,11 +363,22 @@ class CpuInt4Config(PluginConfig):
     PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.catalog.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
-        blocks = [t for t, own in OWN_BLOCK_TYPES.items() if own.format == "int8"]  # the 8-bit set's: Q6_K, Q8_0, Q5_0
+        blocks = eight_bit_block_methods()
         return {"linear": {"int4": CpuInt4LinearMethod, "int8": CpuInt8LinearMethod, "Q4_K": CpuQ4kLinearMethod,
-                           **{t: functools.partial(CpuBlocksLinearMethod, blocks=t) for t in blocks}},
+                           **blocks["linear"]},
                 "embedding": {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod,
-                              **{t: functools.partial(CpuBlocksHeadMethod, blocks=t) for t in blocks}}}  # fmt: skip
+                              **blocks["embedding"]}}  # fmt: skip
+
+
+# the 8-bit set's own-block types (Q6_K, Q8_0, Q5_0) and their quantization_config keys (q6k, q8_0, q5_0)
+EIGHT_BIT_BLOCKS = {t: own.key for t, own in OWN_BLOCK_TYPES.items() if own.format == "int8"}
+
+
+def eight_bit_block_methods() -> dict[str, dict[str, Any]]:
+    """The methods of the 8-bit set's weights kept as a file's own blocks, by type, for linears and heads: what every
+    method running the 8-bit set (cpu_int4, cpu_w4a8) offers."""
+    return {"linear": {t: functools.partial(CpuBlocksLinearMethod, blocks=t) for t in EIGHT_BIT_BLOCKS},
+            "embedding": {t: functools.partial(CpuBlocksHeadMethod, blocks=t) for t in EIGHT_BIT_BLOCKS}}  # fmt: skip
 
 
 def _avx2_available() -> bool:

@@ -13,9 +13,11 @@ Reads the symmetric GPTQ checkpoint kernels/convert/convert.py writes for `w4a8-
 (q - 8) * scale) and converts it once at load exactly as vLLM's `_process_gptq_weights_w4a8` does: codes
 repacked along N in AWQ's order, a zero point of 8 for every group (the checkpoint's qzeros are not read), then
 `convert_weight_packed_scale_zp` into the op's blocked layout (32 output channels a block). The 8-bit set
-(`int8`: the embedding and the head) runs kernels.vllm_plugin.cpu_int4's int8 methods; which weights are int4, int8 or
-bf16 is asked of edge.catalog.quantized_layers, as the plan's ledger and the converter ask it. Every field comes from
-the checkpoint's `quantization_config`, which vLLM hashes into its compile-cache key.
+(`int8`: the embedding and the head) runs kernels.vllm_plugin.cpu_int4's int8 methods, and its weights a GGUF holds as
+Q6_K, Q8_0 or Q5_0 that method's blocks methods (`q6k`, `q8_0`, `q5_0`: the file's own blocks, int8 activations per
+32); which weights are int4, int8 or bf16 is asked of edge.catalog.quantized_layers, as the plan's ledger and the
+converter ask it. Every field comes from the checkpoint's `quantization_config`, which vLLM hashes into its
+compile-cache key.
 """
 
 from __future__ import annotations
@@ -27,16 +29,18 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization import register_quantization_config
 
-from edge.catalog.quantized_layers import EIGHT_BIT_SET
+from edge.catalog.quantized_layers import EIGHT_BIT_SET, OWN_BLOCK_TYPES
 from edge.catalog.shape_rules import GPTQ_PARTITION_MULTIPLE
 from edge.catalog.weight_paths import METHODS
 from edge.errors import InputError
 from edge.formats.gptq import GPTQ
 from kernels.vllm_plugin.cpu_int4 import (
+    EIGHT_BIT_BLOCKS,
     CpuInt8EmbeddingMethod,
     CpuInt8LinearMethod,
     PluginConfig,
     PluginWeights,
+    eight_bit_block_methods,
     empty_param,
     host_params,
     int8_group_entry,
@@ -45,6 +49,7 @@ from kernels.vllm_plugin.cpu_int4 import (
 )
 
 NAME = "cpu_w4a8"
+BLOCK_CONFIG_KEYS = tuple(own.key for own in OWN_BLOCK_TYPES.values())  # read all, so a q4k is refused by name
 PACK = 8  # 4-bit codes per int32
 FAKE_ZERO = -2004318072  # 0x88888888: zero point 8 in every nibble (uint4b8), as vLLM allocates for symmetric GPTQ
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # vLLM repacks GPTQ codes into AWQ's nibble order before converting
@@ -163,9 +168,11 @@ def w4a8_linear(
 def quantization_config(
     *, group_size: int = 64, int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
     ignore: list[str] | None = None, dequant_threshold: int | None = None, int8_group_size: int | None = None,
+    own_blocks: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The `quantization_config` a plan writes for w4a8-gptq (edge.plan.engine_config), for tests and
-    benchmarks; `int8=()` leaves the embedding and the head bf16."""
+    benchmarks; `int8=()` leaves the embedding and the head bf16; `own_blocks`: the 8-bit set's weights kept as a
+    GGUF's own blocks, by key (q6k, q8_0, q5_0)."""
     return {
         "quant_method": NAME,
         "bits": 4,
@@ -176,6 +183,7 @@ def quantization_config(
         "dequant_threshold": host_params().dequant_threshold if dequant_threshold is None else dequant_threshold,
         "int8": list(int8),
         **int8_group_entry(int8_group_size),
+        **{key: list(names) for key, names in (own_blocks or {}).items() if names},
         "ignore": list(ignore or []),
     }
 
@@ -196,6 +204,7 @@ class CpuW4A8Config(PluginConfig):
         int8: list[str] | None = None,
         ignore: list[str] | None = None,
         int8_group_size: int | None = None,
+        own_blocks: dict[str, list[str]] | None = None,
     ) -> None:
         super().__init__()
         GPTQ.check_method_config(group_size=group_size, dequant_threshold=dequant_threshold,
@@ -207,6 +216,15 @@ class CpuW4A8Config(PluginConfig):
         self.ignore = list(ignore or [])
         self.int8_group_size = int8_group_size
         self.int8_rows = int8_rows(int8_group_size, self.dequant_threshold)  # no AVX2 decode kernel here
+        # the 8-bit set's weights kept as a GGUF's own blocks, by quantization_config key (q6k, q8_0, q5_0); never
+        # q4k: the 4-bit layers are GPTQ tensors
+        self.own_blocks = {key: list(names) for key, names in (own_blocks or {}).items() if names}
+        for key, names in self.own_blocks.items():
+            if key not in EIGHT_BIT_BLOCKS.values():
+                raise InputError(f"quantization_config.{key}", names[:3],
+                                 f"absent: {NAME} keeps a GGUF's own blocks for the 8-bit set only "
+                                 f"({', '.join(EIGHT_BIT_BLOCKS.values())})")  # fmt: skip
+        self.repack_chunk_rows = host_params().repack_chunk_rows  # the blocks' decode layout, rearranged in chunks
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
 
     def __repr__(self) -> str:
@@ -224,12 +242,13 @@ class CpuW4A8Config(PluginConfig):
             int8=list(config.get("int8", [])),
             ignore=list(config.get("ignore", [])),
             int8_group_size=config.get("int8_group_size"),
+            own_blocks={key: list(config[key]) for key in BLOCK_CONFIG_KEYS if config.get(key)},
         )
 
     def to_dict(self) -> dict[str, Any]:
         return quantization_config(group_size=self.group_size, int8=self.int8, ignore=self.ignore,
                                    dequant_threshold=self.dequant_threshold,
-                                   int8_group_size=self.int8_group_size)  # fmt: skip
+                                   int8_group_size=self.int8_group_size, own_blocks=self.own_blocks)  # fmt: skip
 
     def get_name(self) -> str:
         return NAME
@@ -237,9 +256,11 @@ class CpuW4A8Config(PluginConfig):
     PATH = METHODS[NAME].path  # the path whose checkpoints name this method (edge.catalog.weight_paths)
 
     def _methods(self) -> dict[str, dict[str, type]]:
-        # the embedding and the head stay int8 or bf16 (edge.catalog.quantized_layers: never 4-bit on this path)
-        return {"linear": {"int4": CpuW4A8LinearMethod, "int8": CpuInt8LinearMethod},
-                "embedding": {"int8": CpuInt8EmbeddingMethod}}  # fmt: skip
+        # the embedding and the head stay int8 or bf16 (edge.catalog.quantized_layers: never 4-bit on this path); the
+        # 8-bit set's weights a GGUF holds as Q6_K, Q8_0 or Q5_0 may keep the file's blocks (an untied head too)
+        blocks = eight_bit_block_methods()
+        return {"linear": {"int4": CpuW4A8LinearMethod, "int8": CpuInt8LinearMethod, **blocks["linear"]},
+                "embedding": {"int8": CpuInt8EmbeddingMethod, **blocks["embedding"]}}  # fmt: skip
 
 
 class CpuW4A8LinearMethod(PluginWeights, LinearMethodBase):

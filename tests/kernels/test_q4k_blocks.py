@@ -295,7 +295,7 @@ def test_the_converter_writes_a_q5_0_tensor_as_q8_0_blocks_of_the_same_weights()
 def test_edge_evals_module_runs_q8_0_and_q5_0_blocks_as_the_engine_does(type_name):
     from kernels.ops import g32
     from kernels.ops.int4_ops import DIRECT
-    from kernels.scoring.eval_cpu_int4 import BlocksLinear, Int4Settings, _blocks_type
+    from kernels.scoring.eval_cpu_int4 import BlocksLinear, Int4Settings, blocks_type
     from tests.kernels.test_g32 import random_blocks
 
     blocks = random_blocks(type_name, 64, 576, seed=5)
@@ -307,7 +307,72 @@ def test_edge_evals_module_runs_q8_0_and_q5_0_blocks_as_the_engine_does(type_nam
     wide = BlocksLinear(raw, type_name, Int4Settings(32, DIRECT, 2, False, int8_rows=1))  # 3 rows: bf16 GEMM
     assert torch.equal(wide(x), torch.mm(x, w.to(torch.bfloat16).t()))
     qconfig = {"q5_0": ["o_proj"], "q8_0": ["model.layers.1.self_attn.v_proj"]}
-    assert _blocks_type("model.layers.0.self_attn.o_proj", qconfig) == "Q5_0"
-    assert _blocks_type("model.layers.1.self_attn.v_proj", qconfig) == "Q8_0"
+    assert blocks_type("model.layers.0.self_attn.o_proj", qconfig) == "Q5_0"
+    assert blocks_type("model.layers.1.self_attn.v_proj", qconfig) == "Q8_0"
     with pytest.raises(InputError, match=r"model\.layers\.0\.self_attn\.v_proj\.blocks"):
-        _blocks_type("model.layers.0.self_attn.v_proj", qconfig)
+        blocks_type("model.layers.0.self_attn.v_proj", qconfig)
+
+
+# --- W4A8 (cpu_w4a8): the 8-bit set keeps the file's own blocks whatever the 4-bit grid ---
+
+
+@pytest.fixture(scope="module")
+def w4a8_plans(plans):
+    """(the file's w4a8-gptq speed plan on a described AVX-512 VNNI box (no AMX: the plugin's cpu_w4a8), the same with
+    EDGE_OWN_BLOCKS=0)."""
+    from edge.device.describe import load_device_file
+    from edge.model.reader import read_model
+    from edge.plan.planner import make_plan
+
+    path = plans[0]
+    device, model = load_device_file(str(DATA / "cpuinfo_epyc_zen4_avx512.txt")), read_model(path)
+    blocks = make_plan(device, model, path="w4a8-gptq")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGE_OWN_BLOCKS", "0")
+        grid = make_plan(device, model, path="w4a8-gptq")
+    return blocks, grid
+
+
+def test_a_w4a8_plan_keeps_the_8_bit_sets_q6_k_and_q5_0_blocks_never_q4_k(w4a8_plans):
+    blocks, grid = w4a8_plans
+    qconfig = blocks.quantization_config
+    assert qconfig["quant_method"] == "cpu_w4a8" and qconfig["group_size"] != 32  # the 4-bit grid is re-rounded
+    assert qconfig["q6k"] == ["lm_head"] and qconfig["q5_0"] == ["model.layers.2.mlp.down_proj"]
+    assert "q4k" not in qconfig
+    keys = ("q6k", "q8_0", "q5_0")
+    assert grid.quantization_config == {k: v for k, v in qconfig.items() if k not in keys}
+
+
+def test_a_w4a8_plans_ledger_counts_the_8_bit_blocks_at_the_files_bytes(w4a8_plans):
+    blocks, grid = w4a8_plans
+    head = next(layer for layer in blocks.layers if layer.name == "lm_head")
+    assert head.format == "int8" and head.blocks == "Q6_K"
+    item = next(i for i in blocks.memory.items if i.layer == "lm_head" and i.kind == "int8-weights")
+    assert item.bytes == head.n * head.k // 256 * 210
+    grid_head = next(i for i in grid.memory.items if i.layer == "lm_head" and i.kind == "int8-weights")
+    assert grid_head.bytes == head.n * head.k + 4 * head.n * head.k // 16
+    down = next(i for i in blocks.memory.items if i.name == "down_proj Q5_0 blocks (8-bit set)")
+    assert down.bytes == 256 * 512 // 32 * 22  # one layer's [256 x 512] as Q5_0: 22 B a block of 32
+    assert blocks.memory.resident_bytes < grid.memory.resident_bytes
+
+
+def test_cpu_w4a8_reads_the_blocks_keys_and_refuses_q4_k():
+    from edge.errors import InputError
+    from kernels.vllm_plugin.cpu_w4a8 import CpuW4A8Config, quantization_config
+
+    qconfig = quantization_config(group_size=128, int8_group_size=16, own_blocks={"q6k": ["lm_head"]})
+    config = CpuW4A8Config.from_config(qconfig)
+    assert config.own_blocks == {"q6k": ["lm_head"]} and config.to_dict() == qconfig
+    assert config.rules.weight("lm_head", 49152, 2048).blocks == "Q6_K"  # K in whole blocks of 256
+    assert config._methods()["embedding"]["Q6_K"](config).blocks == "Q6_K"
+    with pytest.raises(InputError, match="quantization_config.q4k"):
+        CpuW4A8Config.from_config({**qconfig, "q4k": ["model.layers.0.self_attn.o_proj"]})
+
+
+def test_only_w4a8_and_the_int8_activation_kernel_read_own_blocks(monkeypatch):
+    from edge.catalog.kernel_registry import reads_own_blocks
+
+    assert reads_own_blocks("avx2-w4a8") and reads_own_blocks("tinygemm", "w4a8-gptq")
+    assert not reads_own_blocks("avx2") and not reads_own_blocks("avx2", "w4a16-tinygemm")
+    monkeypatch.setenv("EDGE_OWN_BLOCKS", "0")
+    assert not reads_own_blocks("tinygemm", "w4a8-gptq") and not reads_own_blocks("avx2-w4a8")
