@@ -31,11 +31,16 @@ class Int8(WeightFormat):
         detail = f"{times(lin)}({lin.n} x {lin.k} x 1 B + {scales} scales) = {mib(size)}{note}"
         return resident("int8-weights", f"{lin.name} int8 (8-bit set)", size, detail, layer=lin.name)
 
-    def blocks_item(self, lin: LinearShape, blocks: str) -> MemoryItem:
-        """An 8-bit-set weight kept as the file's own Q6_K, Q8_0 or Q5_0 blocks, at the file's size
-        (kernels/ops/q6k.py, g32.py: the decode layout rearranges them in place)."""
+    def blocks_bytes(self, lin: LinearShape, blocks: str) -> int:
+        """An 8-bit-set weight kept as the file's own Q6_K, Q8_0 or Q5_0 blocks: the file's bytes (kernels/ops/q6k.py,
+        g32.py: the decode layout rearranges them in place)."""
         weights, nbytes = GGML_BLOCKS[blocks]
-        size = lin.count * lin.n * lin.k // weights * nbytes
+        return lin.count * lin.n * lin.k // weights * nbytes
+
+    def blocks_item(self, lin: LinearShape, blocks: str) -> MemoryItem:
+        """blocks_bytes as a ledger line."""
+        weights, nbytes = GGML_BLOCKS[blocks]
+        size = self.blocks_bytes(lin, blocks)
         return resident("int8-weights", f"{lin.name} {blocks} blocks (8-bit set)", size,
                         f"the file's own {blocks} blocks, {times(lin)}({lin.n} x {lin.k} / {weights} blocks x "
                         f"{nbytes} B) = {mib(size)}", layer=lin.name)  # fmt: skip

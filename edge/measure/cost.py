@@ -23,6 +23,7 @@ from edge.catalog.kernel_registry import (
     DECODE_KERNELS,
     DEFAULT_DECODE_KERNEL,
     FORMAT_KERNEL,
+    GROUPED_INT8_KERNEL,
     PREFILL_KERNELS,
     WIDE_BATCH_KERNEL,
     decode_rows,
@@ -44,6 +45,8 @@ from edge.catalog.quantized_layers import (
 from edge.catalog.weight_paths import Layout, WeightPath
 from edge.device.calibration import CalibrationRecord, KernelResult
 from edge.formats import format_of
+from edge.formats.int8 import INT8
+from edge.model.shapes import LinearShape
 
 PROMPT_TOKENS = 512
 NEW_TOKENS = 128
@@ -60,6 +63,18 @@ class EngineLinear:
     count: int
     format: str  # int4, int8 or bf16 (edge.catalog.quantized_layers)
     int8_group: int | None = None  # an int8 GEMM's scales per this many weights (per group); None: per channel
+    blocks: str | None = None  # an 8-bit-set GEMM kept as the file's own blocks of this GGML type (OWN_BLOCKS)
+
+    def blocks_share(self) -> float:
+        """The bytes its decode rows read as the file's blocks, over what the 8-bit set's grid reads: its kernel
+        streams them as the grid's kernel streams the grid (int8 activations per 32, the same loop), so the decode
+        rows are priced at the grid kernel's time for that share. Measured, the blocks did better still: Q6_K took
+        0.39-0.53x the grid's time for 0.66x its bytes at one row (AMD EPYC Zen 4,
+        docs/reports/2026-12-06-own-blocks.md). 1 for a GEMM without blocks."""
+        if not (self.blocks and self.format == "int8"):
+            return 1.0
+        shape = LinearShape(name=self.name, n=self.n, k=self.k, count=1)
+        return INT8.blocks_bytes(shape, self.blocks) / INT8.bytes(shape, self.int8_group)
 
     @property
     def logits(self) -> bool:
@@ -74,26 +89,38 @@ def engine_linears(layers: list[LayerDecision]) -> list[EngineLinear]:
     by_name = by_kind(layers)
     group = eight_bit_group_size(layers)
 
-    def gemm(name: str, n: int, k: int, count: int, fmt: str) -> EngineLinear:
-        return EngineLinear(name, n, k, count, fmt, group if fmt == "int8" else None)
+    def gemm(name: str, n: int, k: int, count: int, fmt: str, blocks: str | None) -> EngineLinear:
+        return EngineLinear(name, n, k, count, fmt, group if fmt == "int8" else None, blocks)
 
     for name, parts in by_name.items():
         if name == EMBEDDING:
             continue
         fused = FUSED.get(name)
         if fused is None or not all(s in by_name for s in SHARDS[fused]):
-            out += [gemm(name, parts[0].n, parts[0].k, count, fmt) for fmt, count in format_counts(parts).items()]
+            out += [gemm(name, parts[0].n, parts[0].k, count, fmt, blocks)
+                    for (fmt, blocks), count in _kinds(parts).items()]  # fmt: skip
             continue
         if name != SHARDS[fused][0]:
             continue  # added with the first shard
         shards = [by_name[s] for s in SHARDS[fused]]
-        counts = [format_counts(shard) for shard in shards]
-        if any(c != counts[0] for c in counts):  # shards decided apart, not by the plan's rules: the widest
-            assert all(len(c) == 1 for c in counts), counts
-            counts = [{max((next(iter(c)) for c in counts), key=FORMAT_WIDTH.__getitem__): parts[0].count}]
+        counts = [_kinds(shard) for shard in shards]
+        if any(c != counts[0] for c in counts):  # shards decided apart, not by the plan's rules: the widest, no blocks
+            widest = [format_counts(shard) for shard in shards]
+            assert all(len(c) == 1 for c in widest), widest
+            counts = [{(max((next(iter(c)) for c in widest), key=FORMAT_WIDTH.__getitem__), None): parts[0].count}]
         n = sum(shard[0].n for shard in shards)
-        out += [gemm(fused, n, parts[0].k, count, fmt) for fmt, count in counts[0].items()]
+        out += [gemm(fused, n, parts[0].k, count, fmt, blocks) for (fmt, blocks), count in counts[0].items()]
     return out
+
+
+def _kinds(parts: list[LayerDecision]) -> dict[tuple[str, str | None], int]:
+    """How many layers of a kind take each format, and within the 8-bit set each kind of own blocks (an int4
+    layer's Q4_K decode copy is priced as its grid's)."""
+    counts: dict[tuple[str, str | None], int] = {}
+    for part in parts:
+        key = (part.format, part.blocks if part.format == "int8" else None)
+        counts[key] = counts.get(key, 0) + part.count
+    return counts
 
 
 def calibration_shapes(layers: list[LayerDecision]) -> list[tuple[int, int]]:
@@ -298,6 +325,10 @@ def request_cost(record: CalibrationRecord, linears: list[EngineLinear], path: W
         if name not in times:
             times[name] = kernel_times(record, name)
         ms = times[name].ms(lin.n, lin.k, m) * lin.count
+        if lin.blocks and lin.format == "int8" and name == GROUPED_INT8_KERNEL:  # decode rows on the blocks' kernel
+            share = lin.blocks_share()
+            ms *= share
+            substituted.add(f"{lin.blocks} blocks counted at {name}'s times for their bytes ({share:.2f}x the grid's)")
         spent[name] = spent.get(name, 0.0) + ms
         return ms
 

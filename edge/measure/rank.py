@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edge.catalog.kernel_registry import KERNELS, runs_grouped_int8
+from edge.catalog.kernel_registry import KERNELS, reads_own_blocks, runs_grouped_int8
 from edge.catalog.quantized_layers import model_layers, rules_for
 from edge.catalog.weight_paths import (
     DERIVED_LAYOUT_FACTS,
@@ -117,7 +117,8 @@ def _record_options(inp: RankInput, record: CalibrationRecord, source: str, fact
     options = []
     for path, layout in _PATHS:
         group = inp.groups.get(path)
-        layers = model_layers(inp.model, rules_for(inp.model, path, group, "speed",
+        own_blocks = reads_own_blocks(inp.kernel.decode_kernel, path)  # as the plan's rules (edge.plan.planner)
+        layers = model_layers(inp.model, rules_for(inp.model, path, group, "speed", own_blocks=own_blocks,
                                                    int8_groups=runs_grouped_int8(inp.isa_class)))
         linears = engine_linears(layers)
         try:

@@ -124,6 +124,34 @@ def test_an_int8_layer_dequantizes_a_prompt_and_a_per_group_one_decodes_on_the_a
         assert set(cost.kernels) == {"dequant-bf16", decode_kernel}
 
 
+def test_an_8_bit_layer_kept_as_the_files_blocks_decodes_at_the_grid_kernels_time_for_its_bytes():
+    """A Q6_K down_proj [N=256, K=512] on the 8-bit set's grid per 16 reads K (1 + 4/16) bytes a row; as the file's
+    blocks 210 per 256 weights: its decode rows cost the grid kernel's time x 210/256 / 1.25 = 0.656; a prompt
+    dequantizes either way, at the same time."""
+    record = _record({"dequant-bf16": {(256, 512, 512): 30.0}, "avx2-int8": {(256, 512, 1): 0.4}})
+    grid, blocks = (EngineLinear("down_proj", 256, 512, 2, "int8", 16, kind) for kind in (None, "Q6_K"))
+    assert blocks.blocks_share() == pytest.approx(210 / 256 / 1.25) and grid.blocks_share() == 1.0
+    costs = [request_cost(record, [lin], "w4a8-gptq", None, dequant_threshold=128, prefill_dtype="bfloat16")
+             for lin in (grid, blocks)]  # fmt: skip
+    assert costs[0].decode_step_ms == pytest.approx(2 * 0.4)
+    assert costs[1].decode_step_ms == pytest.approx(2 * 0.4 * 210 / 256 / 1.25)
+    assert costs[0].prefill_ms == costs[1].prefill_ms == pytest.approx(2 * 30.0)
+    assert any("Q6_K blocks counted at avx2-int8's times for their bytes" in s for s in costs[1].substituted)
+
+
+def test_the_cost_models_gemms_keep_the_8_bit_sets_blocks_apart_and_price_a_q4_k_decode_copy_as_its_grid():
+    from edge.catalog.quantized_layers import LayerDecision
+
+    def part(name, fmt, blocks, count, n=256, k=512):
+        return LayerDecision(name=name, format=fmt, why="", n=n, k=k, count=count, blocks=blocks)
+
+    layers = [part("down_proj", "int8", "Q6_K", 3), part("down_proj", "int8", None, 1),
+              part("down_proj", "int4", "Q4_K", 2), part("lm_head", "int8", "Q6_K", 1, n=1024)]  # fmt: skip
+    got = {(lin.name, lin.format, lin.blocks): lin.count for lin in engine_linears(layers)}
+    assert got == {("down_proj", "int8", "Q6_K"): 3, ("down_proj", "int8", None): 1, ("down_proj", "int4", None): 2,
+                   ("lm_head", "int8", "Q6_K"): 1}  # fmt: skip
+
+
 def test_times_between_measured_rows_are_interpolated_and_other_shapes_scaled_by_weight_count():
     record = _record({"bf16": {(100, 200, 1): 1.0, (100, 200, 17): 9.0}})
     at_9 = request_cost(record, [EngineLinear("lm_head", 100, 200, 1, "bf16")], "bf16", None, batch=9,
