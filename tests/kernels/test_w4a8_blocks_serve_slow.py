@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.kernels import test_q4k_serve_slow as q4k_serve
+from tests.kernels.conftest import engine_child
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +55,7 @@ def served(tmp_path_factory, tokenizer_source) -> dict:
         checkpoint = convert(path, directory / "model", qconfig, path=plan.path, log=lambda message: None)
         out = directory / "out.json"
         env = {**os.environ, "VLLM_CACHE_ROOT": str(directory / "vllm"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        proc = subprocess.run([sys.executable, q4k_serve.__file__, str(checkpoint), str(out)], env=env,
-                              capture_output=True, text=True, timeout=1200)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[label] = json.loads(out.read_text())
+        results[label] = engine_child(q4k_serve.__file__, out, [str(checkpoint), str(out)], env, timeout=1200)
     print(json.dumps(results))
     return results
 
