@@ -335,7 +335,7 @@ class CpuInt4Config(PluginConfig):
             ignore=list(config.get("ignore", [])),
             decode_kernel=config.get("decode_kernel", DEFAULT_DECODE_KERNEL),
             int8_group_size=config.get("int8_group_size"),
-            own_blocks={key: list(config[key]) for key in BLOCK_KEYS if config.get(key)},
+            own_blocks=own_block_entries(config),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -368,6 +368,12 @@ class CpuInt4Config(PluginConfig):
                            **blocks["linear"]},
                 "embedding": {"int4": CpuInt4EmbeddingMethod, "int8": CpuInt8EmbeddingMethod,
                               **blocks["embedding"]}}  # fmt: skip
+
+
+def own_block_entries(config: dict[str, Any]) -> dict[str, list[str]]:
+    """The weights a checkpoint's quantization_config keeps as a GGUF's own blocks, by key (every BLOCK_KEYS entry it
+    names: a method refuses the keys it cannot run by name)."""
+    return {key: list(config[key]) for key in BLOCK_KEYS if config.get(key)}
 
 
 # the 8-bit set's own-block types (Q6_K, Q8_0, Q5_0) and their quantization_config keys (q6k, q8_0, q5_0)

@@ -29,7 +29,7 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.layers.quantization import register_quantization_config
 
-from edge.catalog.quantized_layers import EIGHT_BIT_SET, OWN_BLOCK_TYPES
+from edge.catalog.quantized_layers import EIGHT_BIT_SET
 from edge.catalog.shape_rules import GPTQ_PARTITION_MULTIPLE
 from edge.catalog.weight_paths import METHODS
 from edge.errors import InputError
@@ -45,11 +45,11 @@ from kernels.vllm_plugin.cpu_int4 import (
     host_params,
     int8_group_entry,
     int8_rows,
+    own_block_entries,
     weight_param,
 )
 
 NAME = "cpu_w4a8"
-BLOCK_CONFIG_KEYS = tuple(own.key for own in OWN_BLOCK_TYPES.values())  # read all, so a q4k is refused by name
 PACK = 8  # 4-bit codes per int32
 FAKE_ZERO = -2004318072  # 0x88888888: zero point 8 in every nibble (uint4b8), as vLLM allocates for symmetric GPTQ
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # vLLM repacks GPTQ codes into AWQ's nibble order before converting
@@ -242,7 +242,7 @@ class CpuW4A8Config(PluginConfig):
             int8=list(config.get("int8", [])),
             ignore=list(config.get("ignore", [])),
             int8_group_size=config.get("int8_group_size"),
-            own_blocks={key: list(config[key]) for key in BLOCK_CONFIG_KEYS if config.get(key)},
+            own_blocks=own_block_entries(config),
         )
 
     def to_dict(self) -> dict[str, Any]:
