@@ -56,6 +56,7 @@ def create_app(
     app.state.calibrations = CalibrationStore(settings.calibration_db)
     app.state.weight_path = weight_path(plan)
     app.state.metrics = ServiceMetrics(supervisor, app.state.weight_path)
+    app.state.engine_waits = proxy.EngineWaits(settings, app.state.metrics)
     app.state.supervisor = supervisor
     app.state.plan = plan
     app.state.model_dir = model_dir

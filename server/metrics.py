@@ -15,6 +15,13 @@ The wrapper's series (each app has a registry of its own: replicas in one proces
   edge_engine_last_ready_timestamp_seconds       when the engine last became ready (Unix time)
   edge_engine_info{served_model_name,weight_path}
   edge_engine_metrics_up                         1 when the engine's own metrics were read for this scrape
+  edge_engine_requests_waited_total              /v1 requests that waited for the engine (starting or restarting)
+  edge_engine_requests_served_after_wait_total   of them, answered by the engine (not a 5xx)
+  edge_engine_requests_refused_total{reason}     of them, refused with 503: queue_full (restart_queue requests
+                                                 waited already), deadline (not ready within restart_wait_s or
+                                                 the client's X-Edge-Max-Wait), stopping (the server stops)
+  edge_engine_requests_abandoned_total           of them, given up by their client while they waited
+  edge_engine_requests_waiting                   /v1 requests waiting for the engine now
 
 The engine's series follow, as its `/metrics` wrote them: vLLM's `vllm:*`, and `process_*` / `python_*` of
 vLLM's API server process (the wrapper registers no process collector, so no name appears twice).
@@ -28,7 +35,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -44,6 +51,7 @@ ENGINE_METRICS_TIMEOUT_S = 5.0
 ERROR_KINDS = ("input", "request", "store", "internal")
 RESTART_REASONS = ("exited", "exited-before-ready", "not-ready-in-time", "unresponsive", "could-not-start",
                    "socket-taken")  # fmt: skip
+WAIT_REFUSALS = ("queue_full", "deadline", "stopping")
 # A plan takes ~1-50 ms here (a batch of 256 devices, seconds): buckets from 1 ms to 10 s.
 PLAN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -121,9 +129,38 @@ class ServiceMetrics:
         )
         for kind in ERROR_KINDS:
             self.errors.labels(kind)  # present at 0 from the start: a rate needs a first sample
+        if supervisor is not None:  # a planning-only server has no engine, and no requests wait for one
+            self._wait_series()
         self.engine = EngineCollector(supervisor, weight_path) if supervisor is not None else None
         if self.engine is not None:
             self.registry.register(self.engine)
+
+    def _wait_series(self) -> None:
+        """The series of /v1 requests waiting for the engine (server/routes/proxy.EngineWaits)."""
+        self.waited = Counter(
+            "edge_engine_requests_waited", "/v1 requests that waited for the engine.", registry=self.registry
+        )
+        self.served_after_wait = Counter(
+            "edge_engine_requests_served_after_wait",
+            "/v1 requests that waited for the engine and were answered by it.",
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "edge_engine_requests_refused",
+            "/v1 requests that waited for the engine and were refused (503), by why.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in WAIT_REFUSALS:
+            self.refused.labels(reason)
+        self.abandoned = Counter(
+            "edge_engine_requests_abandoned",
+            "/v1 requests whose client went away while they waited for the engine.",
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "edge_engine_requests_waiting", "/v1 requests waiting for the engine now.", registry=self.registry
+        )
 
     @contextmanager
     def planning(self, endpoint: str, plans: int = 1) -> Iterator[list[int]]:

@@ -75,13 +75,28 @@ def bad_request(message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 400}}, status_code=400)
 
 
-def engine_unavailable(message: str, state: str | None, weight_path: str | None) -> JSONResponse:
-    """503 in the OpenAI error shape, so OpenAI clients show the message."""
-    headers = {"Retry-After": "5"}
+def engine_unavailable(
+    message: str, state: str | None, weight_path: str | None, *, retry_after_s: int = 5
+) -> JSONResponse:
+    """503 in the OpenAI error shape, so OpenAI clients show the message; Retry-After says when to try again."""
+    headers = {"Retry-After": str(retry_after_s)}
     if weight_path:
         headers[WEIGHT_PATH_HEADER] = weight_path
     body = {"error": {"message": message, "type": "engine_unavailable", "code": 503, "state": state}}
     return JSONResponse(body, status_code=503, headers=headers)
+
+
+def engine_failed(message: str, status_code: int, weight_path: str | None) -> JSONResponse:
+    """502 (the engine died while answering) or 504 (it did not answer in time), in the OpenAI error shape. The
+    request is not sent again: the engine may have begun it."""
+    headers = {WEIGHT_PATH_HEADER: weight_path} if weight_path else {}
+    body = {"error": {"message": message, "type": "engine_error", "code": status_code}}
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+class NotSent(Exception):
+    """The engine could not be reached (its socket refused or was gone): the request never left this server, and
+    may wait for the next engine and be sent to it."""
 
 
 def _noop(*_: object) -> None:
@@ -98,8 +113,8 @@ async def _relay(
     upstream: httpx.Response, on_answer: Callable[[], None], on_failure: Callable[[str], None], what: str
 ) -> AsyncIterator[bytes]:
     """The engine's bytes as they come; `on_answer` once the first arrives (or the body ends empty), `on_failure`
-    when the engine breaks off mid-response. That ends the stream, not the server; an event stream ends with an
-    error event, so that the client does not take it for a complete answer."""
+    when the engine breaks off mid-response (it died, or was stopped as unresponsive). That ends the stream, not the
+    server; an event stream ends with an error event, so that the client does not take it for a complete answer."""
     answered = False
     try:
         async for chunk in upstream.aiter_raw():
@@ -112,7 +127,8 @@ async def _relay(
         why = f"{what} broke off: {type(exc).__name__}: {exc}"
         on_failure(why)
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            yield sse_error(f"the engine's answer broke off: {type(exc).__name__}")
+            yield sse_error(f"the engine's answer broke off ({type(exc).__name__}): the engine stopped while "
+                            "answering; this request was not sent again")
         return
     if not answered:
         on_answer()
@@ -161,8 +177,10 @@ async def forward(
     on_failure: Callable[[str], None] = _noop,
 ) -> Response:
     """The request sent on to the engine with the engine's key and its answer streamed back; 400 for a path that
-    is not forwarded (engine_path), 503 when the engine does not answer (`state` says the engine's state then:
-    a request sent to a hung engine fails once it is restarted).
+    is not forwarded (engine_path). Raises NotSent when the engine's socket refuses the connection (the request
+    never reached it). Once sent, a request is never sent again: 502 when the engine died before it answered,
+    504 when it did not answer within the read timeout (`state` says the engine's state then), 503 when no
+    connection to it came free in time (this server's load).
 
     What the engine did is reported for its liveness: `on_answer()` once the first byte of an answer that is not
     a server error arrives, `on_failure(why)` for a timeout, a broken connection or a 5xx (not for a wait for a
@@ -179,10 +197,18 @@ async def forward(
     what = f"a forwarded {request.method} /v1/{path}"
     try:
         upstream = await client.send(outgoing, stream=True)
+    except httpx.ConnectError as exc:
+        raise NotSent(f"{what}: the engine's socket refused it: {exc}") from exc
+    except httpx.PoolTimeout:
+        return engine_unavailable("engine did not answer: PoolTimeout", state(), weight_path)
+    except httpx.TimeoutException as exc:
+        on_failure(f"{what} did not answer: {type(exc).__name__}")
+        return engine_failed(f"the engine did not answer in time ({type(exc).__name__}; engine state: {state()}); "
+                             "this request was not sent again", 504, weight_path)  # fmt: skip
     except httpx.HTTPError as exc:
-        if not isinstance(exc, httpx.PoolTimeout):
-            on_failure(f"{what} did not answer: {type(exc).__name__}")
-        return engine_unavailable(f"engine did not answer: {type(exc).__name__}", state(), weight_path)
+        on_failure(f"{what} did not answer: {type(exc).__name__}")
+        return engine_failed(f"the engine stopped before it answered ({type(exc).__name__}: {exc}; engine state: "
+                             f"{state()}); this request was not sent again", 502, weight_path)  # fmt: skip
     if upstream.status_code >= 500:
         on_failure(f"{what} answered {upstream.status_code}")
         on_answer = _noop

@@ -86,11 +86,27 @@ class Settings(BaseSettings):
         "The checkpoint's full path is accepted too.",
     )
 
-    # Liveness of a ready engine: a stopped or wedged engine must stop receiving traffic and be restarted.
-    liveness_interval_s: float = Field(default=5.0, gt=0, description="How often a ready engine's /health is probed.")
-    liveness_timeout_s: float = Field(default=5.0, gt=0, description="A /health probe slower than this failed.")
+    # Liveness of a ready engine: a stopped or wedged engine must stop receiving traffic and be restarted, within
+    # 5 s (issue 46), and an engine that is merely busy (a long prefill on one slow core, a burst of streams) never.
+    # A stopped engine process (SIGSTOP) is seen in /proc at the next probe; a probe that times out while the engine's
+    # processes used CPU is a busy engine, not a failure, for up to liveness_busy_s; a wedged engine (a deadlock, a
+    # lock never released) uses none. Worst case for a wedge: failures x (interval + timeout) = 4 s.
+    liveness_interval_s: float = Field(default=1.0, gt=0, description="How often a ready engine's /health is probed.")
+    liveness_timeout_s: float = Field(default=1.0, gt=0, description="A /health probe slower than this failed.")
     liveness_failures: int = Field(
-        default=3, ge=1, description="Failed probes in a row that make the engine unresponsive (then restarted)."
+        default=2, ge=1, description="Failed probes in a row that make the engine unresponsive (then restarted)."
+    )
+    liveness_busy_cpu: float = Field(
+        default=0.05,
+        ge=0,
+        description="A probe that timed out while the engine's processes used at least this fraction of a core is "
+        "a busy engine, not a failed probe (0: every timeout is a failure).",
+    )
+    liveness_busy_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a busy engine may leave its probes unanswered before it is unresponsive all the same "
+        "(a spinning engine uses CPU too).",
     )
     liveness_idle_s: float = Field(
         default=30.0,
@@ -103,6 +119,20 @@ class Settings(BaseSettings):
     )
     liveness_generation_timeout_s: float = Field(
         default=30.0, gt=0, description="A one-token generation slower than this failed."
+    )
+    # Requests that arrive while the engine starts or restarts wait for it (as Ollama's do while a model loads),
+    # instead of a 503 a fleet client would retry blind into the restart.
+    restart_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long a /v1 request waits for an engine that is starting or restarting (a warm restart "
+        "takes ~10-15 s here); past it, 503 with Retry-After. A client may ask for less with the "
+        "X-Edge-Max-Wait header (seconds); a client that goes away stops waiting. 0: never wait.",
+    )
+    restart_queue: int = Field(
+        default=64,
+        ge=0,
+        description="Most /v1 requests waiting for the engine at once; one more gets 503 with Retry-After.",
     )
     log_tail_lines: int = Field(default=40, ge=1, description="Engine log lines kept to explain a crash.")
     proxy_timeout_s: float = Field(default=600.0, gt=0, description="Read timeout for a forwarded request.")

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 log = logging.getLogger("edge.engine")
@@ -72,6 +73,31 @@ def group_members(pgid: int) -> list[int]:
         if fields is not None and len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             members.append(int(entry.name))
     return members
+
+
+@dataclass(frozen=True)
+class GroupSnapshot:
+    """A process group at one moment: the CPU time its live members have used, and which of them are stopped."""
+
+    cpu_s: float  # user + system time of the live members, seconds (all their threads)
+    stopped: tuple[int, ...]  # members stopped by a signal (state T: SIGSTOP, SIGTSTP); not a tracer's stop (t)
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def group_snapshot(pgid: int) -> GroupSnapshot:
+    """The group's CPU time and stopped members, from /proc/PID/stat (utime and stime, fields 14 and 15). A
+    process that computes adds CPU time; one that waits on a lock, or is stopped, adds none."""
+    ticks, stopped = 0, []
+    for pid in group_members(pgid):
+        fields = _stat_fields(pid)
+        if fields is None or len(fields) < 13:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+        if fields[0] == "T":
+            stopped.append(pid)
+    return GroupSnapshot(ticks / CLOCK_TICKS, tuple(stopped))
 
 
 def engine_child(leader: int) -> int | None:

@@ -29,11 +29,12 @@ from server.supervisor.command import (
     short_model_name,
     vllm_launcher,
 )
-from server.supervisor.probes import generation_probe, health_probe
+from server.supervisor.probes import ProbeFailure, generation_probe, health_probe
 from server.supervisor.processes import (
     EngineProcess,
     describe_exit,
     engine_child,
+    group_snapshot,
     leader_exit,
     process_start_time,
     signal_group,
@@ -60,6 +61,13 @@ from server.supervisor.status import EngineState, EngineStatus, StopKind
 from server.supervisor.watchdog import watchdog_argv
 
 log = logging.getLogger("edge.engine")
+
+# A stopped engine process is unresponsive once seen stopped at this many probes in a row (a job-control stop that
+# is continued at once is not a fault)
+STOPPED_PROBES = 2
+# An unresponsive engine is stopped with this grace, not stop_grace_s: a wedged engine does not shut down cleanly,
+# and requests are waiting for its restart
+UNRESPONSIVE_GRACE_S = 3.0
 
 
 class EarlyStart(Protocol):
@@ -110,12 +118,15 @@ class EngineSupervisor:
         if problem := socket_path_problem(self.run_dir):
             raise EngineRefused(problem)
         self.socket_path: Path | None = None  # a fresh one in socket_dir(run_dir) for each start
-        self.state: EngineState = "stopped"
+        self._state: EngineState = "stopped"
+        self._changed = asyncio.Event()  # set, and replaced, on every change of state
+        self.generation = 0  # how many times an engine became ready: a request tells one engine from the next
         self.restarts = 0
         self.restart_reasons: Counter[str] = Counter()
         self.last_error: str | None = None
         self.probe_failures = 0  # in a row, now
-        self.probes_failed: Counter[str] = Counter()  # ever, by probe ("health", "generation", "traffic")
+        self.probes_failed: Counter[str] = Counter()  # ever, by probe ("health", "generation", "traffic", "stopped")
+        self.probes_answered = 0  # ever
         self.last_probe_error: str | None = None
         self.swept: list[str] = []  # engines of dead wrappers stopped at start
         self.delays: list[float] = []  # every backoff delay taken, in order
@@ -130,6 +141,7 @@ class EngineSupervisor:
         self._last_generation_at = 0.0
         self._suspect = False  # a forwarded request failed since the last generation probe: one is due now
         self._liveness_wake = asyncio.Event()
+        self._busy_since: float | None = None  # when probes began to time out on an engine that computes
         self._next_restart_at: float | None = None
         self._stopping = False
         self._wake = asyncio.Event()
@@ -189,6 +201,35 @@ class EngineSupervisor:
     @property
     def is_ready(self) -> bool:
         return self.state == "ready"
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @state.setter
+    def state(self, value: EngineState) -> None:
+        if value != self._state:
+            self._state = value
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    @property
+    def serving(self) -> bool:
+        """Whether an engine is ready or on its way to be: not stopped, not stopping."""
+        return not self._stopping and self.state != "stopped"
+
+    async def wait_serving(self, timeout: float, *, not_generation: int | None = None) -> bool:
+        """True once an engine is ready (within timeout seconds), and not the one of `not_generation` (which a
+        request could not reach); False when the time is up or the supervisor stops."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.is_ready and self.generation != not_generation:
+                return True
+            left = deadline - time.monotonic()
+            if not self.serving or left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
 
     def note_traffic(self) -> None:
         """A forwarded request got the first byte of an answer that is not a server error: the engine generates,
@@ -377,7 +418,7 @@ class EngineSupervisor:
                     self._ready.clear()
                     self.last_error = unresponsive
                     log.warning("engine unresponsive (%s): stopping it", unresponsive)
-                    await terminate(proc, self.settings.stop_grace_s)
+                    await terminate(proc, min(UNRESPONSIVE_GRACE_S, self.settings.stop_grace_s))
                     kind, why = "unresponsive", unresponsive
             elif exited.done():
                 kind, why = "exited-before-ready", f"{describe_exit(proc.returncode)} before it became ready"
@@ -399,6 +440,7 @@ class EngineSupervisor:
         return kind, f"{why}; last log lines: {tail}" if tail else why
 
     def _became_ready(self, proc: EngineProcess) -> None:
+        self.generation += 1
         self.state = "ready"
         self._ready_at = self._last_traffic_at = time.monotonic()
         self._suspect = False
@@ -431,9 +473,13 @@ class EngineSupervisor:
     # -- liveness ----------------------------------------------------------------------------------------
 
     async def _stay_live(self, exited: asyncio.Task) -> str | None:
-        """Probe the ready engine until it exits (None) or fails `liveness_failures` probes in a row (why)."""
+        """Probe the ready engine until it exits (None) or is unresponsive (why): a process of it stopped at
+        STOPPED_PROBES probes in a row, or `liveness_failures` failed probes in a row. A probe that timed out while
+        the engine used CPU is not a failure until the engine has been busy without answering for
+        `liveness_busy_s` (engine_busy)."""
         settings = self.settings
-        assert self.socket_path is not None
+        assert self.socket_path is not None and self._proc is not None
+        leader, stopped_seen, self._busy_since = self._proc.pid, 0, None
         async with engine_client(self.socket_path) as client:
             while True:
                 woken = asyncio.create_task(self._liveness_wake.wait())  # by a failed forwarded request
@@ -447,20 +493,52 @@ class EngineSupervisor:
                 if self.probe_failures >= settings.liveness_failures:
                     return (f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: "
                             f"{self.last_probe_error}")  # fmt: skip
+                before = group_snapshot(leader)
+                if before.stopped:
+                    stopped_seen += 1
+                    self.probes_failed["stopped"] += 1
+                    self.last_probe_error = f"engine process {', '.join(map(str, before.stopped))} is stopped (state T)"
+                    log.warning("%s (%d of %d probes)", self.last_probe_error, stopped_seen, STOPPED_PROBES)
+                    if stopped_seen >= STOPPED_PROBES:
+                        return f"unresponsive: {self.last_probe_error} at {stopped_seen} probes in a row"
+                    continue
+                stopped_seen = 0
+                started = time.monotonic()
                 failed = await self._probe(client)
                 if failed is None:
-                    self.probe_failures = 0
+                    self.probe_failures, self._busy_since = 0, None
+                    self.probes_answered += 1
                     continue
-                probe, error = failed
+                if failed.timed_out and self._engine_busy(leader, before.cpu_s, started, failed):
+                    continue
                 self.probe_failures += 1
-                self.probes_failed[probe] += 1
-                self.last_probe_error = error
+                self.probes_failed[failed.probe] += 1
+                self.last_probe_error = failed.error
                 log.warning("engine liveness probe failed (%d of %d): %s", self.probe_failures,
-                            settings.liveness_failures, error)  # fmt: skip
+                            settings.liveness_failures, failed.error)  # fmt: skip
                 if self.probe_failures >= settings.liveness_failures:
-                    return f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: {error}"
+                    return (f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: "
+                            f"{failed.error}")  # fmt: skip
 
-    async def _probe(self, client: httpx.AsyncClient) -> tuple[str, str] | None:
+    def _engine_busy(self, leader: int, cpu_before: float, started: float, failed: ProbeFailure) -> bool:
+        """Whether a probe that timed out met an engine that computes (its processes used at least
+        `liveness_busy_cpu` of a core meanwhile) and has not been busy without answering for `liveness_busy_s`:
+        then it is not a failed probe. A wedged engine (a deadlock, a stopped thread) uses no CPU."""
+        settings = self.settings
+        now = time.monotonic()
+        used = group_snapshot(leader).cpu_s - cpu_before
+        if not settings.liveness_busy_cpu or used < settings.liveness_busy_cpu * (now - started):
+            return False
+        self._busy_since = self._busy_since or started
+        busy = now - self._busy_since
+        if busy >= settings.liveness_busy_s:
+            log.warning("engine busy without answering for %.0f s (liveness_busy_s): %s", busy, failed.error)
+            return False
+        log.info("%s, but the engine computes (%.2f CPU s in %.2f s): busy, not wedged", failed.error, used,
+                 now - started)  # fmt: skip
+        return True
+
+    async def _probe(self, client: httpx.AsyncClient) -> ProbeFailure | None:
         """One liveness probe: /health, then a one-token generation when the engine has been idle and none ran
         recently, or a forwarded request failed since the last. None when it answered; else the probe and what
         went wrong (server/supervisor/probes.py)."""

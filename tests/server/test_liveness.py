@@ -29,14 +29,14 @@ def supervisor_for(*flags: str, **settings) -> EngineSupervisor:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("hang", [signal.SIGSTOP, signal.SIGUSR1], ids=["stopped", "not-answering"])
-async def test_engine_that_stops_answering_health_is_unresponsive_then_restarted(hang):
+async def test_engine_that_stops_answering_health_is_unresponsive_then_restarted():
+    """SIGUSR1: the stand-in answers nothing more and computes nothing (a deadlock): its probes fail."""
     supervisor = supervisor_for(**FAST_LIVENESS, **NO_GENERATION_PROBE)
     await supervisor.start()
     try:
         assert await supervisor.wait_ready(30)
         hung = supervisor.engine_pid
-        os.kill(hung, hang)
+        os.kill(hung, signal.SIGUSR1)
         await eventually(lambda: supervisor.state == "unresponsive")
         assert not supervisor.is_ready
         await eventually(lambda: supervisor.restarts == 1 and supervisor.state == "ready")
@@ -45,6 +45,24 @@ async def test_engine_that_stops_answering_health_is_unresponsive_then_restarted
         assert status.last_error.startswith("unresponsive: 3 liveness probes failed in a row")
         assert "GET /health did not answer within 0.3 s" in status.last_error
         assert supervisor.probes_failed["health"] >= 3 and status.probe_failures == 0
+    finally:
+        await supervisor.stop()
+
+
+@pytest.mark.anyio
+async def test_a_stopped_engine_is_seen_stopped_in_proc_and_restarted_without_waiting_for_probes_to_time_out():
+    supervisor = supervisor_for(**FAST_LIVENESS, **NO_GENERATION_PROBE)
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        hung = supervisor.engine_pid
+        os.kill(hung, signal.SIGSTOP)
+        await eventually(lambda: supervisor.state == "unresponsive")
+        await eventually(lambda: supervisor.restarts == 1 and supervisor.state == "ready")
+        status = supervisor.status()
+        assert status.engine_pid != hung and status.restart_reasons == {"unresponsive": 1}
+        assert status.last_error.startswith(f"unresponsive: engine process {hung} is stopped (state T) at 2 probes")
+        assert supervisor.probes_failed["stopped"] == 2 and supervisor.probes_failed["health"] == 0
     finally:
         await supervisor.stop()
 
@@ -101,19 +119,20 @@ async def test_no_generation_probe_while_requests_are_being_answered():
 
 @pytest.mark.anyio
 async def test_probe_failures_must_come_in_a_row():
-    """One slow answer is not a hung engine: the count starts again after a probe that succeeds."""
-    supervisor = supervisor_for(liveness_interval_s=0.1, liveness_timeout_s=0.3, liveness_failures=2,
+    """An engine seen stopped at one probe and continued before the next is not a hung one: the count starts
+    again (probes every 0.5 s, so the test continues it well before the next)."""
+    supervisor = supervisor_for(liveness_interval_s=0.5, liveness_timeout_s=0.3, liveness_failures=2,
                                 **NO_GENERATION_PROBE)  # fmt: skip
     await supervisor.start()
     try:
         assert await supervisor.wait_ready(30)
-        for _ in range(3):  # one failed probe each time, then answers again
+        for seen in range(1, 4):  # seen stopped at one probe each time, then continued before the next
             os.kill(supervisor.engine_pid, signal.SIGSTOP)
-            await eventually(lambda: supervisor.probe_failures == 1)
+            await eventually(lambda: supervisor.probes_failed["stopped"] == seen)  # noqa: B023
             os.kill(supervisor.engine_pid, signal.SIGCONT)
-            await eventually(lambda: supervisor.probe_failures == 0)
+            answered = supervisor.probes_answered
+            await eventually(lambda: supervisor.probes_answered > answered)  # noqa: B023
         assert supervisor.state == "ready" and supervisor.restarts == 0
-        assert supervisor.probes_failed["health"] == 3
     finally:
         await supervisor.stop()
 
@@ -183,9 +202,14 @@ def test_failing_requests_cannot_hide_a_wedged_engine_from_its_liveness_probes(f
         answers = set()
 
         def failing_requests_restart_it() -> bool:
-            answers.add(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code)
+            status = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code
+            answers.add((status, supervisor.restarts))
             return supervisor.restarts >= 1
 
         _wait(failing_requests_restart_it)
         assert supervisor.restart_reasons["unresponsive"] >= 1 and supervisor.probes_failed["traffic"] >= 1
-        assert answers <= {500, 503}  # no request was answered: none of them counted as traffic
+        # No request was answered by the wedged engine (none counted as traffic); one sent as it was found
+        # unresponsive waited for the restart and was answered by the next engine.
+        assert {status for status, restarts in answers if status < 500} <= {200}
+        assert all(restarts >= 1 for status, restarts in answers if status == 200)
+        assert {status for status, _ in answers if status >= 500} <= {500, 502, 504}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
 import time
 
 import httpx
+import pytest
 
 from server.app import create_app
 from server.proxy import WEIGHT_PATH_HEADER
@@ -43,15 +45,110 @@ def ready(url: str) -> bool:
 
 
 def test_engine_not_ready_means_readyz_503_and_v1_503_with_a_json_message():
-    server, supervisor = serving("--ready-after", "600")
+    """With no wait for the engine (restart_wait_s 0), a request that meets it starting is refused at once."""
+    server, supervisor = serving("--ready-after", "600", restart_wait_s=0)
     with server as url:
         wait_until(lambda: supervisor.pid is not None)
         readyz = httpx.get(f"{url}/readyz")
         assert readyz.status_code == 503 and readyz.json()["state"] == "starting"
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers=TOKEN)
-        assert response.status_code == 503
-        assert response.json()["error"]["message"] == "engine is not ready (state: starting)"
-        assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
+        metrics = httpx.get(f"{url}/metrics", headers=TOKEN).text
+    assert response.status_code == 503 and int(response.headers["Retry-After"]) >= 1
+    assert response.json()["error"]["message"].startswith("engine is not ready (state: starting)")
+    assert response.headers[WEIGHT_PATH_HEADER] == "bf16"
+    assert 'edge_engine_requests_refused_total{reason="deadline"} 1.0' in metrics
+
+
+def metric(url: str, series: str) -> float:
+    """One series' value from the wrapper's /metrics."""
+    for line in httpx.get(f"{url}/metrics", headers=TOKEN).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{series} not in /metrics")
+
+
+def test_a_request_sent_while_the_engine_starts_waits_for_it_and_is_served():
+    server, supervisor = serving("--ready-after", "1.5")
+    with server as url:
+        wait_until(lambda: supervisor.pid is not None)
+        assert not supervisor.is_ready
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=TOKEN,
+                              timeout=30)  # fmt: skip
+        served = metric(url, "edge_engine_requests_served_after_wait_total")
+        waited = metric(url, "edge_engine_requests_waited_total")
+    assert response.status_code == 200 and response.json()["choices"][0]["text"]
+    assert waited == 1 and served == 1
+
+
+def test_a_wait_ends_at_the_clients_own_bound_with_503_and_retry_after_and_a_bad_bound_is_named():
+    server, supervisor = serving("--ready-after", "600")
+    with server as url:
+        wait_until(lambda: supervisor.pid is not None)
+        started = time.monotonic()
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30,
+                              headers={**TOKEN, "X-Edge-Max-Wait": "0.3"})  # fmt: skip
+        waited_s = time.monotonic() - started
+        bad = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers={**TOKEN, "X-Edge-Max-Wait": "soon"})
+        refused = metric(url, 'edge_engine_requests_refused_total{reason="deadline"}')
+    assert response.status_code == 503 and int(response.headers["Retry-After"]) >= 1
+    assert "did not become ready while the request waited" in response.json()["error"]["message"]
+    assert waited_s >= 0.3 and refused == 1
+    assert bad.status_code == 400 and "X-Edge-Max-Wait: 'soon'" in bad.json()["error"]["message"]
+
+
+def test_requests_past_the_waiting_bound_are_refused_at_once_and_a_client_that_leaves_stops_waiting():
+    server, supervisor = serving("--ready-after", "600", restart_queue=1)
+    with server as url:
+        wait_until(lambda: supervisor.pid is not None)
+        body = {"prompt": "hi"}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # it waits, and gives up after 1 s of its own
+            first = pool.submit(httpx.post, f"{url}/v1/completions", json=body, headers=TOKEN, timeout=1.0)
+            wait_until(lambda: metric(url, "edge_engine_requests_waiting") == 1)
+            second = httpx.post(f"{url}/v1/completions", json=body, headers=TOKEN)
+            with pytest.raises(httpx.ReadTimeout):
+                first.result()
+        wait_until(lambda: metric(url, "edge_engine_requests_abandoned_total") == 1)
+        waiting = metric(url, "edge_engine_requests_waiting")
+        refused = metric(url, 'edge_engine_requests_refused_total{reason="queue_full"}')
+    assert second.status_code == 503 and "1 requests already wait for it" in second.json()["error"]["message"]
+    assert refused == 1 and waiting == 0
+
+
+def test_requests_sent_after_the_engine_is_killed_wait_for_its_restart_and_are_all_served():
+    server, supervisor = serving("--ready-after", "0.5")
+    body = {"prompt": "after the crash", "max_tokens": 1}
+    with server as url:
+        wait_until(lambda: ready(url))
+        os.kill(supervisor.engine_pid, signal.SIGKILL)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(
+                lambda _: httpx.post(f"{url}/v1/completions", json=body, headers=TOKEN, timeout=30), range(6)))
+        waited = metric(url, "edge_engine_requests_waited_total")
+        served = metric(url, "edge_engine_requests_served_after_wait_total")
+    assert [answer.status_code for answer in answers] == [200] * 6
+    assert supervisor.restarts == 1 and waited >= 1 and served == waited
+
+
+def test_a_request_in_flight_when_the_engine_dies_gets_a_502_naming_it_and_is_not_sent_again():
+    """SIGUSR2: the stand-in takes completions and never answers them; killed then, the request it held ends
+    with 502, and the restarted engine never sees it."""
+    server, supervisor = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        os.kill(supervisor.engine_pid, signal.SIGUSR2)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": "held", "max_tokens": 1},
+                               headers=TOKEN, timeout=30)  # fmt: skip
+            time.sleep(0.5)
+            os.kill(supervisor.engine_pid, signal.SIGKILL)
+            answer = held.result()
+        wait_until(lambda: ready(url))
+        seen = engine_request(supervisor, "GET", "/health")  # the new engine's log is what it saw
+    assert answer.status_code == 502 and answer.json()["error"]["type"] == "engine_error"
+    assert "the engine stopped before it answered" in answer.json()["error"]["message"]
+    assert "not sent again" in answer.json()["error"]["message"]
+    assert seen.status_code == 200
+    assert not any("POST /v1/completions" in line for line in list(supervisor.log_tail)[-5:] if "held" in line)
 
 
 def test_completion_through_the_wrapper_carries_the_weight_path_header():
