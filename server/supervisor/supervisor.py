@@ -127,6 +127,7 @@ class EngineSupervisor:
         self.probe_failures = 0  # in a row, now
         self.probes_failed: Counter[str] = Counter()  # ever, by probe ("health", "generation", "traffic", "stopped")
         self.probes_answered = 0  # ever
+        self.probes_busy = 0  # ever: probes that timed out on an engine that computed meanwhile (not failures)
         self.last_probe_error: str | None = None
         self.swept: list[str] = []  # engines of dead wrappers stopped at start
         self.delays: list[float] = []  # every backoff delay taken, in order
@@ -536,6 +537,7 @@ class EngineSupervisor:
             return False
         log.info("%s, but the engine computes (%.2f CPU s in %.2f s): busy, not wedged", failed.error, used,
                  now - started)  # fmt: skip
+        self.probes_busy += 1
         return True
 
     async def _probe(self, client: httpx.AsyncClient) -> ProbeFailure | None:

@@ -13,7 +13,8 @@ open); every response says which authorization it saw (X-Standin-Saw-Authorizati
 and so does its log line for the request (`auth=...`).
 Test hooks: --bind-after S (binds S seconds after starting, as vLLM binds before loading its model but takes
 seconds to start), --exit-after/--exit-code (crash), --spawn-worker (a child in its process group, like vLLM's workers),
---ignore-sigterm, --hold-stream (a stream pauses after its first event until POST /standin/release), --fail-
+--ignore-sigterm, --busy-health S (once ready, /health computes for S seconds before it answers: a busy engine),
+--hold-stream (a stream pauses after its first event until POST /standin/release), --fail-
 completions (every completion answers 500), and hangs: --hang-after N (every request after the first N is never
 answered), SIGUSR1 (from now on nothing is answered: a stopped API server), SIGUSR2 (completions are never
 answered, /health still is: a wedged engine core behind a live API server). Its responses carry a hop-by-hop header
@@ -58,6 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hold-stream", action="store_true")
     parser.add_argument("--hang-after", type=int, default=None)
     parser.add_argument("--fail-completions", action="store_true")
+    parser.add_argument("--busy-health", type=float, default=0.0)
     parser.add_argument("--served-model-name", nargs="+", default=None)
     args, ignored = parser.parse_known_args(argv)
     args.ignored = ignored  # the plan's vLLM flags (--dtype, --max-model-len, ...): accepted, unused
@@ -126,6 +128,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self.path == "/health":
             ready = time.monotonic() - STARTED >= self.args.ready_after
+            if ready and self.args.busy_health:  # an engine that computes and is slow to answer: spin, then answer
+                busy_until = time.monotonic() + self.args.busy_health
+                while time.monotonic() < busy_until:
+                    pass
             self.send_response(200 if ready else 503)
             self.send_header("Content-Length", "0")
             self.end_headers()

@@ -68,6 +68,23 @@ async def test_a_stopped_engine_is_seen_stopped_in_proc_and_restarted_without_wa
 
 
 @pytest.mark.anyio
+async def test_a_busy_engine_slow_to_answer_is_not_taken_for_a_wedged_one_until_liveness_busy_s():
+    """/health takes 0.6 s of computing to answer, the probes wait 0.3 s: they time out, but the engine used
+    CPU meanwhile, so none is a failure; only after liveness_busy_s of that is it unresponsive all the same."""
+    supervisor = supervisor_for("--busy-health", "0.6", **FAST_LIVENESS, **NO_GENERATION_PROBE, liveness_busy_s=4.0)
+    await supervisor.start()
+    try:
+        assert await supervisor.wait_ready(30)
+        await eventually(lambda: supervisor.probes_busy >= 3)
+        assert supervisor.state == "ready" and supervisor.probe_failures == 0 and not supervisor.probes_failed
+        await eventually(lambda: supervisor.restarts == 1)
+        assert supervisor.restart_reasons == {"unresponsive": 1} and supervisor.probes_failed["health"] == 3
+        assert "did not answer within 0.3 s" in supervisor.status().last_error
+    finally:
+        await supervisor.stop()
+
+
+@pytest.mark.anyio
 async def test_wedged_generation_behind_a_live_health_is_found_by_the_idle_generation_probe():
     supervisor = supervisor_for(
         **FAST_LIVENESS,

@@ -18,6 +18,7 @@ import pytest
 
 from server.supervisor.processes import group_members
 from tests.server.conftest import free_port
+from tests.server.restart_traffic import check, through_a_crash
 
 pytestmark = pytest.mark.slow
 
@@ -139,12 +140,16 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     assert argv[argv.index("--uds") + 1] == str(engine_socket) and "--port" not in argv
     image = mapped_image(engine_pid)  # the weights are read from a file's pages (kernels/vllm_plugin/mapped_weights.py)
     assert image is not None and Path(image[0]).parent.name == "mapped", image
-    os.kill(engine_pid, signal.SIGKILL)
-    killed = time.monotonic()
-    wait_for(lambda: get(f"{url}/status").json()["engine"]["restarts"] == 1, process, log, guard_s=120)
-    wait_for(lambda: ready(url), process, log)
-    print(f"edge-serve ready after {first_ready_s:.0f} s (model, conversion, vLLM start); "
-          f"vLLM ready again {time.monotonic() - killed:.0f} s after SIGKILL")  # fmt: skip
+    # Killed with a stream and a completion in flight, and a completion sent every half second until it has
+    # served again (tests/server/restart_traffic.py): every one sent after the kill is served after the restart
+    traffic = through_a_crash(url, model, engine_pid, lambda: ready(url))
+    print(f"edge-serve ready after {first_ready_s:.0f} s (model, conversion, vLLM start); vLLM ready again "
+          f"{traffic.restart_s:.0f} s after SIGKILL; {len(traffic.after_kill)} requests sent after the kill, "
+          f"{sum(status == 200 for _, status, _ in traffic.after_kill)} served")  # fmt: skip
+    assert process.poll() is None, log_tail(log)
+    check(traffic)
+    metrics = get(f"{url}/metrics").text
+    assert "edge_engine_requests_served_after_wait_total" in metrics
     engine = get(f"{url}/status").json()["engine"]
     assert engine["state"] == "ready" and engine["engine_pid"] != engine_pid
     assert "SIGKILL" in engine["last_error"] and engine["restart_reasons"] == {"exited": 1}
