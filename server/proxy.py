@@ -95,8 +95,24 @@ def engine_failed(message: str, status_code: int, weight_path: str | None) -> JS
 
 
 class NotSent(Exception):
-    """The engine could not be reached (its socket refused or was gone): the request never left this server, and
-    may wait for the next engine and be sent to it."""
+    """The engine never read the request: its socket refused the connection, or was closed with the request unread.
+    The request may wait for the next engine and be sent to it."""
+
+
+def _reset_unread(exc: BaseException) -> bool:
+    """Whether a transport error is the engine's Unix socket closed with this request unread. Linux's AF_UNIX
+    (net/unix/af_unix.c, unix_release_sock) resets the peer (ECONNRESET; EPIPE for a write) only when the closing
+    end still held unread data or had not yet accepted the connection; an engine that read the request and died
+    meanwhile closes with nothing unread, and the proxy reads an end of file (RemoteProtocolError) instead. So a
+    reset means the engine never read the whole request and cannot have begun it. Every request to the engine goes
+    over its Unix socket (server/supervisor/sockets.EngineTransport)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _noop(*_: object) -> None:
@@ -177,10 +193,10 @@ async def forward(
     on_failure: Callable[[str], None] = _noop,
 ) -> Response:
     """The request sent on to the engine with the engine's key and its answer streamed back; 400 for a path that
-    is not forwarded (engine_path). Raises NotSent when the engine's socket refuses the connection (the request
-    never reached it). Once sent, a request is never sent again: 502 when the engine died before it answered,
-    504 when it did not answer within the read timeout (`state` says the engine's state then), 503 when no
-    connection to it came free in time (this server's load).
+    is not forwarded (engine_path). Raises NotSent when the engine's socket refuses the connection, or is closed
+    with the request unread (_reset_unread): the engine never read it. A request the engine read is never sent
+    again: 502 when the engine died before it answered, 504 when it did not answer within the read timeout
+    (`state` says the engine's state then), 503 when no connection to it came free in time (this server's load).
 
     What the engine did is reported for its liveness: `on_answer()` once the first byte of an answer that is not
     a server error arrives, `on_failure(why)` for a timeout, a broken connection or a 5xx (not for a wait for a
@@ -199,6 +215,12 @@ async def forward(
         upstream = await client.send(outgoing, stream=True)
     except httpx.ConnectError as exc:
         raise NotSent(f"{what}: the engine's socket refused it: {exc}") from exc
+    except (httpx.ReadError, httpx.WriteError) as exc:
+        if not _reset_unread(exc):
+            on_failure(f"{what} did not answer: {type(exc).__name__}")
+            return engine_failed(f"the engine stopped before it answered ({type(exc).__name__}: {exc}; engine "
+                                 f"state: {state()}); this request was not sent again", 502, weight_path)  # fmt: skip
+        raise NotSent(f"{what}: the engine's socket was closed with the request unread") from exc
     except httpx.PoolTimeout:
         return engine_unavailable("engine did not answer: PoolTimeout", state(), weight_path)
     except httpx.TimeoutException as exc:

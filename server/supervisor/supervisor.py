@@ -68,6 +68,9 @@ STOPPED_PROBES = 2
 # An unresponsive engine is stopped with this grace, not stop_grace_s: a wedged engine does not shut down cleanly,
 # and requests are waiting for its restart
 UNRESPONSIVE_GRACE_S = 3.0
+# How long an engine whose forwarded requests failed is given to show it has exited (its watchdog polls its child
+# every 0.1 s) before it is found unresponsive instead
+EXIT_GRACE_S = 1.0
 
 
 class EarlyStart(Protocol):
@@ -492,6 +495,10 @@ class EngineSupervisor:
                     await exited
                     return None
                 if self.probe_failures >= settings.liveness_failures:
+                    # Forwarded requests fail together when the engine dies: one that died is reported as exited
+                    await asyncio.wait({exited}, timeout=EXIT_GRACE_S)
+                    if exited.done():
+                        return None
                     return (f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: "
                             f"{self.last_probe_error}")  # fmt: skip
                 before = group_snapshot(leader)

@@ -65,10 +65,12 @@ def through_a_crash(
         answer = httpx.post(f"{url}/v1/completions", json=_completion(model, 4), timeout=guard_s)
         out.after_kill.append((at, answer.status_code, answer.text[:300]))
 
-    senders, ready_seen = [], 0
+    senders, ready_seen, down_seen = [], 0, False
     while ready_seen < AFTER_READY:
         assert time.monotonic() - killed < guard_s, "the engine was not ready again before the hang guard"
-        if ready():
+        up = ready()
+        down_seen = down_seen or not up
+        if up and down_seen:  # ready again: not the killed engine, which /readyz may name ready for a moment
             ready_seen += 1
             out.restart_s = out.restart_s or time.monotonic() - killed
         sender = threading.Thread(target=send, args=(time.monotonic() - killed,))
