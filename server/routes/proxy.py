@@ -65,8 +65,7 @@ class EngineWaits:
             return self._too_late(supervisor, weight_path)
         await request.body()  # read now: what is received next is the client's going away
         gone = asyncio.create_task(request.receive())
-        ready = asyncio.create_task(supervisor.wait_serving(
-            min(left, RESEND_UNSENT_S) if not_generation is not None else left, not_generation=not_generation))
+        ready = asyncio.create_task(self._engine_for(supervisor, deadline, not_generation))
         self.waiting += 1
         self.metrics.waiting.inc()
         try:
@@ -89,9 +88,22 @@ class EngineWaits:
             self.metrics.refused.labels("stopping").inc()
             return engine_unavailable(f"engine is not serving (state: {supervisor.state})", supervisor.state,
                                       weight_path)  # fmt: skip
-        if supervisor.is_ready and time.monotonic() < deadline:
-            return None  # the engine that refused it is still ready: send it again
         return self._too_late(supervisor, weight_path)
+
+    @staticmethod
+    async def _engine_for(supervisor: EngineSupervisor, deadline: float, not_generation: int | None) -> bool:
+        """True once an engine is ready for the request: not the one of `not_generation`, which did not read it,
+        unless that one is still ready RESEND_UNSENT_S later (a refusal that was not its death); False at the
+        deadline or when the supervisor stops."""
+        resend_at = time.monotonic() + RESEND_UNSENT_S
+        while True:
+            now = time.monotonic()
+            if supervisor.is_ready and (supervisor.generation != not_generation or now >= resend_at):
+                return True
+            if not supervisor.serving or now >= deadline:
+                return False
+            until = min(deadline, resend_at) if supervisor.is_ready and now < resend_at else deadline
+            await supervisor.state_change(until - now)
 
     def _too_late(self, supervisor: EngineSupervisor, weight_path: str | None) -> Response:
         self.metrics.refused.labels("deadline").inc()

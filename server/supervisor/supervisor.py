@@ -222,18 +222,10 @@ class EngineSupervisor:
         """Whether an engine is ready or on its way to be: not stopped, not stopping."""
         return not self._stopping and self.state != "stopped"
 
-    async def wait_serving(self, timeout: float, *, not_generation: int | None = None) -> bool:
-        """True once an engine is ready (within timeout seconds), and not the one of `not_generation` (which a
-        request could not reach); False when the time is up or the supervisor stops."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.is_ready and self.generation != not_generation:
-                return True
-            left = deadline - time.monotonic()
-            if not self.serving or left <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+    async def state_change(self, timeout: float) -> None:
+        """Return at the next change of state, or after timeout seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), max(0.0, timeout))
 
     def note_traffic(self) -> None:
         """A forwarded request got the first byte of an answer that is not a server error: the engine generates,

@@ -115,7 +115,8 @@ def test_requests_past_the_waiting_bound_are_refused_at_once_and_a_client_that_l
 
 
 def test_requests_sent_after_the_engine_is_killed_wait_for_its_restart_and_are_all_served():
-    server, supervisor = serving("--ready-after", "0.5")
+    """The restart takes longer than RESEND_UNSENT_S: a request the dying engine refused keeps waiting."""
+    server, supervisor = serving("--ready-after", "2.5")
     body = {"prompt": "after the crash", "max_tokens": 1}
     with server as url:
         wait_until(lambda: ready(url))
