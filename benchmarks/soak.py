@@ -58,13 +58,15 @@ class Outcome:
 
 
 def bad_inputs(model: str, max_model_len: int) -> dict[str, tuple[str, dict]]:
-    """What clients have sent: (path, body) by name. Each must get a clear 4xx or an answer."""
+    """What clients have sent: (path, body) by name. Each must get a clear 4xx or an answer. (A prompt that all but
+    fills the context is no bad input, but a long prefill on one core must not look like a wedged engine.)"""
     deep: dict = {"type": "string"}
     for _ in range(200):
         deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
     base = {"model": model, "max_tokens": 4, "temperature": 0}
     return {
         "over-context prompt": ("completions", {**base, "prompt": "word " * (2 * max_model_len)}),
+        "near-full-context prefill": ("completions", {**base, "prompt": "word " * (max_model_len - 64)}),
         "max_tokens 10^9": ("completions", {**base, "prompt": "Hi", "max_tokens": 10**9}),
         "logprobs 10^6": ("completions", {**base, "prompt": "Hi", "logprobs": 10**6}),
         "n 10^4": ("completions", {**base, "prompt": "Hi", "n": 10**4}),

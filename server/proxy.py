@@ -94,6 +94,19 @@ def engine_failed(message: str, status_code: int, weight_path: str | None) -> JS
     return JSONResponse(body, status_code=status_code, headers=headers)
 
 
+# What vLLM answers (500) for a request its engine core can no longer serve: a dead engine core, or one being shut
+# down (vllm/v1/engine/exceptions.py, EngineDeadError)
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue"
+MAX_ERROR_BODY = 1 << 16  # of an engine's 5xx answer read to tell a dead engine's
+
+
+def _vllm_message(text: str) -> str:
+    try:
+        return str(json.loads(text)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return text[:300]
+
+
 class NotSent(Exception):
     """The engine never read the request: its socket refused the connection, or was closed with the request unread.
     The request may wait for the next engine and be sent to it."""
@@ -195,7 +208,8 @@ async def forward(
     """The request sent on to the engine with the engine's key and its answer streamed back; 400 for a path that
     is not forwarded (engine_path). Raises NotSent when the engine's socket refuses the connection, or is closed
     with the request unread (_reset_unread): the engine never read it. A request the engine read is never sent
-    again: 502 when the engine died before it answered, 504 when it did not answer within the read timeout
+    again: 502 when the engine died before it answered (a broken connection, or vLLM's own 500 for a dead or
+    stopping engine core), 504 when it did not answer within the read timeout
     (`state` says the engine's state then), 503 when no connection to it came free in time (this server's load).
 
     What the engine did is reported for its liveness: `on_answer()` once the first byte of an answer that is not
@@ -234,6 +248,26 @@ async def forward(
     if upstream.status_code >= 500:
         on_failure(f"{what} answered {upstream.status_code}")
         on_answer = _noop
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                body = await upstream.aread()
+            except httpx.HTTPError:
+                body = b""
+            finally:
+                await upstream.aclose()
+            text = body[:MAX_ERROR_BODY].decode("utf-8", "replace")
+            engine_state = state()
+            if ENGINE_DEAD_MESSAGE in text or engine_state != "ready":
+                return engine_failed(f"the engine stopped before it answered (it answered {upstream.status_code}: "
+                                     f"{_vllm_message(text)}; engine state: {engine_state}); this request was not "
+                                     "sent again", 502, weight_path)  # fmt: skip
+            response = Response(body, status_code=upstream.status_code)
+            passed = end_to_end(upstream.headers.multi_items(), _RESPONSE_DROP | {WEIGHT_PATH_HEADER.lower(),
+                                                                                 "content-length"})  # fmt: skip
+            response.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in passed]
+            response.raw_headers += [(b"content-length", str(len(response.body)).encode()),
+                                     (WEIGHT_PATH_HEADER.lower().encode("latin-1"), weight_path.encode("latin-1"))]
+            return response
     passed = end_to_end(upstream.headers.multi_items(), _RESPONSE_DROP | {WEIGHT_PATH_HEADER.lower()})
     response = ForwardedResponse(
         _relay(upstream, on_answer, on_failure, what),

@@ -59,6 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hold-stream", action="store_true")
     parser.add_argument("--hang-after", type=int, default=None)
     parser.add_argument("--fail-completions", action="store_true")
+    parser.add_argument("--dead-completions", action="store_true")
     parser.add_argument("--busy-health", type=float, default=0.0)
     parser.add_argument("--served-model-name", nargs="+", default=None)
     args, ignored = parser.parse_known_args(argv)
@@ -177,6 +178,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self.args.fail_completions:
             self._json(500, {"error": {"message": "stand-in: --fail-completions", "type": "InternalServerError"}})
+            return
+        if self.args.dead_completions:  # what vLLM answers when its engine core is dead or shutting down
+            message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+            self._json(500, {"error": {"message": message, "type": "InternalServerError", "code": 500}})
             return
         words = completion_words(prompt, max_tokens)
         if request.get("stream"):

@@ -4,12 +4,7 @@ sent to both at once is stored once; replicas starting together both create-or-f
 
 from __future__ import annotations
 
-import glob
 import os
-import secrets
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,24 +14,14 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from benchmarks.postgres import PostgresMissing, temporary_postgres
 from server.app import create_app
 from server.calibrations import CalibrationStore, database_url, metadata
 from server.settings import Settings
-from tests.server.conftest import free_port, uvicorn_on_loopback
+from tests.server.conftest import uvicorn_on_loopback
 from tests.server.test_calibrations import SPR, SPR_CPUINFO, ZEN5, ZEN5_CPUINFO, body
 
 pytestmark = pytest.mark.slow  # starts a PostgreSQL server (a few seconds)
-
-SETUP_HINT = "scripts/setup installs them on Debian/Ubuntu when run as root (apt-get install postgresql)"
-
-
-def postgres_bindir() -> Path | None:
-    """Debian's /usr/lib/postgresql/<major>/bin (the newest), else wherever PATH has pg_ctl."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parts[-3]))
-    if found:
-        return Path(found[-1]).parent
-    pg_ctl = shutil.which("pg_ctl")
-    return Path(pg_ctl).parent if pg_ctl and (Path(pg_ctl).parent / "initdb").exists() else None
 
 
 def missing(reason: str) -> None:
@@ -47,43 +32,18 @@ def missing(reason: str) -> None:
     pytest.skip(reason)
 
 
-def run(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120)
-    assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}: {done.stdout}{done.stderr}"
-
-
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[str]:
-    """A PostgreSQL server of this module's own; yields its URL. It refuses to run as root: as root, it runs as
-    the `postgres` user, in a directory owned by it."""
-    bindir = postgres_bindir()
-    if bindir is None:
-        missing(f"PostgreSQL server binaries (initdb, pg_ctl) not found under /usr/lib/postgresql/*/bin or on "
-                f"PATH; {SETUP_HINT}")  # fmt: skip
-    as_root = os.geteuid() == 0
-    if as_root and shutil.which("runuser") is None:
-        missing("running as root, and runuser (util-linux) is missing: PostgreSQL cannot run as root")
-    as_postgres = ["runuser", "-u", "postgres", "--"] if as_root else []
-    workdir = Path(tempfile.mkdtemp(prefix="edge-select-postgres-"))
-    password = secrets.token_hex(16)
-    (workdir / "password").write_text(password)
-    if as_root:
-        for path in (workdir, workdir / "password"):
-            shutil.chown(path, "postgres", "postgres")
-    data, port = workdir / "data", free_port()
+    """A PostgreSQL server of this module's own (benchmarks/postgres.py); yields its URL."""
     try:
-        run([*as_postgres, str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-E", "UTF8",
-             "--auth=scram-sha-256", f"--pwfile={workdir / 'password'}", "--no-sync"])  # fmt: skip
-        # loopback only, and the socket in our own directory (the packaged /var/run/postgresql may not exist)
-        options = f"-h 127.0.0.1 -p {port} -k {workdir} -c fsync=off"
-        run([*as_postgres, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(workdir / "server.log"), "-w",
-             "-t", "60", "-o", options, "start"])  # fmt: skip
-        try:
-            yield f"postgresql://postgres:{password}@127.0.0.1:{port}/postgres"
-        finally:
-            run([*as_postgres, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"])
+        server = temporary_postgres()
+        url = server.__enter__()
+    except PostgresMissing as exc:
+        missing(str(exc))
+    try:
+        yield url
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        server.__exit__(None, None, None)
 
 
 @pytest.fixture
@@ -161,3 +121,21 @@ def test_replicas_starting_together_both_find_or_create_the_table(database):
     finally:
         for store in stores:
             store.close()
+
+
+def test_boxes_reporting_through_two_replicas_under_load_lose_nothing_and_duplicate_nothing():
+    """benchmarks/fleet_load.py at a small scale: two replica processes on a PostgreSQL of their own, 60 boxes of 3
+    CPU models (so each key passes its bound of KEEP_PER_KEY), every tenth posting to both replicas at once."""
+    from benchmarks.fleet_load import main as fleet_load
+
+    try:
+        result = fleet_load(["--clients", "8", "--boxes", "60", "--cpu-models", "3", "--seconds", "2"])
+    except PostgresMissing as exc:
+        missing(str(exc))
+    boxes, store, plans = result["boxes_report"], result["store"], result["plans"]
+    assert boxes["posts"] == 66 and boxes["errors"] == 0, boxes
+    assert store["expected"] == 3 * store["bound"] and store["rows"] == store["expected"], store
+    assert store["lost"] == store["unexpected"] == store["duplicated"] == 0, store
+    assert store["most_per_key"] == store["bound"]
+    assert plans["errors"] == 0 and plans["requests"] >= 8, plans
+    assert plans["ranked_from_a_stored_record"] == plans["requests"]  # every plan read the store and used it

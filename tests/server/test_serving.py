@@ -358,3 +358,20 @@ def test_a_flood_of_held_streams_takes_no_more_engine_connections_than_the_pool_
     assert third.status_code == 503 and third.json()["error"]["message"] == "engine did not answer: PoolTimeout"
     assert "vllm:num_requests_running" in metrics and "edge_engine_metrics_up 1.0" in metrics
     assert supervisor.probes_failed["traffic"] == 0 and after.status_code == 200
+
+
+def test_vllms_500_for_a_dead_engine_core_is_a_502_naming_it_and_other_500s_pass_through_unchanged():
+    dead_server, _ = serving("--dead-completions")
+    with dead_server as url:
+        wait_until(lambda: ready(url))
+        dead = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
+    failing_server, _ = serving("--fail-completions")
+    with failing_server as url:
+        wait_until(lambda: ready(url))
+        failing = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN)
+    assert dead.status_code == 502 and dead.json()["error"]["type"] == "engine_error"
+    assert "the engine stopped before it answered (it answered 500: EngineCore encountered" in dead.text
+    assert failing.status_code == 500
+    assert failing.json() == {"error": {"message": "stand-in: --fail-completions", "type": "InternalServerError"}}
+    assert failing.headers[WEIGHT_PATH_HEADER] == "bf16"
+    assert int(failing.headers["content-length"]) == len(failing.content)
