@@ -11,14 +11,15 @@ path when none is given) and answers 404 for a completion naming another model. 
 its environment it answers 401 to any /v1 request without `Authorization: Bearer <that key>` (other paths stay
 open); every response says which authorization it saw (X-Standin-Saw-Authorization: none, engine-key, other),
 and so does its log line for the request (`auth=...`).
-Test hooks: --bind-after S (binds S seconds after starting, as vLLM binds before loading its model but takes
-seconds to start), --exit-after/--exit-code (crash), --spawn-worker (a child in its process group, like vLLM's workers),
+Test hooks: --bind-after S (binds S seconds after starting, as vLLM binds before loading its model but takes seconds
+to start), --exit-after/--exit-code (crash), --spawn-worker (a child in its process group, like vLLM's workers),
 --ignore-sigterm, --busy-health S (once ready, /health computes for S seconds before it answers: a busy engine),
---hold-stream (a stream pauses after its first event until POST /standin/release), --fail-
-completions (every completion answers 500), and hangs: --hang-after N (every request after the first N is never
-answered), SIGUSR1 (from now on nothing is answered: a stopped API server), SIGUSR2 (completions are never
-answered, /health still is: a wedged engine core behind a live API server). Its responses carry a hop-by-hop header
-named in `Connection`, as a proxy must drop, and http.server's own `Server` and `Date`.
+--hold-stream (a stream pauses after its first event until POST /standin/release), --fail-completions (every
+completion answers 500), --dead-completions (every completion answers vLLM's 500 for a dead engine core), and hangs:
+--hang-after N (every request after the first N is never answered), SIGUSR1 (from now on nothing is answered: a
+stopped API server), SIGUSR2 (completions are never answered, /health still is: a wedged engine core behind a live
+API server). Its responses carry a hop-by-hop header named in `Connection`, as a proxy must drop, and http.server's
+own `Server` and `Date`.
 Standard library only: it starts in a fraction of a second.
 """
 
