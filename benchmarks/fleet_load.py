@@ -8,7 +8,7 @@ PostgreSQL server (benchmarks/postgres.py), as behind a load balancer. Loopback 
    time, to one replica or the other; a tenth of them post it again to the other replica at the same moment (a box
    retrying through the load balancer). Then the store is read straight from PostgreSQL: every record must be
    there that the store's bound keeps (the newest KEEP_PER_KEY of each key, server/calibrations.py), none twice,
-   and no key past its bound.
+   and no key past its bound, then or at any of the reads a watcher made while the boxes reported.
 2. Plans: --clients keep-alive clients POST /plan for --seconds, alternating replicas, each a device of one of the
    reported CPU models (so every plan reads the store); requests per second, p50 and p99.
 Every response that is not the expected status, and every transport error, is counted as an error.
@@ -74,6 +74,39 @@ def replica(port: int, database: str, cache: Path) -> subprocess.Popen:
             server.kill()
             raise SystemExit("a replica did not start")
         time.sleep(0.1)
+
+
+class BoundWatch:
+    """The most records any key held, read from PostgreSQL every few milliseconds while the boxes report: the
+    store's bound must hold all along, not only once the last add has pruned."""
+
+    def __init__(self, database: str) -> None:
+        self.engine = sa.create_engine(database_url(database))
+        self.peak = 0
+        self.reads = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> BoundWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.engine.dispose()
+
+    def _run(self) -> None:
+        query = sa.select(sa.func.count()).select_from(calibrations).group_by(calibrations.c.key)
+        while not self._stop.is_set():
+            try:
+                with self.engine.connect() as connection:
+                    counts = connection.execute(query).scalars().all()
+            except sa.exc.ProgrammingError:  # no table yet
+                counts = []
+            self.peak = max([self.peak, *counts])
+            self.reads += 1
+            self._stop.wait(0.005)
 
 
 def report_boxes(urls: list[str], records: list[CalibrationRecord], clients: int) -> dict:
@@ -183,8 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
         servers = [replica(port, database, Path(cache) / str(port)) for port in ports]
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         try:
-            boxes = report_boxes(urls, records, args.clients)
-            store = check_store(database, records)
+            with BoundWatch(database) as watch:
+                boxes = report_boxes(urls, records, args.clients)
+            store = {**check_store(database, records), "most_per_key_during": watch.peak, "bound_reads": watch.reads}
             plans = plan_load(urls, args.cpu_models, args.clients, args.seconds)
         finally:
             for server in servers:
