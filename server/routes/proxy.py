@@ -5,8 +5,10 @@ A request that arrives while the engine is starting or restarting waits for it (
 loads), instead of a 503 that a fleet client would retry blind into the restart: up to `restart_wait_s` (60 s by
 default; a client may ask for less with `X-Edge-Max-Wait: <seconds>`), at most `restart_queue` requests at once,
 and only while its client stays connected. Past the bound or the deadline, or when the server is stopping, it gets
-503 with Retry-After. A request the engine's socket refused (it died as the request was sent) never reached it and
-waits for the next engine; one that reached it is never sent again (server/proxy.py: 502, 504, or an error event).
+503 with Retry-After. It waits too when it meets the engine stopped (SIGSTOP, read from /proc per request), which
+would take it and never answer, and when the engine's socket refused it or was closed with it unread (the engine
+died as it was sent): the engine never read it. One the engine read is never sent again (server/proxy.py: 502,
+504, or an error event).
 
 Read from `request.app.state`: `supervisor`, `weight_path`, `settings`, `http` (the client the lifespan opens),
 `metrics`, `engine_waits`.
@@ -98,7 +100,8 @@ class EngineWaits:
         resend_at = time.monotonic() + RESEND_UNSENT_S
         while True:
             now = time.monotonic()
-            if supervisor.is_ready and (supervisor.generation != not_generation or now >= resend_at):
+            if (supervisor.is_ready and (supervisor.generation != not_generation or now >= resend_at)
+                    and not supervisor.engine_stopped()):
                 return True
             if not supervisor.serving or now >= deadline:
                 return False
@@ -150,6 +153,8 @@ async def v1(path: str, request: Request) -> Response:
     refused_by: int | None = None  # the engine (its generation) whose socket refused this request
     waited = False
     while True:
+        if supervisor.engine_stopped():  # it would take the request and never answer: wait for the next engine
+            refused_by = supervisor.generation
         if not supervisor.is_ready or refused_by is not None:
             if not waited:
                 waited = True

@@ -100,6 +100,11 @@ def group_snapshot(pgid: int) -> GroupSnapshot:
     return GroupSnapshot(ticks / CLOCK_TICKS, tuple(stopped))
 
 
+def any_stopped(pids: Sequence[int]) -> bool:
+    """Whether one of these processes is stopped by a signal (state T): a few /proc reads, cheap per request."""
+    return any((fields := _stat_fields(pid)) is not None and fields[0] == "T" for pid in pids)
+
+
 def engine_child(leader: int) -> int | None:
     """The engine process under its watchdog: the leader's child in the leader's group."""
     for pid in group_members(leader):

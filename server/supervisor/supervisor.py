@@ -32,8 +32,10 @@ from server.supervisor.command import (
 from server.supervisor.probes import ProbeFailure, generation_probe, health_probe
 from server.supervisor.processes import (
     EngineProcess,
+    any_stopped,
     describe_exit,
     engine_child,
+    group_members,
     group_snapshot,
     leader_exit,
     process_start_time,
@@ -146,6 +148,7 @@ class EngineSupervisor:
         self._suspect = False  # a forwarded request failed since the last generation probe: one is due now
         self._liveness_wake = asyncio.Event()
         self._busy_since: float | None = None  # when probes began to time out on an engine that computes
+        self._members: list[int] = []  # the engine's processes when it became ready
         self._next_restart_at: float | None = None
         self._stopping = False
         self._wake = asyncio.Event()
@@ -226,6 +229,15 @@ class EngineSupervisor:
         """Return at the next change of state, or after timeout seconds."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), max(0.0, timeout))
+
+    def engine_stopped(self) -> bool:
+        """Whether a process of the ready engine is stopped (SIGSTOP) now: a request sent to it would only wait
+        to fail when it is found unresponsive. Read per request from the processes the engine had when it became
+        ready; a stopped one wakes the liveness probe."""
+        if not self.is_ready or not any_stopped(self._members):
+            return False
+        self._liveness_wake.set()
+        return True
 
     def note_traffic(self) -> None:
         """A forwarded request got the first byte of an answer that is not a server error: the engine generates,
@@ -443,6 +455,7 @@ class EngineSupervisor:
         self._last_ready_wall = time.time()
         self.probe_failures = 0
         self._ready.set()
+        self._members = group_members(proc.pid)
         self._write_record(proc.pid)  # now with vLLM's engine core and workers
         if self.command[: len(launcher := vllm_launcher())] == launcher:  # vLLM's, not a stand-in
             remember_engine_env(self.run_dir, self.plan_env)

@@ -375,3 +375,15 @@ def test_vllms_500_for_a_dead_engine_core_is_a_502_naming_it_and_other_500s_pass
     assert failing.json() == {"error": {"message": "stand-in: --fail-completions", "type": "InternalServerError"}}
     assert failing.headers[WEIGHT_PATH_HEADER] == "bf16"
     assert int(failing.headers["content-length"]) == len(failing.content)
+
+
+def test_a_request_that_meets_the_engine_stopped_waits_for_its_restart_instead_of_hanging_in_it():
+    server, supervisor = serving()
+    with server as url:
+        wait_until(lambda: ready(url))
+        stopped = supervisor.engine_pid
+        os.kill(stopped, signal.SIGSTOP)
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=TOKEN, timeout=30)
+        engine = httpx.get(f"{url}/status", headers=TOKEN).json()["engine"]
+    assert answer.status_code == 200
+    assert engine["restart_reasons"] == {"unresponsive": 1} and engine["engine_pid"] != stopped
