@@ -18,8 +18,8 @@ Every request ends as one of:
                [DONE] or an error event, a bad input that got 5xx or broke the engine
 TTFT: seconds from sending a stream to its first token, over the served and cut streams (those that waited for a
 restart included; the report gives them apart too). Memory: the tree's RssAnon (benchmarks/rss.py) at the start
-(idle, after one warm-up request) and at the end (idle, after the load has drained and SETTLE_S passed), and the
-wrapper process's own, which lives through the whole run.
+(idle, SETTLE_S after --warmup-seconds of the same load without faults: first use is not growth) and at the end
+(idle, after the load has drained and SETTLE_S passed), and the wrapper process's own, which lives through the run.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def engine_error(text: str) -> bool:
 
 
 class Soak:
-    def __init__(self, url: str, model: str, seconds: float, streams: int, max_model_len: int, seed: int) -> None:
-        self.url, self.model, self.seconds, self.streams = url, model, seconds, streams
+    def __init__(self, url: str, model: str, seconds: float, streams: int, max_model_len: int, seed: int,
+                 faults: bool = True) -> None:  # fmt: skip
+        self.url, self.model, self.seconds, self.streams, self.with_faults = url, model, seconds, streams, faults
         self.max_model_len = max_model_len
         self.rng = random.Random(seed)
         self.started = time.monotonic()
@@ -201,8 +202,8 @@ class Soak:
                     threading.Thread(target=self.watch_ready, daemon=True)]  # fmt: skip
         for thread in threads:
             thread.start()
-        for name, sig, at in (("SIGKILL", signal.SIGKILL, self.seconds / 3),
-                              ("SIGSTOP", signal.SIGSTOP, 2 * self.seconds / 3)):  # fmt: skip
+        faults = (("SIGKILL", signal.SIGKILL, self.seconds / 3), ("SIGSTOP", signal.SIGSTOP, 2 * self.seconds / 3))
+        for name, sig, at in faults if self.with_faults else ():
             time.sleep(max(0.0, at - self.now()))
             self.fault(name, sig)
         time.sleep(max(0.0, self.seconds - self.now()))
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=300)
     parser.add_argument("--streams", type=int, default=48)
+    parser.add_argument("--warmup-seconds", type=float, default=30)
     parser.add_argument("--serving-mode", default="one-process")
     parser.add_argument("--model", type=Path, help="edge-serve's --model (default: the embedded model)")
     parser.add_argument("--seed", type=int, default=0)
@@ -275,6 +277,10 @@ def main(argv: list[str] | None = None) -> dict:
         warm = httpx.post(f"{server.url}/v1/completions", timeout=300,
                           json={"model": model, "prompt": "Hi", "max_tokens": 8})  # fmt: skip
         assert warm.status_code == 200, warm.text
+        # The same load without faults first: the engine's KV cache pages and the wrapper's buffers are touched
+        # by the first load, which is first use, not growth; the start is measured idle after it
+        Soak(server.url, model, args.warmup_seconds, args.streams, 2048, args.seed, faults=False).run()
+        time.sleep(SETTLE_S)
         start_rss = idle_rss(server.proc.pid)
         soak = Soak(server.url, model, args.seconds, args.streams, 2048, args.seed)
         soak.run()
