@@ -114,13 +114,15 @@ def test_requests_past_the_waiting_bound_are_refused_at_once_and_a_client_that_l
     assert refused == 1 and waiting == 0
 
 
-def test_requests_sent_after_the_engine_is_killed_wait_for_its_restart_and_are_all_served():
-    """The restart takes longer than RESEND_UNSENT_S: a request the dying engine refused keeps waiting."""
+@pytest.mark.parametrize("killed", ["engine_pid", "pid"], ids=["engine", "its-watchdog"])
+def test_requests_sent_after_the_engine_is_killed_wait_for_its_restart_and_are_all_served(killed):
+    """The restart takes longer than RESEND_UNSENT_S: a request the dying engine refused keeps waiting. The watchdog
+    killed takes the engine down with it (its parent-death signal): the same."""
     server, supervisor = serving("--ready-after", "2.5")
     body = {"prompt": "after the crash", "max_tokens": 1}
     with server as url:
         wait_until(lambda: ready(url))
-        os.kill(supervisor.engine_pid, signal.SIGKILL)
+        os.kill(getattr(supervisor, killed), signal.SIGKILL)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(
                 lambda _: httpx.post(f"{url}/v1/completions", json=body, headers=TOKEN, timeout=30), range(6)))
