@@ -11,7 +11,9 @@ The wrapper's series (each app has a registry of its own: replicas in one proces
   edge_engine_state{state}                       1 for the engine's state now, 0 for the others
   edge_engine_restarts_total{reason}             restarts, by why the engine stopped serving
   edge_engine_probe_failures_total{probe}        failed liveness probes: health, generation, traffic (a forwarded
-                                                 request that timed out, broke off or got a 5xx)
+                                                 request that timed out, broke off or got a 5xx), stopped (a
+                                                 process of the engine in state T), stall (requests waiting on
+                                                 an engine that uses no CPU)
   edge_engine_last_ready_timestamp_seconds       when the engine last became ready (Unix time)
   edge_engine_info{served_model_name,weight_path}
   edge_engine_metrics_up                         1 when the engine's own metrics were read for this scrape
@@ -81,7 +83,7 @@ class EngineCollector(Collector):
         probes = CounterMetricFamily(
             "edge_engine_probe_failures", "Failed liveness probes of the ready engine.", labels=["probe"]
         )
-        for probe in ("health", "generation", "traffic"):
+        for probe in ("health", "generation", "traffic", "stopped", "stall"):
             probes.add_metric([probe], self.supervisor.probes_failed.get(probe, 0))
         yield probes
         if status.last_ready_at is not None:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 from urllib.parse import quote
 
 import anyio
@@ -132,6 +133,25 @@ def _noop(*_: object) -> None:
     pass
 
 
+class EngineWatch(Protocol):
+    """Who is told how forwarded requests wait on the engine (EngineSupervisor: a wedge with requests waiting)."""
+
+    def waiting(self, delta: int) -> None: ...  # +1 a request begins to wait for the engine's next bytes, -1 it stops
+
+    def progressed(self) -> None: ...  # bytes of an answer arrived
+
+
+class _Unwatched:
+    def waiting(self, delta: int) -> None:
+        pass
+
+    def progressed(self) -> None:
+        pass
+
+
+UNWATCHED = _Unwatched()
+
+
 def sse_error(message: str) -> bytes:
     """A server-sent event in the OpenAI error shape: what OpenAI clients raise from when a stream fails."""
     error = {"error": {"message": message, "type": "engine_error", "code": 502}}
@@ -139,14 +159,27 @@ def sse_error(message: str) -> bytes:
 
 
 async def _relay(
-    upstream: httpx.Response, on_answer: Callable[[], None], on_failure: Callable[[str], None], what: str
+    upstream: httpx.Response,
+    on_answer: Callable[[], None],
+    on_failure: Callable[[str], None],
+    what: str,
+    watch: EngineWatch = UNWATCHED,
 ) -> AsyncIterator[bytes]:
     """The engine's bytes as they come; `on_answer` once the first arrives (or the body ends empty), `on_failure`
     when the engine breaks off mid-response (it died, or was stopped as unresponsive). That ends the stream, not the
     server; an event stream ends with an error event, so that the client does not take it for a complete answer."""
     answered = False
+    chunks = upstream.aiter_raw()
     try:
-        async for chunk in upstream.aiter_raw():
+        while True:
+            watch.waiting(1)
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            finally:
+                watch.waiting(-1)
+            watch.progressed()
             if not answered:
                 answered = True
                 on_answer()
@@ -204,6 +237,7 @@ async def forward(
     send_timeout_s: float = 60.0,
     on_answer: Callable[[], None] = _noop,
     on_failure: Callable[[str], None] = _noop,
+    watch: EngineWatch = UNWATCHED,
 ) -> Response:
     """The request sent on to the engine with the engine's key and its answer streamed back; 400 for a path that
     is not forwarded (engine_path). Raises NotSent when the engine's socket refuses the connection, or is closed
@@ -225,6 +259,7 @@ async def forward(
     headers = [*end_to_end(raw, _REQUEST_DROP), ("authorization", f"Bearer {api_key}")]
     outgoing = client.build_request(request.method, url, headers=headers, content=await request.body())
     what = f"a forwarded {request.method} /v1/{path}"
+    watch.waiting(1)
     try:
         upstream = await client.send(outgoing, stream=True)
     except httpx.ConnectError as exc:
@@ -245,6 +280,9 @@ async def forward(
         on_failure(f"{what} did not answer: {type(exc).__name__}")
         return engine_failed(f"the engine stopped before it answered ({type(exc).__name__}: {exc}; engine state: "
                              f"{state()}); this request was not sent again", 502, weight_path)  # fmt: skip
+    finally:
+        watch.waiting(-1)
+    watch.progressed()
     if upstream.status_code >= 500:
         on_failure(f"{what} answered {upstream.status_code}")
         on_answer = _noop
@@ -270,7 +308,7 @@ async def forward(
             return response
     passed = end_to_end(upstream.headers.multi_items(), _RESPONSE_DROP | {WEIGHT_PATH_HEADER.lower()})
     response = ForwardedResponse(
-        _relay(upstream, on_answer, on_failure, what),
+        _relay(upstream, on_answer, on_failure, what, watch),
         status_code=upstream.status_code,
         upstream=upstream,
         send_timeout_s=send_timeout_s,

@@ -102,6 +102,12 @@ class Settings(BaseSettings):
         description="A probe that timed out while the engine's processes used at least this fraction of a core is "
         "a busy engine, not a failed probe (0: every timeout is a failure).",
     )
+    liveness_stall_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Forwarded requests that have had no byte from the engine for this long while it used no CPU "
+        "(less than liveness_busy_cpu) are a failed probe: a wedged engine core whose API still answers /health.",
+    )
     liveness_busy_s: float = Field(
         default=30.0,
         gt=0,

@@ -174,6 +174,7 @@ async def v1(path: str, request: Request) -> Response:
                 send_timeout_s=state.settings.client_send_timeout_s,
                 on_answer=supervisor.note_traffic,
                 on_failure=supervisor.note_forward_failure,
+                watch=supervisor,
             )
         except NotSent as exc:
             log.info("%s; it waits for the engine", exc)

@@ -149,6 +149,8 @@ class EngineSupervisor:
         self._liveness_wake = asyncio.Event()
         self._busy_since: float | None = None  # when probes began to time out on an engine that computes
         self._members: list[int] = []  # the engine's processes when it became ready
+        self._awaiting = 0  # forwarded requests waiting for the engine's next bytes now
+        self._quiet_since = time.monotonic()  # the later of: the last bytes from the engine, since when some wait
         self._next_restart_at: float | None = None
         self._stopping = False
         self._wake = asyncio.Event()
@@ -238,6 +240,29 @@ class EngineSupervisor:
             return False
         self._liveness_wake.set()
         return True
+
+    def waiting(self, delta: int) -> None:
+        """server.proxy.EngineWatch: a forwarded request begins (+1) or stops (-1) waiting for the engine's bytes."""
+        if delta > 0 and self._awaiting == 0:
+            self._quiet_since = time.monotonic()
+        self._awaiting += delta
+
+    def progressed(self) -> None:
+        """server.proxy.EngineWatch: bytes of an answer arrived from the engine."""
+        self._quiet_since = time.monotonic()
+
+    def _stalled(self, cpu_used: float, over_s: float) -> ProbeFailure | None:
+        """Requests wait for the engine, none has had a byte for `liveness_stall_s`, and the engine used no CPU
+        (less than `liveness_busy_cpu` of a core) over the last `over_s`: a wedged engine core, even one whose
+        API still answers /health (two-process mode). A long prefill computes; a queued request waits behind
+        others that compute and answer."""
+        quiet = time.monotonic() - self._quiet_since
+        if not self._awaiting or quiet < self.settings.liveness_stall_s:
+            return None
+        if over_s <= 0 or cpu_used >= self.settings.liveness_busy_cpu * over_s:
+            return None
+        return ProbeFailure("stall", f"{self._awaiting} forwarded requests waited {quiet:.1f} s for the engine's "
+                            f"answer, and it used {cpu_used:.2f} CPU s in {over_s:.1f} s")  # fmt: skip
 
     def note_traffic(self) -> None:
         """A forwarded request got the first byte of an answer that is not a server error: the engine generates,
@@ -489,6 +514,7 @@ class EngineSupervisor:
         settings = self.settings
         assert self.socket_path is not None and self._proc is not None
         leader, stopped_seen, self._busy_since = self._proc.pid, 0, None
+        last = (group_snapshot(leader).cpu_s, time.monotonic())  # the CPU time and when, at the last probe
         async with engine_client(self.socket_path) as client:
             while True:
                 woken = asyncio.create_task(self._liveness_wake.wait())  # by a failed forwarded request
@@ -507,6 +533,8 @@ class EngineSupervisor:
                     return (f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: "
                             f"{self.last_probe_error}")  # fmt: skip
                 before = group_snapshot(leader)
+                cpu_used, over_s = before.cpu_s - last[0], time.monotonic() - last[1]
+                last = (before.cpu_s, time.monotonic())
                 if before.stopped:
                     stopped_seen += 1
                     self.probes_failed["stopped"] += 1
@@ -517,7 +545,7 @@ class EngineSupervisor:
                     continue
                 stopped_seen = 0
                 started = time.monotonic()
-                failed = await self._probe(client)
+                failed = await self._probe(client) or self._stalled(cpu_used, over_s)
                 if failed is None:
                     self.probe_failures, self._busy_since = 0, None
                     self.probes_answered += 1

@@ -230,3 +230,20 @@ def test_failing_requests_cannot_hide_a_wedged_engine_from_its_liveness_probes(f
         assert {status for status, restarts in answers if status < 500} <= {200}
         assert all(restarts >= 1 for status, restarts in answers if status == 200)
         assert {status for status, _ in answers if status >= 500} <= {500, 502, 504}
+
+
+def test_a_wedged_engine_core_behind_a_live_health_is_found_by_the_requests_waiting_on_it():
+    """SIGUSR2: completions are taken and never answered, /health still is (a deadlocked engine core behind vLLM's
+    live API server, as in two-process mode), and the generation probe is off: a request waiting with no byte for
+    liveness_stall_s while the engine uses no CPU is a failed probe, two in a row and it is restarted, long before
+    the proxy's read timeout."""
+    server, supervisor = serving_app(**NO_GENERATION_PROBE, proxy_timeout_s=600)
+    with server as url:
+        _wait(lambda: supervisor.is_ready)
+        os.kill(supervisor.engine_pid, signal.SIGUSR2)
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=120)
+        _wait(lambda: supervisor.restarts == 1 and supervisor.is_ready)
+        status = supervisor.status()
+    assert answer.status_code == 502 and "not sent again" in answer.json()["error"]["message"]
+    assert status.restart_reasons == {"unresponsive": 1} and supervisor.probes_failed["stall"] == 2
+    assert "forwarded requests waited" in status.last_error and supervisor.probes_failed["health"] == 0
