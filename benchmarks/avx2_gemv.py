@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from benchmarks.host import cpu_model_name
+
 SHAPES = [(4096, 4096), (960, 576), (576, 576), (3072, 576), (576, 1536)]  # N x K; the default model's four
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 KERNELS = ("avx2", "avx2-w4a8", "avx2-w4a8-x8", "tinygemm", "bf16")
@@ -127,21 +129,10 @@ def measure(rounds: int, rows: list[int], group: int, kernel_set: tuple[str, ...
     }
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def table(native: dict, avx2: dict) -> str:
     """Markdown: one line per shape and M; ms and GB/s per kernel under each dispatch."""
     lines = [
-        f"CPU: {_cpu_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
+        f"CPU: {cpu_model_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
         f"native dispatch {native['capability']}, child {avx2['capability']}; AVX2 kernels: {native['avx2_kernel']}",
         "",
         "| N x K | M | avx2 int16 ms (GB/s) | avx2 int8 ms (GB/s) | avx2 int8 x8 ms (GB/s) | x8 time / int8 | "
@@ -172,7 +163,7 @@ def table(native: dict, avx2: dict) -> str:
 def int8_table(native: dict, avx2: dict) -> str:
     """Markdown for --int8: ms (GB/s) per kernel under each dispatch, and per-group against per-channel."""
     lines = [
-        f"CPU: {_cpu_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
+        f"CPU: {cpu_model_name()}; read bandwidth (1 thread): {native['read_bandwidth_gb_s']} GB/s; "
         f"native dispatch {native['capability']}, child {avx2['capability']}; AVX2 kernels: {native['avx2_kernel']}",
         "",
         "| dispatch | N x K | M | " + " | ".join(f"{k} ms (GB/s)" for k in INT8_KERNELS)

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.host import cpu_model_name
 from benchmarks.make_random_gguf import PRESETS, architecture_shapes, write_q4_k_m
 from benchmarks.rss import TreeSampler
 
@@ -59,7 +60,7 @@ def main() -> None:
     settled = sampler.samples[-max(1, len(sampler.samples) // 20) :]  # the last 5 %: the summary and the manifest
     largest = max(_numel(shape) for shape, role in architecture_shapes("llama", dims).values() if role == "matrix")
     result = {
-        "cpu": _cpu(),
+        "cpu": cpu_model_name(),
         "parameters": params,
         "gguf_mib": gguf.stat().st_size / MIB,
         "output_mib": sum(p.stat().st_size for p in dst.glob("*.safetensors")) / MIB,
@@ -84,13 +85,6 @@ def _numel(shape) -> int:
     for size in shape:
         count *= size
     return count
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

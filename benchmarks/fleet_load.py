@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,8 @@ from pathlib import Path
 import httpx
 import sqlalchemy as sa
 
-from benchmarks.plan_latency import free_port, percentiles
+from benchmarks.host import cpu_model_name
+from benchmarks.plan_latency import free_port, percentiles, start_server
 from benchmarks.postgres import temporary_postgres
 from edge.device.calibration import CalibrationRecord, KernelResult, KernelTime
 from edge.device.cpuinfo import parse_cpuinfo
@@ -59,21 +59,7 @@ def box_records(boxes: int, cpu_models: int) -> list[CalibrationRecord]:
 
 
 def replica(port: int, database: str, cache: Path) -> subprocess.Popen:
-    env = {**os.environ, "EDGE_CALIBRATION_DB": database, "EDGE_SELECT_CACHE_DIR": str(cache)}
-    argv = [sys.executable, "-m", "uvicorn", "--factory", "server.app:create_app", "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning", "--no-access-log"]  # fmt: skip
-    server = subprocess.Popen(argv, cwd=ROOT, env=env)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise SystemExit("a replica did not start")
-        time.sleep(0.1)
+    return start_server(port, {"EDGE_CALIBRATION_DB": database, "EDGE_SELECT_CACHE_DIR": str(cache)})
 
 
 class BoundWatch:
@@ -225,8 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
                 server.terminate()
                 server.wait(timeout=30)
     result = {"command": "python -m benchmarks.fleet_load " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "cpu": next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                          if line.startswith("model name")).split(":", 1)[1].strip(),
+              "cpu": cpu_model_name(),
               "replicas": 2, "boxes_report": boxes, "store": store, "plans": plans}  # fmt: skip
     text = json.dumps(result, indent=2)
     print(text)

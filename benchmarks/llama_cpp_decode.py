@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.host import cpu_model_name
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = ROOT / ".cache" / "llama-avx2" / "bin" / "python"
 LLAMA_CPP_VERSION = "0.3.36"
@@ -156,16 +158,6 @@ def _default_gguf() -> Path:
 # --- child side (the llama_cpp venv: standard library + llama_cpp only) ---------------------------------------
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def _features(system_info: str) -> dict[str, str]:
     """'CPU : SSE3 = 1 | AVX2 = 1 | ...' -> {'SSE3': '1', 'AVX2': '1', ...}."""
     features = {}
@@ -252,7 +244,7 @@ def child(gguf: Path, threads: int, prompt_tokens: int, new_tokens: int, passes:
         "system_info": system_info,
         "avx2": features.get("AVX2") == "1",
         "avx512": features.get("AVX512") == "1",
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model_name(),
         "threads": threads,
         "gguf": str(gguf),
         "gguf_bytes": gguf.stat().st_size,

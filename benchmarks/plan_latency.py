@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -76,10 +77,11 @@ def timed_post(client: httpx.Client, url: str, body: dict) -> float:
     return elapsed
 
 
-def start_server(port: int) -> subprocess.Popen:
+def start_server(port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The planning app in a uvicorn process of its own on loopback, with `env` added to this environment."""
     argv = [sys.executable, "-m", "uvicorn", "--factory", "server.app:create_app", "--host", "127.0.0.1",
             "--port", str(port), "--log-level", "warning", "--no-access-log"]  # fmt: skip
-    server = subprocess.Popen(argv, cwd=Path(__file__).parents[1])
+    server = subprocess.Popen(argv, cwd=Path(__file__).parents[1], env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.bench_serve import Server, edge_argv, free_port
+from benchmarks.host import cpu_model_name
 from benchmarks.rss import rss_anon_bytes, tree_rss_anon_bytes
 
 SETTLE_S = 15.0
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
              if line.startswith("edge_engine_requests_")}  # fmt: skip
     result = {
         "command": "python -m benchmarks.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "cpu": _cpu(),
+        "cpu": cpu_model_name(),
         "plan": {"path": status["plan"]["path"], "layout": status["plan"].get("layout"),
                  "mode": status["plan"]["vllm"].get("mode")},  # fmt: skip
         "first_ready_s": round(ready_s, 1),
@@ -312,13 +313,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         args.json.write_text(text + "\n")
     return result
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":
