@@ -15,13 +15,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 
 from edge.plan.schema import Plan
-from server.calibrations import CalibrationStore
 from server.errors import add_exception_handlers
 from server.metrics import ServiceMetrics
 from server.middleware import BearerToken, BodyLimit, ForwardedPaths
 from server.routes import calibrations, engine, proxy
 from server.routes import plan as plan_routes
 from server.settings import Settings
+from server.store import LazyCalibrationStore
 from server.supervisor.sockets import EngineTransport
 from server.supervisor.supervisor import EngineSupervisor
 
@@ -53,7 +53,7 @@ def create_app(
     settings = settings or Settings()
     app = FastAPI(title="edge-select", version="0.1.0", description=DESCRIPTION, lifespan=_lifespan)
     app.state.settings = settings
-    app.state.calibrations = CalibrationStore(settings.calibration_db)
+    app.state.calibrations = LazyCalibrationStore(settings.calibration_db)  # SQLAlchemy on first use
     app.state.weight_path = weight_path(plan)
     app.state.metrics = ServiceMetrics(supervisor, app.state.weight_path)
     app.state.engine_waits = proxy.EngineWaits(settings, app.state.metrics)

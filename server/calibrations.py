@@ -25,6 +25,7 @@ from edge.device.calibration import CalibrationRecord, measured_time
 from edge.errors import InputError
 from edge.paths import cache_dir
 from server.schemas import CalibrationSummary
+from server.store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,6 @@ calibrations = sa.Table(
     sa.Column("record", sa.Text, nullable=False),  # record.model_dump_json(): the digest is of exactly this text
     sa.Column("posted_by", sa.String(16), nullable=True),  # the token's role ("api", "report"); null: stored before
 )
-
-
-class StoreUnavailable(RuntimeError):
-    """The database could not be reached or refused a query (the API answers 503)."""
 
 
 def _redacted(url: str) -> str:

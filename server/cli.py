@@ -50,7 +50,6 @@ from edge.paths import converted_dir
 from edge.plan.inputs import PlanInputs, gather
 from edge.plan.schema import LAYOUTS, PRIORITIES, SERVING_MODES, WEIGHT_PATHS, Plan
 from server.app import create_app, weight_path
-from server.calibrations import database_url
 from server.settings import CalibrationMode, Settings, exposure_problem, is_loopback, load_settings
 from server.supervisor.command import EngineRefused, plan_refusal, short_model_name
 from server.supervisor.early import EarlyEngine
@@ -391,7 +390,10 @@ def run(argv: list[str] | None, early: EarlyEngine | None) -> int:
         print(f"edge-serve: {refused}", file=sys.stderr)
         return 2
     try:
-        database_url(settings.calibration_db)
+        if settings.calibration_db:  # SQLAlchemy only where a database is named (server/store.py)
+            from server.calibrations import database_url
+
+            database_url(settings.calibration_db)
         token = report_token(args, settings)
         if args.report_to:
             check_report_to(args.report_to, token)

@@ -14,9 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from edge.errors import InputError
-from server.calibrations import StoreUnavailable
 from server.planning import LocatedInputError
 from server.schemas import ErrorItem
+from server.store import StoreUnavailable
 
 PLANNING = "/plan"  # the paths whose errors count as planning errors in /metrics
 

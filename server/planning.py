@@ -7,6 +7,7 @@ Quality and calibration records are read once per request, not once per device.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from edge.bounds import check_finite_numbers
 from edge.device import calibration
@@ -23,7 +24,6 @@ from edge.model.reader import default_model, read_gguf_header, read_model_config
 from edge.model.shapes import ModelShape
 from edge.plan.inputs import gather
 from edge.plan.schema import Plan
-from server.calibrations import CalibrationStore
 from server.schemas import (
     ConfigModel,
     CpuinfoDevice,
@@ -34,6 +34,9 @@ from server.schemas import (
     PlanRequest,
     ProfileDevice,
 )
+
+if TYPE_CHECKING:  # the store is built on first use (server/store.py): SQLAlchemy with it
+    from server.calibrations import CalibrationStore
 
 AnyDevice = ProfileDevice | CpuinfoDevice | NfdDevice | LscpuDevice
 

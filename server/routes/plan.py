@@ -8,7 +8,7 @@ Read from `request.app.state`: `settings`, `calibrations` (the store), `metrics`
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
@@ -21,9 +21,11 @@ from edge.model.reader import default_model
 from edge.plan.inputs import gather
 from edge.plan.schema import Plan, Priority
 from server import planning
-from server.calibrations import CalibrationStore
 from server.errors import input_error_response
 from server.schemas import BatchItem, BatchRequest, BatchResponse, ErrorItem, InvalidDevice, PlanRequest
+
+if TYPE_CHECKING:  # the store is built on first use (server/store.py): SQLAlchemy with it
+    from server.calibrations import CalibrationStore
 
 router = APIRouter()
 probe_router = APIRouter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -105,8 +106,10 @@ def stored_digests(client: TestClient, **params) -> list[str]:
 # --- the store ---------------------------------------------------------------------------------------------------
 
 
-def test_the_default_store_is_sqlite_in_the_cache_directory_created_on_start(cache):
-    with TestClient(create_app(Settings())):
+def test_the_default_store_is_sqlite_in_the_cache_directory_created_on_first_use(cache):
+    with TestClient(create_app(Settings())) as client:
+        assert not (cache / "calibrations.sqlite").exists()  # nothing needed it yet (server/store.py)
+        assert client.get("/calibrations").json() == []
         assert (cache / "calibrations.sqlite").is_file()
 
 
@@ -605,3 +608,25 @@ def test_a_store_created_before_records_named_their_poster_gains_the_column(tmp_
     assert store.add(ZEN5, posted_by="report") is True
     assert {s.digest: s.posted_by for s in store.summaries()} == {ZEN5.digest: "report", SPR.digest: None}
     store.close()
+
+
+def test_sqlalchemy_is_imported_only_when_the_store_is_first_used(tmp_path):
+    """An edge box's wrapper that never serves /calibrations or /plan does without SQLAlchemy (server/store.py):
+    edge-serve's CLI and the app import nothing of it until a request needs the store."""
+    code = (
+        "import sys\n"
+        "from fastapi.testclient import TestClient\n"
+        "import server.cli\n"
+        "from server.app import create_app\n"
+        "from server.settings import Settings\n"
+        "with TestClient(create_app(Settings())) as client:\n"
+        "    healthy = client.get('/healthz').status_code\n"
+        "    before = 'sqlalchemy' in sys.modules\n"
+        "    listed = client.get('/calibrations').status_code\n"
+        "    print(healthy, before, listed, 'sqlalchemy' in sys.modules)\n"
+    )
+    env = {**os.environ, "EDGE_SELECT_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=Path(__file__).parents[2], check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["200", "False", "200", "True"]
