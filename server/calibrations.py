@@ -25,7 +25,7 @@ from edge.device.calibration import CalibrationRecord, measured_time
 from edge.errors import InputError
 from edge.paths import cache_dir
 from server.schemas import CalibrationSummary
-from server.store import StoreUnavailable
+from server.store_error import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

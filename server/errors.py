@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from edge.errors import InputError
 from server.planning import LocatedInputError
 from server.schemas import ErrorItem
-from server.store import StoreUnavailable
+from server.store_error import StoreUnavailable
 
 PLANNING = "/plan"  # the paths whose errors count as planning errors in /metrics
 

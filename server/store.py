@@ -16,10 +16,6 @@ if TYPE_CHECKING:
     from server.calibrations import CalibrationStore
 
 
-class StoreUnavailable(RuntimeError):
-    """The database could not be reached or refused a query (the API answers 503)."""
-
-
 class LazyCalibrationStore:
     """CalibrationStore's interface; the store itself is made on first use (at once when a database is named)."""
 
