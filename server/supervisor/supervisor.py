@@ -73,6 +73,10 @@ UNRESPONSIVE_GRACE_S = 3.0
 # How long an engine whose forwarded requests failed is given to show it has exited (its watchdog polls its child
 # every 0.1 s) before it is found unresponsive instead
 EXIT_GRACE_S = 1.0
+# How long the watchdog of an engine whose process is gone is given to end what that engine left and exit: its
+# probes and requests failed because it died, which is an exit, not a wedge (a busy 2-core box takes seconds to
+# free a dead engine core's memory)
+GONE_GRACE_S = 10.0
 
 
 class EarlyStart(Protocol):
@@ -514,6 +518,7 @@ class EngineSupervisor:
         settings = self.settings
         assert self.socket_path is not None and self._proc is not None
         leader, stopped_seen, self._busy_since = self._proc.pid, 0, None
+        engine = self.engine_pid
         last = (group_snapshot(leader).cpu_s, time.monotonic())  # the CPU time and when, at the last probe
         async with engine_client(self.socket_path) as client:
             while True:
@@ -528,10 +533,7 @@ class EngineSupervisor:
                 if self.probe_failures >= settings.liveness_failures:
                     # Forwarded requests fail together when the engine dies: one that died is reported as exited
                     await asyncio.wait({exited}, timeout=EXIT_GRACE_S)
-                    if exited.done():
-                        return None
-                    return (f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: "
-                            f"{self.last_probe_error}")  # fmt: skip
+                    return await self._unless_gone(exited, engine, self.last_probe_error)
                 before = group_snapshot(leader)
                 cpu_used, over_s = before.cpu_s - last[0], time.monotonic() - last[1]
                 last = (before.cpu_s, time.monotonic())
@@ -558,8 +560,17 @@ class EngineSupervisor:
                 log.warning("engine liveness probe failed (%d of %d): %s", self.probe_failures,
                             settings.liveness_failures, failed.error)  # fmt: skip
                 if self.probe_failures >= settings.liveness_failures:
-                    return (f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: "
-                            f"{failed.error}")  # fmt: skip
+                    return await self._unless_gone(exited, engine, failed.error)
+
+    async def _unless_gone(self, exited: asyncio.Task, engine: int | None, last_error: str | None) -> str | None:
+        """Why the engine is unresponsive after `liveness_failures` failed probes, or None when it has exited: its
+        watchdog is gone, or the engine process under it is (killed: the probes failed because it died), and then
+        the watchdog is given GONE_GRACE_S to end the rest and exit."""
+        if not exited.done() and engine is not None and process_start_time(engine) is None:
+            await asyncio.wait({exited}, timeout=GONE_GRACE_S)
+        if exited.done():
+            return None
+        return f"unresponsive: {self.probe_failures} liveness probes failed in a row, the last: {last_error}"
 
     def _engine_busy(self, leader: int, cpu_before: float, started: float, failed: ProbeFailure) -> bool:
         """Whether a probe that timed out met an engine that computes (its processes used at least

@@ -247,3 +247,31 @@ def test_a_wedged_engine_core_behind_a_live_health_is_found_by_the_requests_wait
     assert answer.status_code == 502 and "not sent again" in answer.json()["error"]["message"]
     assert status.restart_reasons == {"unresponsive": 1} and supervisor.probes_failed["stall"] == 2
     assert "forwarded requests waited" in status.last_error and supervisor.probes_failed["health"] == 0
+
+
+@pytest.mark.anyio
+async def test_failed_probes_of_an_engine_whose_process_is_gone_are_an_exit_even_when_its_watchdog_is_slow():
+    """Killed, the engine fails its probes and requests at once, and its watchdog may take seconds (freeing a dead
+    engine core's memory on a busy box) to end the rest and exit: that is reported as an exit, not a wedge. An
+    engine process still there is unresponsive at once. (A stand-in `exited` task; real processes for the engine.)"""
+    supervisor = supervisor_for(**FAST_LIVENESS, **NO_GENERATION_PROBE)
+    supervisor.probe_failures = 3
+    gone = await asyncio.create_subprocess_exec("true")
+    await gone.wait()  # reaped: no such process now
+    slow_exit = asyncio.create_task(asyncio.sleep(1.5))  # the watchdog's exit, later than EXIT_GRACE_S
+    started = time.monotonic()
+    assert await supervisor._unless_gone(slow_exit, gone.pid, "GET /health failed: ReadError") is None
+    assert slow_exit.done() and 1.0 < time.monotonic() - started < 5.0
+
+    alive = await asyncio.create_subprocess_exec("sleep", "30")
+    try:
+        never = asyncio.create_task(asyncio.sleep(30))
+        started = time.monotonic()
+        last = "GET /health did not answer within 0.3 s"
+        why = await supervisor._unless_gone(never, alive.pid, last)
+        assert why == f"unresponsive: 3 liveness probes failed in a row, the last: {last}"
+        assert time.monotonic() - started < 1.0
+        never.cancel()
+    finally:
+        alive.kill()
+        await alive.wait()
