@@ -106,7 +106,8 @@ class Weights:
     def qconfig(self) -> dict | None:
         req = self.req
         return quantization_config(req.model, self.option.path, self.option.layout, self.gate.group_size,
-                                   self.layers, req.kernel, amx=req.device.has_amx)  # fmt: skip
+                                   self.layers, req.kernel, amx=req.device.has_amx,
+                                   zero_points=not req.device.is_arm)  # fmt: skip
 
 
 @dataclass

@@ -414,9 +414,10 @@ def convert(
             log(f"{dst} is replaced: {why}")
         for stale in dst.parent.glob(f".{dst.name}.tmp-*"):  # crashed runs; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
+        solved = _solve_gptq(source, decisions, quantization_config, log)  # None unless `rounding: gptq`
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
         try:
-            summary = _write(source, decisions, quantization_config, path, tmp, progress, shard_bytes)
+            summary = _write(source, decisions, quantization_config, path, tmp, progress, shard_bytes, solved)
             _finish_directory(source, decisions, quantization_config, path, tmp, summary)
             if dst.exists():  # --force: move the old tree aside (atomic rename); removed with the temp dirs
                 os.replace(dst, Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent)) / "old")
@@ -428,6 +429,26 @@ def convert(
     return dst
 
 
+def _solve_gptq(source: Source, decisions: Decisions, qconfig: dict[str, Any] | None,
+                log: Callable[[str], None]) -> Any:  # fmt: skip
+    """GPTQ (and smoothing) for every weight the plan re-rounds, where its quantization_config asks for it
+    (kernels/convert/gptq_pass.py); None otherwise. A source's own codes (`exact`) are copied, never solved."""
+    if not qconfig or qconfig.get("rounding") != "gptq":
+        return None
+    if source.gguf is not None:
+        raise InputError("quantization_config.rounding", "gptq", "a float (safetensors) source directory; a GGUF "
+                         "source's weights are rounded to nearest or copied")  # fmt: skip
+    from kernels.convert import gptq_pass
+
+    windows = int(qconfig.get("calibration_windows", gptq_pass.DEFAULT_WINDOWS))
+    alpha = qconfig.get("smoothing")
+    log(f"GPTQ: {windows} windows of {gptq_pass.WINDOW} tokens of the default text, "
+        f"{'smoothing alpha ' + str(alpha) if alpha is not None else 'no smoothing'}")  # fmt: skip
+    return gptq_pass.solve(source.directory, set(decisions.quantize) - decisions.exact,
+                           group=int(qconfig["group_size"]), sym=bool(qconfig.get("sym", True)), alpha=alpha,
+                           windows=windows)  # fmt: skip
+
+
 def _write(
     source: Source,
     decisions: Decisions,
@@ -436,14 +457,27 @@ def _write(
     out: Path,
     progress: Progress | None,
     shard_bytes: int,
+    solved: Any = None,
 ) -> dict[str, Any]:
-    """Stream every source tensor through its conversion into shards in `out`; returns the summary."""
+    """Stream every source tensor through its conversion into shards in `out`; returns the summary. `solved`: what
+    GPTQ made of the weights it solved (kernels/convert/gptq_pass.Solved), written instead of rounding them."""
     writer = ShardedWriter(out, shard_bytes)
     total = len(source.shapes)
     for done, (name, load) in enumerate(_tensors(source, decisions), start=1):
         if progress is not None:
             progress(done, total, name)
         if name in decisions.dropped:
+            continue
+        if solved is not None and name in solved.quantized:
+            from kernels.ops.gptq import gptq_from_solved
+
+            writer.add(gptq_from_solved(decisions.quantize[name], solved.quantized[name],
+                                        sym=bool(qconfig.get("sym", True))))  # fmt: skip
+            continue
+        if solved is not None and name in solved.replaced:  # a norm smoothing divided
+            from kernels.formats import bf16
+
+            writer.add(bf16.convert(name, solved.replaced[name]))
             continue
         tensor = load()
         writer.add(_convert_tensor(name, tensor, decisions, qconfig, path))

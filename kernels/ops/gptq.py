@@ -31,6 +31,7 @@ import torch
 
 from edge.catalog.shape_rules import GPTQ_GROUP_SIZES, GPTQ_PARTITION_MULTIPLE
 from edge.errors import InputError
+from kernels.ops.gptq_solve import Quantized
 from kernels.ops.scale_search import absmax_scales, quantize_groups, search_scales
 
 GROUP_SIZES = GPTQ_GROUP_SIZES  # vLLM marlin_utils.MARLIN_SUPPORTED_GROUP_SIZES, also on CPU (edge.catalog)
@@ -80,10 +81,32 @@ def gptq_from_codes(
     return _tensors(prefix, codes.to(torch.int32).t().contiguous(), scales.t().to(scale_dtype))
 
 
-def _tensors(prefix: str, codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
-    """codes [K, N] int32 0..15 and scales [K/g, N] as the checkpoint's qweight, scales and qzeros."""
+def gptq_from_solved(prefix: str, solved: Quantized, *, sym: bool,
+                     scale_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The tensors of a weight GPTQ solved (kernels/ops/gptq_solve.py: codes, scales and zeros [N, ...]). Symmetric:
+    the classic layout (zero 8, stored 7). Asymmetric: qzeros hold each group's zero as it is (`checkpoint_format:
+    gptq_v2`; v1's zero - 1 cannot store a zero of 0)."""
+    n, k = solved.codes.shape
+    if n % SIZE_MULTIPLE or k % SIZE_MULTIPLE:
+        raise InputError(f"{prefix}.weight", f"N={n}, K={k}", "N and K multiples of 32 (vLLM 0.28 CPU GPTQ kernel)")
+    if sym and not bool((solved.zeros == 8).all()):
+        raise ValueError(f"{prefix}: a symmetric export needs zero 8 in every group")
+    zeros = None if sym else solved.zeros.t()
+    return _tensors(prefix, solved.codes.t().contiguous(), solved.scales.t().to(scale_dtype), zeros)
+
+
+def zeros_of(qzeros: torch.Tensor) -> torch.Tensor:
+    """An asymmetric (gptq_v2) checkpoint's qzeros int32 [K/g, N/8] -> the zeros int32 [K/g, N], 0..15."""
+    return _unpack(qzeros, dim=1)
+
+
+def _tensors(prefix: str, codes: torch.Tensor, scales: torch.Tensor,
+             zeros: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """codes [K, N] int32 0..15 and scales [K/g, N] as the checkpoint's qweight, scales and qzeros; zeros [K/g, N]
+    stored as they are (asymmetric), or None: symmetric, zero 8 stored as 7."""
     k_groups, n = scales.shape
-    zeros = torch.full((k_groups, n), STORED_ZERO, dtype=torch.int32)
+    if zeros is None:
+        zeros = torch.full((k_groups, n), STORED_ZERO, dtype=torch.int32)
     return {
         f"{prefix}.qweight": _pack(codes, dim=0),  # [K/8, N] int32
         f"{prefix}.scales": scales.contiguous(),  # [K/g, N] scale_dtype
@@ -91,10 +114,11 @@ def _tensors(prefix: str, codes: torch.Tensor, scales: torch.Tensor) -> dict[str
     }
 
 
-def dequantize_gptq(tensors: dict[str, torch.Tensor], group: int, *, prefix: str | None = None) -> torch.Tensor:
-    """Weight [N, K] fp32 that the tensors stand for: (q - 8) * scale, exact (a 4-bit code times a bf16/fp16
-    scale fits fp32's mantissa). Reads `<prefix>.qweight` and `<prefix>.scales`; without a prefix, `tensors`
-    must hold exactly one of each (gptq_tensors' output for one layer)."""
+def dequantize_gptq(tensors: dict[str, torch.Tensor], group: int, *, prefix: str | None = None,
+                    sym: bool = True) -> torch.Tensor:  # fmt: skip
+    """Weight [N, K] fp32 that the tensors stand for: (q - zero) * scale, zero 8 (symmetric) or qzeros' (gptq_v2),
+    exact (a 4-bit code times a bf16/fp16 scale fits fp32's mantissa). Reads `<prefix>.qweight`, `.scales` (and
+    `.qzeros` when asymmetric); without a prefix, `tensors` must hold exactly one of each (one layer's)."""
     qweight = _one(tensors, ".qweight", prefix)  # [K/8, N] int32
     scales = _one(tensors, ".scales", prefix)  # [K/g, N]
     codes = _unpack(qweight, dim=0)  # [K, N] int32 0..15
@@ -102,7 +126,8 @@ def dequantize_gptq(tensors: dict[str, torch.Tensor], group: int, *, prefix: str
     per_group = k if group == -1 else group
     assert scales.shape == (k // per_group, codes.shape[1]), (scales.shape, codes.shape, group)
     expanded = scales.to(torch.float32).repeat_interleave(per_group, dim=0)  # [K, N]
-    return ((codes - 8).to(torch.float32) * expanded).t().contiguous()
+    zeros = 8 if sym else zeros_of(_one(tensors, ".qzeros", prefix)).repeat_interleave(per_group, dim=0)
+    return ((codes - zeros).to(torch.float32) * expanded).t().contiguous()
 
 
 def _quantize(

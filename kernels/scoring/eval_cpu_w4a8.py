@@ -27,11 +27,15 @@ class W4A8Linear(nn.Module):
     """y = x @ w.T (+ bias) through kernels.vllm_plugin.cpu_w4a8.w4a8_linear_impl, from GPTQ qweight [K/8, N], scales
     [K/g, N]."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 qzeros: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
+        from kernels.ops.gptq import zeros_of
         from kernels.vllm_plugin.cpu_w4a8 import to_w4a8
 
-        weight, zeros, blocked_scales = to_w4a8(qweight, scales.to(torch.bfloat16))
+        # an asymmetric (gptq_v2) checkpoint's zeros; None: symmetric, zero 8
+        zeros_in = None if qzeros is None else zeros_of(qzeros)
+        weight, zeros, blocked_scales = to_w4a8(qweight, scales.to(torch.bfloat16), zeros_in)
         self.register_buffer("weight", weight)  # [N/32, K/g, ...] uint8, the op's blocked layout
         self.register_buffer("zeros", zeros)  # [N/32, K/g, 32] int8 (8 everywhere: symmetric)
         self.register_buffer("scales", blocked_scales)  # [N/32, K/g, 32] fp32
@@ -71,7 +75,9 @@ def install_cpu_w4a8(
             if not isinstance(module, nn.Linear):
                 raise InputError(f"{prefix}.qweight", type(module).__name__, "a linear layer of the source (GPTQ)")
             int4.append(prefix)
-            replace_module(model, prefix, W4A8Linear(*gptq_parts(prefix, parts, module, config.group_size), bias))
+            qzeros = None if config.sym else _qzeros(prefix, parts)
+            replace_module(model, prefix, W4A8Linear(*gptq_parts(prefix, parts, module, config.group_size), bias,
+                                                     qzeros))  # fmt: skip
             continue
         int8.append(prefix)
         weights = (parts["qweight"], parts.get("scales"))
@@ -94,3 +100,12 @@ def install_cpu_w4a8(
         "tied_head": tied_head,
         "quantization_config": qconfig,
     }
+
+
+def _qzeros(prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An asymmetric checkpoint's qzeros [K/g, N/8] (checked against qweight's N by the conversion)."""
+    qzeros = parts.get("qzeros")
+    if qzeros is None or qzeros.dtype != torch.int32:
+        raise InputError(f"{prefix}.qzeros", "missing" if qzeros is None else str(qzeros.dtype),
+                         "int32 zeros for each group (quantization_config.sym is false)")  # fmt: skip
+    return qzeros

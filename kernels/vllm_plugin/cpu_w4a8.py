@@ -53,6 +53,9 @@ NAME = "cpu_w4a8"
 PACK = 8  # 4-bit codes per int32
 FAKE_ZERO = -2004318072  # 0x88888888: zero point 8 in every nibble (uint4b8), as vLLM allocates for symmetric GPTQ
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # vLLM repacks GPTQ codes into AWQ's nibble order before converting
+ASYM_FORMAT = "gptq_v2"  # qzeros hold each group's zero as it is (an asymmetric checkpoint)
+# quantization_config keys that say how the converter rounded (kernels/convert/gptq_pass.py), carried as they are
+ROUNDING_KEYS = ("rounding", "smoothing", "calibration_windows")
 CONVERT_CHUNK_CHANNELS = 2048  # output channels converted at a time: the int32 codes are 8x the packed bytes
 
 
@@ -84,19 +87,25 @@ def op_available() -> bool:
     return hasattr(torch.ops._C, "int4_scaled_mm_cpu") and hasattr(torch.ops._C, "convert_weight_packed_scale_zp")
 
 
-def to_w4a8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ qweight int32 [K/8, N] and scales [K/g, N] -> the op's (weight uint8 [N/32, K/g, ...], zeros int8
-    [N/32, K/g, 32], scales fp32 [N/32, K/g, 32]), converted in slices of output channels (blocks never span
-    them, so the result equals a whole-matrix conversion) to bound the int32 transient."""
+def to_w4a8(qweight: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """GPTQ qweight int32 [K/8, N], scales [K/g, N] and, asymmetric, zeros int32 [K/g, N] (0..15; None: 8, as
+    vLLM runs symmetric GPTQ) -> the op's (weight uint8 [N/32, K/g, ...], zeros int8 [N/32, K/g, 32], scales fp32
+    [N/32, K/g, 32]), converted in slices of output channels (blocks never span them, so the result equals a
+    whole-matrix conversion) to bound the int32 transient. The zeros go where vLLM's AWQ path puts its zero points:
+    the kernel takes them as they are (asymmetric W4A8 needs nothing new in it)."""
     from vllm import _custom_ops as ops
 
-    parts = [_convert(qweight[:, i : i + CONVERT_CHUNK_CHANNELS], scales[:, i : i + CONVERT_CHUNK_CHANNELS], ops)
-             for i in range(0, qweight.shape[1], CONVERT_CHUNK_CHANNELS)]  # fmt: skip
+    step = CONVERT_CHUNK_CHANNELS
+    parts = [_convert(qweight[:, i : i + step], scales[:, i : i + step],
+                      None if zeros is None else zeros[:, i : i + step], ops)
+             for i in range(0, qweight.shape[1], step)]  # fmt: skip
     return tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))  # type: ignore[return-value]
 
 
-def _convert(qweight: torch.Tensor, scales: torch.Tensor, ops: Any) -> tuple[torch.Tensor, ...]:
-    """vLLM's _process_gptq_weights_w4a8 for one slice of output channels."""
+def _convert(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             ops: Any) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """vLLM's _process_gptq_weights_w4a8 for one slice of output channels (its AWQ zero points where given)."""
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
         pack_quantized_values_into_int32,
         unpack_quantized_values_into_int32,
@@ -108,8 +117,12 @@ def _convert(qweight: torch.Tensor, scales: torch.Tensor, ops: Any) -> tuple[tor
     k, n = codes.shape
     codes = codes.view(k, n // PACK, PACK)[:, :, AWQ_ORDER].reshape(k, n)
     packed = pack_quantized_values_into_int32(codes, kind, 1).contiguous()  # [K, n/8] int32, packed along N
-    zeros = torch.full((scales.shape[0], n // PACK), FAKE_ZERO, dtype=torch.int32)  # [K/g, n/8]
-    return ops.convert_weight_packed_scale_zp(packed, zeros, scales.contiguous(), ops.CPUQuantAlgo.AWQ)
+    if zeros is None:
+        packed_zeros = torch.full((scales.shape[0], n // PACK), FAKE_ZERO, dtype=torch.int32)  # [K/g, n/8]
+    else:
+        ordered = zeros.reshape(-1, n // PACK, PACK)[:, :, AWQ_ORDER].reshape(-1, n)  # [K/g, n]
+        packed_zeros = pack_quantized_values_into_int32(ordered.contiguous(), kind, 1).contiguous()  # [K/g, n/8]
+    return ops.convert_weight_packed_scale_zp(packed, packed_zeros, scales.contiguous(), ops.CPUQuantAlgo.AWQ)
 
 
 def w4a8_linear_impl(
@@ -168,18 +181,19 @@ def w4a8_linear(
 def quantization_config(
     *, group_size: int = 64, int8: list[str] | tuple[str, ...] = EIGHT_BIT_SET,
     ignore: list[str] | None = None, dequant_threshold: int | None = None, int8_group_size: int | None = None,
-    own_blocks: dict[str, list[str]] | None = None,
+    own_blocks: dict[str, list[str]] | None = None, sym: bool = True, rounding: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The `quantization_config` a plan writes for w4a8-gptq (edge.plan.engine_config), for tests and
     benchmarks; `int8=()` leaves the embedding and the head bf16; `own_blocks`: the 8-bit set's weights kept as a
-    GGUF's own blocks, by key (q6k, q8_0, q5_0)."""
+    GGUF's own blocks, by key (q6k, q8_0, q5_0); `rounding`: the converter's GPTQ settings (ROUNDING_KEYS)."""
     return {
         "quant_method": NAME,
         "bits": 4,
         "group_size": group_size,
-        "sym": True,
+        "sym": sym,
         "desc_act": False,
-        "checkpoint_format": "gptq",
+        "checkpoint_format": "gptq" if sym else ASYM_FORMAT,
+        **(rounding or {}),
         "dequant_threshold": host_params().dequant_threshold if dequant_threshold is None else dequant_threshold,
         "int8": list(int8),
         **int8_group_entry(int8_group_size),
@@ -226,17 +240,30 @@ class CpuW4A8Config(PluginConfig):
                                  f"({', '.join(EIGHT_BIT_BLOCKS.values())})")  # fmt: skip
         self.repack_chunk_rows = host_params().repack_chunk_rows  # the blocks' decode layout, rearranged in chunks
         self.tied_embeddings = False  # set from the HF config in maybe_update_config
+        self.sym = True  # from_config: false for an asymmetric (gptq_v2) checkpoint
+        self.rounding: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"CpuW4A8Config(group_size={self.group_size}, int8={self.int8}, ignore={self.ignore})"
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CpuW4A8Config:
-        wanted = {"quant_method": NAME, "bits": 4, "sym": True, "desc_act": False}
+        wanted = {"quant_method": NAME, "bits": 4, "desc_act": False}
         for key, value in wanted.items():
             if config.get(key, value) != value:
                 raise InputError(f"quantization_config.{key}", config.get(key), repr(value))
-        return cls(
+        sym = config.get("sym", True)
+        if sym not in (True, False):
+            raise InputError("quantization_config.sym", sym, "true or false")
+        # an asymmetric checkpoint stores its zeros as they are (kernels/ops/gptq.py gptq_from_solved)
+        checkpoint_format = config.get("checkpoint_format", "gptq" if sym else ASYM_FORMAT)
+        if checkpoint_format != ("gptq" if sym else ASYM_FORMAT):
+            raise InputError("quantization_config.checkpoint_format", checkpoint_format,
+                             repr("gptq" if sym else ASYM_FORMAT) + f" with sym {str(sym).lower()}")  # fmt: skip
+        if not sym and kernel() == "kleidiai":
+            raise InputError("quantization_config.sym", False,
+                             "true on this host: KleidiAI's int4 kernels take no zero points")  # fmt: skip
+        made = cls(
             group_size=int(config.get("group_size", 64)),
             dequant_threshold=config.get("dequant_threshold"),
             int8=list(config.get("int8", [])),
@@ -244,11 +271,16 @@ class CpuW4A8Config(PluginConfig):
             int8_group_size=config.get("int8_group_size"),
             own_blocks=own_block_entries(config),
         )
+        made.sym = sym
+        # how the converter rounded (kernels/convert/gptq_pass.py); the engine reads the tensors either way
+        made.rounding = {key: config[key] for key in ROUNDING_KEYS if key in config}
+        return made
 
     def to_dict(self) -> dict[str, Any]:
         return quantization_config(group_size=self.group_size, int8=self.int8, ignore=self.ignore,
                                    dequant_threshold=self.dequant_threshold,
-                                   int8_group_size=self.int8_group_size, own_blocks=self.own_blocks)  # fmt: skip
+                                   int8_group_size=self.int8_group_size, own_blocks=self.own_blocks,
+                                   sym=self.sym, rounding=self.rounding)  # fmt: skip
 
     def get_name(self) -> str:
         return NAME
@@ -277,7 +309,7 @@ class CpuW4A8LinearMethod(PluginWeights, LinearMethodBase):
         qweight = torch.empty(k // PACK, n, dtype=torch.int32)  # [K/8, N]
         layer.register_parameter("qweight", weight_param(qweight, packed_dim=0, packed_factor=PACK, **attrs))
         layer.register_parameter("scales", weight_param(torch.empty(k // group, n, dtype=torch.bfloat16), **attrs))
-        # read by GPTQ tools, not here: the kernel's zero point is pinned at 8
+        # a symmetric checkpoint's are read by GPTQ tools, not here (the zero point is 8); an asymmetric one's are
         qzeros = torch.empty(k // group, n // PACK, dtype=torch.int32)  # [K/g, N/8]
         layer.register_parameter("qzeros", weight_param(qzeros, packed_dim=1, packed_factor=PACK, **attrs))
 
@@ -291,7 +323,10 @@ class CpuW4A8LinearMethod(PluginWeights, LinearMethodBase):
                 "a host whose vLLM library registers int4_scaled_mm_cpu (_C: AVX-512 with AVX512-BF16 and "
                 "AVX512-VNNI); this one lacks it: plan and convert on this host (edge-serve does)",
             )  # fmt: skip
-        weight, zeros, scales = to_w4a8(layer.qweight.data, layer.scales.data)
+        from kernels.ops.gptq import zeros_of
+
+        asym_zeros = None if self.config.sym else zeros_of(layer.qzeros.data)  # [K/g, N]
+        weight, zeros, scales = to_w4a8(layer.qweight.data, layer.scales.data, asym_zeros)
         layer.register_parameter("w4a8_weight", Parameter(weight, requires_grad=False))  # [N/32, K/g, ...] uint8
         layer.register_parameter("w4a8_zeros", Parameter(zeros, requires_grad=False))  # [N/32, K/g, 32] int8
         layer.register_parameter("w4a8_scales", Parameter(scales, requires_grad=False))  # [N/32, K/g, 32] fp32
