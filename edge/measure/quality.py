@@ -43,8 +43,10 @@ STALE_BELOW: dict[str, int] = {"Gemma3ForCausalLM": 2}
 # int8 activations where the set's own kernel takes int16 (on the default model's Q4_K_M, mean KLD 0.0038 against
 # 0.0016 on the grid, 2048 tokens, 2026-12-06), so their record is their own.
 EIGHT_BIT_BLOCK_KEYS = tuple(own.key for own in OWN_BLOCK_TYPES.values() if own.format == "int8")
-_NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "quantize_embedding",
-                 "int8", "int8_group_size", "ignore", "lm_head", *EIGHT_BIT_BLOCK_KEYS)  # fmt: skip
+# smoothing and calibration_windows: how GPTQ solved a W4A8 checkpoint (kernels/convert/gptq_pass.py)
+_NUMERIC_KEYS = ("quant_method", "bits", "group_size", "sym", "codes_from_source", "rounding", "smoothing",
+                 "calibration_windows", "quantize_embedding", "int8", "int8_group_size", "ignore", "lm_head",
+                 *EIGHT_BIT_BLOCK_KEYS)  # fmt: skip
 
 
 class QualityRecord(BaseModel):

@@ -131,14 +131,19 @@ class Evaluated:
         return self.quality is not None and self.quality.kld_mean > max_kld
 
 
-def lossy_elsewhere(path: str, records: list[QualityRecord], max_kld: float) -> QualityRecord | None:
-    """For a path that quantizes activations: its best record on any model when every one exceeds max_kld, else
-    None. W4A8 has measured 0.40-0.63 mean KLD on every model and kernel tried (docs/reports/2026-11-30-quality.md,
-    2026-12-01-gguf-models.md), so without a record of its own a model is not served W4A8 for speed while a path
-    keeping bf16 activations runs: an unmeasured path is then the likelier to hold the floor, not the other way."""
+def lossy_elsewhere(path: str, records: list[QualityRecord], max_kld: float,
+                    qconfig: dict | None = None) -> QualityRecord | None:  # fmt: skip
+    """For a path that quantizes activations: its best record on any model, among those rounded as this option's
+    weights would be (`rounding`: GPTQ or to nearest), when every one exceeds max_kld, else None. W4A8 rounded to
+    nearest measured 0.40-0.63 mean KLD on every model and kernel tried (docs/reports/2026-11-30-quality.md,
+    2026-12-01-gguf-models.md), so without a record of its own a model is not served it for speed while a path
+    keeping bf16 activations runs: an unmeasured path is then the likelier to hold the floor, not the other way.
+    GPTQ after smoothing measured 0.065 on the default model (docs/reports/2026-12-07-w4a8-gptq.md): that says
+    nothing of a checkpoint rounded to nearest."""
     if not PATHS[path].quantizes_activations:
         return None
-    mine = [r for r in records if r.key.get("path") == path]
+    rounding = (qconfig or {}).get("rounding")
+    mine = [r for r in records if r.key.get("path") == path and r.key.get("rounding") == rounding]
     if not mine or any(r.kld_mean <= max_kld for r in mine):
         return None
     return min(mine, key=lambda r: r.kld_mean)
@@ -443,7 +448,7 @@ def _evaluate(weights: Weights, req: Request, records: list[QualityRecord],
     elsewhere (`everywhere`: any architecture's) that speaks against it."""
     option = weights.option
     measured = _measured(weights, records)
-    elsewhere = None if measured else lossy_elsewhere(option.path, everywhere, req.max_kld)
+    elsewhere = None if measured else lossy_elsewhere(option.path, everywhere, req.max_kld, weights.qconfig)
     return Evaluated(weights, _estimate(weights, req), measured, elsewhere)
 
 

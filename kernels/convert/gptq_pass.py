@@ -1,12 +1,13 @@
 """GPTQ with activation smoothing over a float source, before the converter writes it (`rounding: gptq` in a
 w4a8-gptq plan's quantization_config).
 
-The source runs as plain PyTorch (transformers, float32), one decoder layer at a time over the calibration windows:
+The source runs as plain PyTorch (transformers, bf16; the layer being solved in float32), one decoder layer at a time
+over the calibration windows:
 1. the inputs of layer 0 are captured once (the embeddings, the rotary tables, the mask);
-2. per layer: the largest |x| per input channel of each linear (smoothing's statistics), the scales folded in
-   (kernels/ops/smoothing.py), then 2 X Xᵀ / n of each linear's inputs in the smoothed layer, GPTQ for each linear
-   the plan quantizes (kernels/ops/gptq_solve.py), and the layer run again with its quantized weights: the next layer
-   calibrates on what this one will really give it (the paper's sequential order).
+2. per layer, in float32: the largest |x| per input channel of each linear (smoothing's statistics), the scales
+   folded in (kernels/ops/smoothing.py), then 2 X Xᵀ / n of each linear's inputs in the smoothed layer, GPTQ for each
+   linear the plan quantizes (kernels/ops/gptq_solve.py), and the layer run again with its quantized weights: the next
+   layer calibrates on what this one will really give it (the paper's sequential order).
 
 Calibration text: the default text's last windows (kernels/scoring/eval_text.py). edge-eval scores its first windows,
 so the prose that judges the result is never the prose that made it.
@@ -67,7 +68,9 @@ def solve(source_dir: Path, quantize: set[str], *, group: int, sym: bool, alpha:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32, local_files_only=True).eval()
+    # bf16 as the source holds it; each layer in float32 only while it is solved (the whole model in float32 was
+    # 4 bytes a weight more at the conversion's peak)
+    model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.bfloat16, local_files_only=True).eval()
     model_type = getattr(model.config, "model_type", None)
     if alpha is not None and not smoothing.supports(model_type):
         raise InputError("quantization_config.smoothing", alpha,
@@ -80,6 +83,7 @@ def solve(source_dir: Path, quantize: set[str], *, group: int, sym: bool, alpha:
     replaced: dict[str, torch.Tensor] = {}
     prefix = _layers_prefix(model, layers)
     for index, layer in enumerate(layers):
+        layer.float()
         here = f"{prefix}.{index}."
         linears = {name: module for name, module in layer.named_modules()
                    if isinstance(module, nn.Linear) and f"{here}{name}.weight" in quantize}  # fmt: skip
@@ -97,6 +101,7 @@ def solve(source_dir: Path, quantize: set[str], *, group: int, sym: bool, alpha:
                 quantized[f"{here}{name}.weight"] = q
                 module.weight.copy_(q.dequantize())
         inputs = _run_layer(layer, inputs)
+        layer.to(torch.bfloat16)
         if progress is not None:
             progress(index + 1, len(layers))
     missing = quantize - quantized.keys()
@@ -125,7 +130,18 @@ def _first_layer_inputs(model: nn.Module, first: nn.Module, windows: torch.Tenso
                     model(input_ids=window.unsqueeze(0), use_cache=False)
     finally:
         handle.remove()
-    return [(x.clone(), kwargs) for x, kwargs in captured]
+    return [(x.to(torch.float32), _float32(kwargs)) for x, kwargs in captured]
+
+
+def _float32(value: Any) -> Any:
+    """The layer's keyword inputs (the rotary tables, the mask) in float32, as the layers are while solved."""
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float32) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_float32(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _float32(item) for key, item in value.items()}
+    return value
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:

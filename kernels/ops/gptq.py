@@ -92,7 +92,7 @@ def gptq_from_solved(prefix: str, solved: Quantized, *, sym: bool,
     if sym and not bool((solved.zeros == 8).all()):
         raise ValueError(f"{prefix}: a symmetric export needs zero 8 in every group")
     zeros = None if sym else solved.zeros.t()
-    return _tensors(prefix, solved.codes.t().contiguous(), solved.scales.t().to(scale_dtype), zeros)
+    return _tensors(prefix, solved.codes.t().to(torch.int32).contiguous(), solved.scales.t().to(scale_dtype), zeros)
 
 
 def zeros_of(qzeros: torch.Tensor) -> torch.Tensor:

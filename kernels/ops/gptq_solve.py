@@ -54,8 +54,9 @@ class Hessian:
 
 @dataclass(frozen=True)
 class Quantized:
-    """codes [N, K] int32 0..15, scales [N, K/g] fp32 (representable in the scale dtype), zeros [N, K/g] int32:
-    w ≈ (codes - zeros) * scales, group by group along K."""
+    """codes [N, K] uint8 0..15, scales [N, K/g] fp32 (representable in the scale dtype), zeros [N, K/g] int32:
+    w ≈ (codes - zeros) * scales, group by group along K. (uint8 codes: a model's worth of them is held until the
+    converter writes it.)"""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -65,7 +66,7 @@ class Quantized:
         group = self.codes.shape[1] // self.scales.shape[1]
         scales = self.scales.repeat_interleave(group, dim=1)
         zeros = self.zeros.repeat_interleave(group, dim=1)
-        return (self.codes - zeros).to(torch.float32) * scales
+        return (self.codes.to(torch.int32) - zeros).to(torch.float32) * scales
 
 
 def group_grid(columns: torch.Tensor, sym: bool, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +112,7 @@ def round_to_nearest(w: torch.Tensor, group: int, *, sym: bool, scale_dtype: tor
     scales, zeros = group_grid(w.reshape(n * (k // group), group), sym, scale_dtype)
     scales, zeros = scales.reshape(n, k // group), zeros.reshape(n, k // group)
     codes = _codes(w, scales.repeat_interleave(group, 1), zeros.repeat_interleave(group, 1))
-    return Quantized(codes.to(torch.int32), scales, zeros)
+    return Quantized(codes.to(torch.uint8), scales, zeros)
 
 
 def gptq(w: torch.Tensor, hessian: torch.Tensor, group: int, *, sym: bool, scale_dtype: torch.dtype,
@@ -144,7 +145,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, group: int, *, sym: bool, scale
     upper = _inverse_cholesky_upper(h)  # U with H⁻¹ = Uᵀ U
     groups_of = order // group  # the group of each column in processing order
 
-    codes = torch.zeros(n, k, dtype=torch.int32)
+    codes = torch.zeros(n, k, dtype=torch.uint8)
     for start in range(0, k, block):
         end = min(start + block, k)
         part = weights[:, start:end].clone()  # the block's columns, updated as it goes
@@ -157,7 +158,7 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, group: int, *, sym: bool, scale
                 # the group's columns as the updates left them (a block holds whole groups)
                 scales[:, g], zeros[:, g] = group_grid(part[:, i : i + group], sym, scale_dtype)
             q = _codes(part[:, i], scales[:, g], zeros[:, g].to(torch.float32))
-            codes[:, column] = q.to(torch.int32)
+            codes[:, column] = q.to(torch.uint8)
             rounded = (q - zeros[:, g]) * scales[:, g]
             error = (part[:, i] - rounded) / factor[i, i]
             part[:, i:].sub_(error[:, None] * factor[i, i:][None, :])

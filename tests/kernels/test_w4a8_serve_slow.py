@@ -12,6 +12,11 @@ first tokens that differ: "Water boils at", "The largest planet", "The opposite 
 weights' rounding (symmetric, group 64, re-rounded from the source's asymmetric group-32 grid: edge-eval mean KLD
 0.397, of which the int8 activations add ~0.03 over the same weights dequantized), not the kernel; cpu_int4 on
 the source's own grid measured first token 0.9 (tests/kernels/test_serve_slow.py). Engine starts (eager) 13-18 s.
+
+The plan's own W4A8 for a float source (GPTQ after activation smoothing, asymmetric group 32: edge-eval KLD 0.065)
+is served beside it (2026-12-07, same host): first token 0.7, mean agreeing prefix 0.263, exact 2/10. It misses
+" Paris" on prompt 0 (" 1400."), as the same checkpoint does outside the engine (HF modules with the same op: the
+source's " Paris" is not a confident token there), so that prompt is asserted for the rounded-to-nearest one only.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from edge.plan.engine_config import W4A8_ROUNDING
 from tests.kernels import test_serve_slow as serve
 
 pytestmark = pytest.mark.slow
@@ -52,7 +58,10 @@ def checkpoints(cache: Path) -> dict[str, str]:
 
     bf16 = ensure_default_model()
     w4a8 = convert(bf16, cache / "smollm2-cpu-w4a8", quantization_config(group_size=64), path="w4a8-gptq")
-    return {"bf16": str(bf16), "cpu_w4a8": str(w4a8)}
+    # what a plan for a float source now writes (edge.plan.engine_config._cpu_w4a8): GPTQ after smoothing, zeros
+    solved = convert(bf16, cache / "smollm2-cpu-w4a8-gptq",
+                     quantization_config(group_size=32, sym=False, rounding=W4A8_ROUNDING), path="w4a8-gptq")
+    return {"bf16": str(bf16), "cpu_w4a8": str(w4a8), "cpu_w4a8_gptq": str(solved)}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +78,8 @@ def served(tmp_path_factory) -> dict:
                           capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
-    results["cpu_w4a8"]["agreement"] = serve.agreement(results["cpu_w4a8"]["tokens"], results["bf16"]["tokens"])
+    for label in ("cpu_w4a8", "cpu_w4a8_gptq"):
+        results[label]["agreement"] = serve.agreement(results[label]["tokens"], results["bf16"]["tokens"])
     print(json.dumps({k: {"agreement": v.get("agreement"), "start_s": v["start_s"]} for k, v in results.items()}))
     return results
 
@@ -98,3 +108,14 @@ def test_w4a8_greedy_tokens_agree_with_bf16(served):
     score = served["cpu_w4a8"]["agreement"]
     assert score["first"] >= FIRST_TOKEN_FLOOR, score
     assert score["prefix"] >= ROW_AGREEMENT_FLOOR, score
+
+
+def test_the_gptq_checkpoint_loads_as_cpu_w4a8_with_its_zeros(served):
+    """The asymmetric (gptq_v2) checkpoint: the engine reads its qzeros into the kernel's zero points."""
+    assert served["cpu_w4a8_gptq"]["quantization"] == "cpu_w4a8"
+
+
+def test_gptq_agrees_with_bf16_at_least_as_well_as_rounding_to_nearest(served):
+    solved, nearest = served["cpu_w4a8_gptq"]["agreement"], served["cpu_w4a8"]["agreement"]
+    assert solved["first"] >= FIRST_TOKEN_FLOOR, solved
+    assert solved["prefix"] >= nearest["prefix"], (solved, nearest)
