@@ -6,8 +6,9 @@ vLLM's int4 x int8 kernel (edge-eval), conversion time and peak memory, each var
 
 Variants, all on the w4a8-gptq path this host plans (`edge-select --path w4a8-gptq`), differing only in how the
 4-bit linears are rounded:
-    nearest        what a plan wrote before: symmetric, group 64, scales searched per group, no calibration
-    gptq           the plan's own: GPTQ after smoothing at alpha 0.6, asymmetric group 32, 16 calibration windows
+    nearest        what the plan writes: symmetric, group 64, scales searched per group, no calibration
+    gptq           edge.plan.engine_config.W4A8_ROUNDING: GPTQ after smoothing at alpha 0.6, asymmetric group 32,
+                   16 calibration windows
     gptq@A         the same at smoothing alpha A (--alphas); gptq@none without smoothing
 
 Each is converted by `edge-convert` into a temporary directory while benchmarks/rss.py samples the process tree's
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from benchmarks.host import cpu_model_name
 from benchmarks.rss import TreeSampler
+from edge.plan.engine_config import W4A8_ROUNDING, W4A8_SOLVED_GROUP
 
 MIB = 1 << 20
 BIN = Path(sys.executable).parent
@@ -49,13 +51,14 @@ def variant_plan(plan: dict, name: str) -> dict:
         for key in ROUNDING_KEYS:
             qconfig.pop(key, None)
         qconfig.update(group_size=64, sym=True, checkpoint_format="gptq")
-    elif name.startswith("gptq@"):
-        alpha = name.split("@", 1)[1]
+    elif name == "gptq" or name.startswith("gptq@"):
+        qconfig.update(group_size=W4A8_SOLVED_GROUP, sym=False, checkpoint_format="gptq_v2", **W4A8_ROUNDING)
+        alpha = name.split("@", 1)[1] if "@" in name else None
         if alpha == "none":
-            qconfig.pop("smoothing", None)
-        else:
+            qconfig.pop("smoothing")
+        elif alpha is not None:
             qconfig["smoothing"] = float(alpha)
-    elif name != "gptq":
+    else:
         raise SystemExit(f"unknown variant {name!r}")
     return plan
 

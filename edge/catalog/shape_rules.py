@@ -69,24 +69,12 @@ def tiles_block(lin: LinearShape, block: int) -> bool:
     return lin.n % block == 0
 
 
-# A float source's W4A8 weights are solved by GPTQ (kernels/convert/gptq_pass.py, quantization_config `rounding`);
-# measured on the default model through int4_scaled_mm_cpu, group 32 gave KLD 0.064 where group 64 gave 0.085
-# (AMD EPYC Zen 5, docs/reports/2026-12-07-w4a8-gptq.md): the finer group is worth its 0.31 bits a weight.
-SOLVED_GPTQ_GROUP = 32
-
-
 def pick_gptq_group_size(model: ModelShape) -> int | None:
     """The source's own symmetric 4-bit grid when it has one that fits (a Q4_0 file: w = d * (q - 8) is GPTQ's
-    uint4b8 with scale d, so its codes carry over unchanged); a float source's weights, which GPTQ solves, at
-    SOLVED_GPTQ_GROUP; else the largest planned group size at which every linear (the head included) is
-    GPTQ-compatible."""
+    uint4b8 with scale d, so its codes carry over unchanged); else the largest planned group size at which every
+    linear (the head included) is GPTQ-compatible."""
     grid = copied_grid(model, SYMMETRIC_FOUR_BIT_GRIDS)
-    if grid in GPTQ_GROUP_SIZES:
-        candidates: tuple[int, ...] = (grid, *GROUP_SIZES)
-    elif model.source_types is None:  # a Hugging Face directory: float weights
-        candidates = (SOLVED_GPTQ_GROUP, *GROUP_SIZES)
-    else:
-        candidates = GROUP_SIZES
+    candidates = ((grid,) if grid in GPTQ_GROUP_SIZES else ()) + GROUP_SIZES
     return next((g for g in candidates if all(gptq_compatible(lin, g) for lin in model.linears)), None)
 
 

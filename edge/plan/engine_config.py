@@ -30,7 +30,6 @@ def quantization_config(
     kernel: KernelParams,
     *,
     amx: bool = True,
-    zero_points: bool = True,
 ) -> dict[str, Any] | None:
     """What the converter writes into config.json and the engine reads back: the plan's decisions, never
     recomputed downstream (the layers from edge.catalog.quantized_layers, the kernel values from
@@ -38,14 +37,11 @@ def quantization_config(
 
     amx: whether the device has AMX tiles, which decides who serves w4a8-gptq (edge.catalog.weight_paths.quant_method):
     vLLM's own GPTQ method there, the plugin's cpu_w4a8 elsewhere; the layers must come from rules_for with the
-    same flag. zero_points: whether the device's W4A8 kernel takes a zero point per group (vLLM's
-    int4_scaled_mm_cpu on x86 does; KleidiAI on ARM does not)."""
+    same flag."""
     method = quant_method(path, amx=amx)
     if method is None:
         return None
     assert group_size is not None
-    if method == "cpu_w4a8":
-        return _cpu_w4a8(model, layout, group_size, layers, kernel, zero_points=zero_points)
     return METHOD_CONFIGS[method](model, layout, group_size, layers, kernel)
 
 
@@ -91,35 +87,30 @@ def _int8_group(layers: list[LayerDecision]) -> dict[str, int]:
     return {"int8_group_size": group} if group else {}
 
 
-# W4A8 from a float source: GPTQ after activation smoothing (kernels/convert/gptq_pass.py), where the kernel also
-# takes a zero point per group. Measured on the default model through int4_scaled_mm_cpu (edge-eval, AMD EPYC Zen 5;
-# docs/reports/2026-12-07-w4a8-gptq.md): KLD 0.394 rounded to nearest (symmetric, group 64); GPTQ, asymmetric
-# group 32, 16 windows, 4096 tokens: no smoothing 0.098, alpha 0.3 0.092, 0.4 0.073, 0.5 0.070, 0.6 0.067, 0.7 0.072;
-# 64 windows instead of 16 gained 0.002 for 4x the time.
+# W4A8 from a float source solved by GPTQ after activation smoothing (kernels/convert/gptq_pass.py), asymmetric group 32
+# where the kernel takes a zero point per group. Measured on the default model through int4_scaled_mm_cpu (edge-eval,
+# AMD EPYC Zen 5; docs/reports/2026-12-07-w4a8-gptq.md): KLD 0.394 rounded to nearest (symmetric, group 64) -> 0.064;
+# GPTQ, 4096 tokens: no smoothing 0.098, alpha 0.3 0.092, 0.4 0.073, 0.5 0.070, 0.6 0.067, 0.7 0.072; 64 windows
+# instead of 16 gained 0.002 for 4x the time. Not planned yet (a conversion written with it: edge-convert --plan with
+# these keys, benchmarks/w4a8_gptq.py): its held-out score, the conversion's memory in the ledger and the families
+# smoothing cannot fold into come first (docs/reports/2026-12-07-w4a8-gptq.md, "Not reached").
 W4A8_ROUNDING = {"rounding": "gptq", "smoothing": 0.6, "calibration_windows": 16}
+W4A8_SOLVED_GROUP = 32  # group 32 measured 0.064 where group 64 measured 0.085 (same report)
 
 
 def _cpu_w4a8(
-    model: ModelShape, layout: Layout | None, group_size: int, layers: list[LayerDecision], kernel: KernelParams,
-    *, zero_points: bool = True,
-) -> dict[str, Any]:  # fmt: skip
-    copies = copied_grid(model, METHODS["cpu_w4a8"].source_codes) == group_size
-    # a float source (a Hugging Face directory, not a GGUF's blocks) is solved by GPTQ; asymmetric where the kernel
-    # takes zero points
-    solved = not copies and model.source_types is None
-    sym = not (solved and zero_points)
+    model: ModelShape, layout: Layout | None, group_size: int, layers: list[LayerDecision], kernel: KernelParams
+) -> dict[str, Any]:
     return {
         "quant_method": "cpu_w4a8",
         "bits": 4,
         "group_size": group_size,
-        "sym": sym,  # symmetric: int4_scaled_mm_cpu with the zero point pinned at 8, as vLLM runs GPTQ (uint4b8)
+        "sym": True,  # int4_scaled_mm_cpu with the zero point pinned at 8, as vLLM runs GPTQ (uint4b8)
         "desc_act": False,
-        # the linears' tensors are the GPTQ export's (kernels/ops/gptq.py); gptq_v2 stores the zeros as they are
-        "checkpoint_format": "gptq" if sym else "gptq_v2",
-        **(W4A8_ROUNDING if solved else {}),
+        "checkpoint_format": "gptq",  # the linears' tensors are the GPTQ export's (kernels/ops/gptq.py)
         # a Q4_0 source's codes go to the GPTQ tensors unchanged (its grid is uint4b8's); written only then, so
         # other checkpoints' configs and quality records stay as they were
-        **({"codes_from_source": True} if copies else {}),
+        **({"codes_from_source": True} if copied_grid(model, METHODS["cpu_w4a8"].source_codes) == group_size else {}),
         # the 8-bit set's GEMM switches to dequantize + bf16 from this many rows (kernels/ops/int4_ops.py)
         "dequant_threshold": kernel.dequant_threshold,
         "int8": eight_bit_set(layers),

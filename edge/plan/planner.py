@@ -106,8 +106,7 @@ class Weights:
     def qconfig(self) -> dict | None:
         req = self.req
         return quantization_config(req.model, self.option.path, self.option.layout, self.gate.group_size,
-                                   self.layers, req.kernel, amx=req.device.has_amx,
-                                   zero_points=not req.device.is_arm)  # fmt: skip
+                                   self.layers, req.kernel, amx=req.device.has_amx)  # fmt: skip
 
 
 @dataclass
@@ -448,7 +447,9 @@ def _evaluate(weights: Weights, req: Request, records: list[QualityRecord],
     elsewhere (`everywhere`: any architecture's) that speaks against it."""
     option = weights.option
     measured = _measured(weights, records)
-    elsewhere = None if measured else lossy_elsewhere(option.path, everywhere, req.max_kld, weights.qconfig)
+    # the config says how the weights would be rounded; an option refused for want of a group size has none
+    qconfig = weights.qconfig if weights.gate.group_size is not None else None
+    elsewhere = None if measured else lossy_elsewhere(option.path, everywhere, req.max_kld, qconfig)
     return Evaluated(weights, _estimate(weights, req), measured, elsewhere)
 
 

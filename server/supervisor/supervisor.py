@@ -567,6 +567,8 @@ class EngineSupervisor:
         watchdog is gone, or the engine process under it is (killed: the probes failed because it died), and then
         the watchdog is given GONE_GRACE_S to end the rest and exit."""
         if not exited.done() and engine is not None and process_start_time(engine) is None:
+            self.state = "crashed"  # not ready while its watchdog ends the rest: nothing is served meanwhile
+            self._ready.clear()
             await asyncio.wait({exited}, timeout=GONE_GRACE_S)
         if exited.done():
             return None
