@@ -13,10 +13,10 @@ weights' rounding (symmetric, group 64, re-rounded from the source's asymmetric 
 0.397, of which the int8 activations add ~0.03 over the same weights dequantized), not the kernel; cpu_int4 on
 the source's own grid measured first token 0.9 (tests/kernels/test_serve_slow.py). Engine starts (eager) 13-18 s.
 
-The plan's own W4A8 for a float source (GPTQ after activation smoothing, asymmetric group 32: edge-eval KLD 0.065)
-is served beside it (2026-12-07, same host): first token 0.7, mean agreeing prefix 0.263, exact 2/10. It misses
-" Paris" on prompt 0 (" 1400."), as the same checkpoint does outside the engine (HF modules with the same op: the
-source's " Paris" is not a confident token there), so that prompt is asserted for the rounded-to-nearest one only.
+W4A8 solved by GPTQ after activation smoothing (asymmetric group 32, edge.plan.engine_config.W4A8_ROUNDING;
+edge-eval KLD 0.064) is served beside it (2026-12-07, same host): first token 0.7, mean agreeing prefix 0.263, exact
+2/10. It misses " Paris" on prompt 0 (" 1400."), as the same checkpoint does outside the engine (HF modules with the
+same op), so that prompt is asserted for the rounded-to-nearest one only.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.plan.engine_config import W4A8_ROUNDING
+from edge.plan.engine_config import W4A8_ROUNDING, W4A8_SOLVED_GROUP
 from tests.kernels import test_serve_slow as serve
 
 pytestmark = pytest.mark.slow
@@ -58,9 +58,10 @@ def checkpoints(cache: Path) -> dict[str, str]:
 
     bf16 = ensure_default_model()
     w4a8 = convert(bf16, cache / "smollm2-cpu-w4a8", quantization_config(group_size=64), path="w4a8-gptq")
-    # what a plan for a float source now writes (edge.plan.engine_config._cpu_w4a8): GPTQ after smoothing, zeros
+    # GPTQ after smoothing, asymmetric group 32 (edge.plan.engine_config.W4A8_ROUNDING; not planned yet)
     solved = convert(bf16, cache / "smollm2-cpu-w4a8-gptq",
-                     quantization_config(group_size=32, sym=False, rounding=W4A8_ROUNDING), path="w4a8-gptq")
+                     quantization_config(group_size=W4A8_SOLVED_GROUP, sym=False, rounding=W4A8_ROUNDING),
+                     path="w4a8-gptq")  # fmt: skip
     return {"bf16": str(bf16), "cpu_w4a8": str(w4a8), "cpu_w4a8_gptq": str(solved)}
 
 
