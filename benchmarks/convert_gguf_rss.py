@@ -19,12 +19,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.host import cpu_model_name
 from benchmarks.make_random_gguf import PRESETS, architecture_shapes, write_q4_k_m
-from benchmarks.rss import TreeSampler
+from benchmarks.rss import run_sampled
 
 MIB = 1 << 20
 
@@ -49,14 +48,9 @@ def main() -> None:
     (work / "plan.json").write_text(plan)
     dst = work / "converted"
     shutil.rmtree(dst, ignore_errors=True)
-    started = time.monotonic()
-    process = subprocess.Popen([str(bin_dir / "edge-convert"), str(gguf), str(dst), "--plan", str(work / "plan.json")],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    sampler = TreeSampler(process.pid, interval_s=0.1).start()
-    output, _ = process.communicate()
-    sampler.stop()
-    wall = time.monotonic() - started
-    assert process.returncode == 0, output
+    run = run_sampled([str(bin_dir / "edge-convert"), str(gguf), str(dst), "--plan", str(work / "plan.json")])
+    sampler, output, wall = run.sampler, run.output, run.wall_s
+    assert run.returncode == 0, output
     settled = sampler.samples[-max(1, len(sampler.samples) // 20) :]  # the last 5 %: the summary and the manifest
     largest = max(_numel(shape) for shape, role in architecture_shapes("llama", dims).values() if role == "matrix")
     result = {

@@ -144,3 +144,25 @@ class TreeSampler:
         below.file_samples = [(t, b - r) for (t, b), (_, r) in zip(self.file_samples, self.root_file_samples,
                                                                    strict=True)]  # fmt: skip
         return below
+
+
+@dataclass
+class SampledRun:
+    """A command run to its end while its process tree was sampled: its output (stdout and stderr together)."""
+
+    returncode: int
+    output: str
+    wall_s: float
+    sampler: TreeSampler
+
+
+def run_sampled(argv: list[str], interval_s: float = 0.1) -> SampledRun:
+    """Run argv, sampling its tree's RssAnon every interval_s until it exits."""
+    import subprocess
+
+    started = time.monotonic()
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = TreeSampler(process.pid, interval_s=interval_s).start()
+    output, _ = process.communicate()
+    sampler.stop()
+    return SampledRun(process.returncode, output, time.monotonic() - started, sampler)

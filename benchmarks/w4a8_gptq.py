@@ -25,11 +25,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.host import cpu_model_name
-from benchmarks.rss import TreeSampler
+from benchmarks.rss import run_sampled
 from edge.plan.engine_config import W4A8_ROUNDING, W4A8_SOLVED_GROUP
 
 MIB = 1 << 20
@@ -66,16 +65,10 @@ def variant_plan(plan: dict, name: str) -> dict:
 def convert(source: Path, plan: dict, work: Path) -> dict:
     (work / "plan.json").write_text(json.dumps(plan))
     dst = work / "converted"
-    started = time.monotonic()
-    process = subprocess.Popen([str(BIN / "edge-convert"), str(source), str(dst), "--plan", str(work / "plan.json")],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    sampler = TreeSampler(process.pid, interval_s=0.1).start()
-    output, _ = process.communicate()
-    sampler.stop()
-    if process.returncode != 0:
-        raise SystemExit(f"edge-convert failed:\n{output[-3000:]}")
-    wall = round(time.monotonic() - started, 1)
-    return {"dir": dst, "wall_s": wall, "peak_rss_anon_mib": round(sampler.peak_bytes / MIB)}
+    run = run_sampled([str(BIN / "edge-convert"), str(source), str(dst), "--plan", str(work / "plan.json")])
+    if run.returncode != 0:
+        raise SystemExit(f"edge-convert failed:\n{run.output[-3000:]}")
+    return {"dir": dst, "wall_s": round(run.wall_s, 1), "peak_rss_anon_mib": round(run.sampler.peak_bytes / MIB)}
 
 
 def evaluate(source: Path, candidate: Path, tokens: int, text: Path | None) -> dict:
