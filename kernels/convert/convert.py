@@ -442,6 +442,10 @@ def _solve_gptq(source: Source, decisions: Decisions, qconfig: dict[str, Any] | 
 
     windows = int(qconfig.get("calibration_windows", gptq_pass.DEFAULT_WINDOWS))
     alpha = qconfig.get("smoothing")
+    if alpha is not None and decisions.exact:
+        raise InputError("quantization_config.smoothing", alpha,
+                         f"absent where the source's own codes are copied (codes_from_source: "
+                         f"{len(decisions.exact)} tensors): the scales would change them")  # fmt: skip
     log(f"GPTQ: {windows} windows of {gptq_pass.WINDOW} tokens of the default text, "
         f"{'smoothing alpha ' + str(alpha) if alpha is not None else 'no smoothing'}")  # fmt: skip
     return gptq_pass.solve(source.directory, set(decisions.quantize) - decisions.exact,
@@ -474,12 +478,9 @@ def _write(
             writer.add(gptq_from_solved(decisions.quantize[name], solved.quantized[name],
                                         sym=bool(qconfig.get("sym", True))))  # fmt: skip
             continue
-        if solved is not None and name in solved.replaced:  # a norm smoothing divided
-            from kernels.formats import bf16
-
-            writer.add(bf16.convert(name, solved.replaced[name]))
-            continue
-        tensor = load()
+        # a tensor smoothing scaled (a norm, a linear GPTQ does not solve) is converted as its decision says, from
+        # its scaled values
+        tensor = solved.replaced[name] if solved is not None and name in solved.replaced else load()
         writer.add(_convert_tensor(name, tensor, decisions, qconfig, path))
         if name == decisions.head_from_embedding:
             # the embedding, quantized again as the untied head

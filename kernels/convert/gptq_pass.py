@@ -88,11 +88,8 @@ def solve(source_dir: Path, quantize: set[str], *, group: int, sym: bool, alpha:
         linears = {name: module for name, module in layer.named_modules()
                    if isinstance(module, nn.Linear) and f"{here}{name}.weight" in quantize}  # fmt: skip
         if alpha is not None:
-            maxima = _input_maxima(layer, inputs)
-            for source in smoothing.smooth_layer(layer, maxima, alpha):
-                module = layer.get_submodule(source)
-                if not isinstance(module, nn.Linear):  # a norm: written as float
-                    replaced[f"{here}{source}.weight"] = module.weight.detach().clone()
+            smoothing.smooth_layer(layer, _input_maxima(layer, inputs), alpha)
+            replaced |= _smoothed_unsolved(layer, here, linears)
         hessians = _hessians(layer, linears, inputs)
         with torch.no_grad():
             for name, module in linears.items():
@@ -109,6 +106,21 @@ def solve(source_dir: Path, quantize: set[str], *, group: int, sym: bool, alpha:
         raise InputError("quantization_config.rounding", "gptq",
                          f"decoder-layer linears only; not found there: {sorted(missing)[:3]}")  # fmt: skip
     return Solved(quantized, replaced, windows, alpha)
+
+
+def _smoothed_unsolved(layer: nn.Module, here: str, solved: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
+    """Every tensor the scales changed that GPTQ does not write: the norms, and a fold's linear the plan keeps in
+    float (a layer in `ignore`), with its bias: written as they now are, or the fold would be half applied."""
+    changed: dict[str, torch.Tensor] = {}
+    for fold in smoothing.FOLDS:
+        for name in (fold.source, *fold.consumers):
+            if name in solved:
+                continue
+            module = layer.get_submodule(name)
+            changed[f"{here}{name}.weight"] = module.weight.detach().clone()
+            if getattr(module, "bias", None) is not None:
+                changed[f"{here}{name}.bias"] = module.bias.detach().clone()
+    return changed
 
 
 class _Captured(Exception):

@@ -97,3 +97,18 @@ def test_a_gguf_source_is_not_solved_by_gptq(tmp_path):
     with pytest.raises(InputError, match="quantization_config.rounding"):
         convert(source_gguf(), tmp_path / "w4a8", qconfig, path="w4a8-gptq", log=lambda message: None)
     assert not (tmp_path / "w4a8").exists()
+
+
+def test_a_fold_into_a_layer_kept_in_float_is_written_whole(source, tmp_path):
+    """q/k/v kept bf16 (`ignore`) while the input norm is smoothed: both are written scaled, so their product, the
+    function, is the source's."""
+    qconfig = quantization_config(group_size=32, sym=False, rounding=ROUNDING, ignore=["q_proj"])
+    dst = convert(source, tmp_path / "w4a8", qconfig, path="w4a8-gptq", log=lambda message: None)
+    written, original = tensors(dst), tensors(source)
+    norm = "model.layers.5.input_layernorm.weight"
+    for kept in ("model.layers.5.self_attn.q_proj.weight", "model.layers.5.self_attn.v_proj.weight"):
+        assert written[kept].dtype == torch.bfloat16, kept  # kept in float with its fused siblings
+        product = written[kept].float() * written[norm].float()[None, :]
+        reference = original[kept].float() * original[norm].float()[None, :]
+        assert float((product - reference).norm() / reference.norm()) < 0.01, kept
+    assert not torch.equal(written[norm], original[norm])
