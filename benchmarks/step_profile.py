@@ -74,6 +74,10 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "no-table": {"EDGE_LAYER_TABLE": "0"},
 }
 # variants that change the engine's arguments: the plan's compilation config without Inductor's C++ wrapper
+# vLLM's CPU attention splitting a sequence's keys into chunks it merges after (VLLM_CPU_ATTN_SPLIT_KV, on as vLLM
+# ships it) against one pass over them (edge.plan.engine_config ATTENTION_ENV): the plan's value is whichever
+VARIANT_ENV["split-kv"] = {"VLLM_CPU_ATTN_SPLIT_KV": "1"}
+VARIANT_ENV["no-split-kv"] = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
 VARIANT_KWARGS: dict[str, dict] = {"python-wrapper": {"compilation_config": {}}}
 
 
@@ -195,6 +199,8 @@ def llm_kwargs(plan) -> dict:
         kwargs["quantization"] = flags["--quantization"]
     if "--compilation-config" in flags:
         kwargs["compilation_config"] = json.loads(flags["--compilation-config"])
+    if "--speculative-config" in flags:
+        kwargs["speculative_config"] = json.loads(flags["--speculative-config"])
     return kwargs
 
 

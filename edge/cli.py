@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, metavar="N",
                         help="the one- or two-process engine's compute threads (default: the calibration's "
                              "choice, else every core but one)")
+    parser.add_argument("--speculative", metavar="off|ngram|auto",
+                        help="draft tokens for vLLM to verify a step: ngram drafts from the request's own text; auto "
+                             "drafts where a measurement on this CPU class says it pays (default: off)")
     parser.add_argument("--force", action="store_true", help="run a pinned path that a gate refuses")
     parser.add_argument("--max-kld", type=float, default=DEFAULT_MAX_KLD, metavar="NATS",
                         help="speed trades quality only within this measured mean KL divergence per token "
@@ -93,7 +96,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     return inputs.plan(
         priority=args.priority, budget_bytes=budget, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, path=args.path, layout=args.layout, force=args.force, max_kld=args.max_kld,
-        serving_mode=args.serving_mode, threads=args.threads,
+        serving_mode=args.serving_mode, threads=args.threads, speculative=args.speculative,
     )  # fmt: skip
 
 
@@ -187,6 +190,10 @@ def render(plan: Plan) -> str:
     if plan.vllm is not None:
         env = " ".join(f"{k}={v}" for k, v in sorted(plan.vllm.env.items()))
         lines.append(f"  vllm      {env} {shlex.join(plan.vllm.command('MODEL_DIR'))}")  # the JSON arg quoted
+    if (spec := plan.speculative) is not None and plan.vllm is not None:
+        drafted = (f"{spec.method}, {spec.num_speculative_tokens} drafted tokens a step" if spec.method != "off"
+                   else "off")  # fmt: skip
+        lines.append(f"  drafting  {drafted}: {spec.reasons[0].text if spec.reasons else ''}")
     if plan.export is not None:  # PLAN.json: this plan, saved with --json
         e = plan.export
         lines.append(f"  export    {e.command_line()}  ({e.runtime} {e.format}, {e.weight_bits}-bit weights per "

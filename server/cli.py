@@ -151,6 +151,7 @@ def plan_for_serving(
             force=args.force,
             serving_mode=getattr(args, "serving_mode", None),
             threads=getattr(args, "threads", None),
+            speculative=getattr(args, "speculative", None),
             max_kld=DEFAULT_MAX_KLD if getattr(args, "max_kld", None) is None else args.max_kld,
         )
 
@@ -342,6 +343,9 @@ def parser() -> argparse.ArgumentParser:
                         "the plan's choice by cores")
     p.add_argument("--threads", type=int, metavar="N", help="the one- or two-process engine's "
                    "compute threads (default: the calibration's choice, else every core but one)")
+    p.add_argument("--speculative", metavar="off|ngram|auto",
+                   help="draft tokens for vLLM to verify a step: ngram drafts from the request's own text; auto drafts "
+                        "where a measurement on this CPU class says it pays (default: off)")
     p.add_argument("--force", action="store_true", help="start a plan over its memory budget or a refused pin")
     p.add_argument("--max-kld", type=float, metavar="NATS",
                    help=f"speed trades quality only within this measured mean KL divergence per token (default "

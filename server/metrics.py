@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from server.supervisor.status import ENGINE_STATES
@@ -102,6 +103,22 @@ class EngineCollector(Collector):
             "1 when the engine's own metrics were read for this scrape.",
             value=self.engine_metrics_up,
         )
+
+
+# vLLM's speculative-decoding counters (vllm/v1/spec_decode/metrics.py), by the names /status gives them
+DRAFT_SERIES = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "drafted_tokens",
+                "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}  # fmt: skip
+
+
+def drafting_counts(text: str) -> dict[str, float] | None:
+    """The drafting counters in an engine's Prometheus text (samples `<series>_total`, summed over their labels);
+    None when it has none (an engine that does not draft registers none)."""
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (name := DRAFT_SERIES.get(sample.name.removesuffix("_total"))) and sample.name.endswith("_total"):
+                counts[name] = counts.get(name, 0.0) + sample.value
+    return counts if len(counts) == len(DRAFT_SERIES) else None
 
 
 class ServiceMetrics:
@@ -188,6 +205,12 @@ class ServiceMetrics:
         if not engine_text:
             return own
         return own + engine_text.encode() + (b"" if engine_text.endswith("\n") else b"\n")
+
+    async def drafting(self, client: httpx.AsyncClient | None) -> dict[str, float] | None:
+        """vLLM's drafting counters since the engine started (DRAFT_SERIES), read from its /metrics; None when it
+        drafts nothing or is not ready."""
+        text = await self._engine_text(client) if client is not None else None
+        return None if text is None else drafting_counts(text)
 
     async def _engine_text(self, client: httpx.AsyncClient) -> str | None:
         if self.supervisor is None or not self.supervisor.is_ready:

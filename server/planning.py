@@ -129,6 +129,7 @@ def plan_one(
         max_num_seqs=options.max_num_seqs,
         serving_mode=options.serving_mode,
         threads=options.threads,
+        speculative=options.speculative,
         **pins,
     )
 

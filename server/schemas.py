@@ -184,6 +184,11 @@ class PlanOptions(_Strict):
         default=None, ge=1, description="The one- or two-process engine's compute threads (OMP_NUM_THREADS); "
         "default: the calibration's choice, else every core but one.",
     )
+    speculative: str | None = Field(
+        default=None, max_length=64, description="Drafted tokens for vLLM to verify a step: 'off' (the default), "
+        "'ngram' (drafts from the request's own text) or 'auto' (ngram where a measurement on the device's ISA class "
+        "says it pays; the plan's speculative section says which and why).",
+    )
 
 
 class PlanRequest(PlanOptions):
@@ -238,9 +243,26 @@ class BatchResponse(BaseModel):
     failed: int = Field(description="How many devices got an error.")
 
 
+class DraftingStatus(BaseModel):
+    """What the engine's speculative decoding did since it started (vLLM's spec_decode counters)."""
+
+    method: str = Field(description="The plan's drafting method (plan.speculative.method).")
+    num_speculative_tokens: int | None = Field(description="Tokens drafted a step at most.")
+    drafts: float = Field(description="Steps that checked drafted tokens.")
+    drafted_tokens: float = Field(description="Tokens drafted and checked.")
+    accepted_tokens: float = Field(description="Drafted tokens the model's own choice confirmed.")
+    acceptance_rate: float | None = Field(description="accepted_tokens / drafted_tokens; null before any draft.")
+    tokens_per_step: float | None = Field(
+        description="Tokens a verified step produced on average: 1 + accepted_tokens / drafts; null before any draft."
+    )
+
+
 class StatusResponse(BaseModel):
     plan: Plan | None = Field(description="The plan in force, if the server runs an engine.")
     engine: EngineStatus | None = Field(description="The engine's state; null when the server only plans.")
+    drafting: DraftingStatus | None = Field(
+        default=None, description="Speculative decoding's counters, when the plan drafts and the engine is ready."
+    )
     weight_path: str | None = Field(description="plan.path[/layout], as sent in X-Edge-Weight-Path.")
     openai_base_url: str | None = Field(description="OpenAI-compatible API through this server (/v1).")
     model_dir: str | None = Field(description="The checkpoint directory the engine serves.")

@@ -154,6 +154,15 @@ COMPILATION_CONFIG = {"inductor_compile_config": {"cpp_wrapper": True, "cpp_wrap
 # 2026-12-02); as strings it can. The plugin's C++ attention leaves no such op in a plain decoder's graph, but a layer
 # it does not take (kernels/vllm_plugin/attention_cpp.py eligible) keeps vLLM's.
 COMPILE_ENV = {"VLLM_USE_LAYERNAME": "0"}
+# vLLM's CPU attention splits a decode row's keys into chunks and merges their partial softmaxes after
+# (VLLM_CPU_ATTN_SPLIT_KV, on as shipped), but attends a row of a multi-row query in one pass. So a drafted token
+# checked in a verify pass got other logits than the same token decoded alone: log-probabilities differed by up to
+# 0.14 and the greedy text of a summary left the undrafted one at token 106; with one pass for every row they were
+# bit-identical over 128 tokens (AMD EPYC Zen 5, default model, docs/reports/2026-12-07-speculative.md). The
+# plan keeps one pass whether it drafts or not, so that turning drafting on or off never changes greedy text. A
+# decode step took 1.012x the time, within the run's noise (benchmarks/step_profile.py plain+split-kv,
+# plain+no-split-kv, 6 rounds of 96 steps, same host).
+ATTENTION_ENV = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
 
 
 
@@ -231,8 +240,10 @@ def vllm_config(
     max_num_seqs: int,
     kv_cache_bytes: int,
     mode: ServingMode | None = None,
+    speculative: dict[str, Any] | None = None,
 ) -> VllmConfig | None:
-    """mode: the serving mode asked for (edge-select/edge-serve --serving-mode), else serving_mode_for(device)."""
+    """mode: the serving mode asked for (edge-select/edge-serve --serving-mode), else serving_mode_for(device).
+    speculative: vLLM's speculative_config (edge.plan.speculative.Speculative.vllm_config), None for no drafting."""
     if not PATHS[path].served_by_vllm:
         return None
     args = [
@@ -246,6 +257,8 @@ def vllm_config(
     ]  # fmt: skip
     if (block := attention_block_size(model)) is not None:
         args += ["--block-size", str(block)]
+    if speculative is not None:
+        args += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
     if PATHS[path].quantizes_weights:
         assert qconfig is not None
         args += ["--quantization", qconfig["quant_method"]]  # cpu_int4, gptq or cpu_w4a8: the checkpoint's method
@@ -254,6 +267,7 @@ def vllm_config(
         # Plans that build different graphs get different compile caches (docs/FACTS.md, compile-cache key).
         "VLLM_CACHE_ROOT": f"~/.cache/edge-select/vllm/{_cache_key(model, path, qconfig)}",
         **COMPILE_ENV,
+        **ATTENTION_ENV,
     }
     cores = device.compute_cores
     if cores is not None and cores <= SMALL_BOX_CORES:

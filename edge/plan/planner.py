@@ -33,6 +33,7 @@ from edge.measure.quality import (
 )
 from edge.measure.rank import Option, RankInput, rank
 from edge.model.shapes import ModelShape
+from edge.plan import speculative as drafting
 from edge.plan.engine_config import (
     DEFAULT_SERVING_MODE,
     ONE_PROCESS_MAX_CORES,
@@ -360,8 +361,10 @@ def make_plan(
     calibration: CalibrationRecord | None = None,
     serving_mode: ServingMode | None = None,
     threads: int | None = None,
+    speculative: str | None = None,
 ) -> Plan:
-    """serving_mode: how many processes vLLM runs as (edge.plan.schema.ServingMode); None: edge.plan.engine_config's
+    """speculative: off, ngram or auto (edge.plan.speculative); None: off.
+    serving_mode: how many processes vLLM runs as (edge.plan.schema.ServingMode); None: edge.plan.engine_config's
     choice for the device's cores (serving_mode_for).
     threads: the one- or two-process engine's compute threads (OMP_NUM_THREADS); None: the calibration's choice, else
     edge.plan.engine_config.engine_threads.
@@ -374,6 +377,7 @@ def make_plan(
         raise InputError("max_kld", max_kld, "a positive mean KL divergence (nats per token)")
     mode = serving_mode or serving_mode_for(device, threads)
     _check_threads(threads, device, mode)
+    speculative = drafting.check(speculative)
     pin = " ".join(f"--{k} {v}" for k, v in (("path", path), ("layout", layout)) if v) or None
     if layout is not None:
         path = path_with_layout(layout)
@@ -396,8 +400,10 @@ def make_plan(
     chosen = _pick(evaluated, priority, path, layout, force, max_kld, device.cpu_model.value or device.name)
     gate, option = chosen.gate, chosen.option
     layers, qconfig = chosen.weights.layers, chosen.weights.qconfig
+    drafts = drafting.decide(speculative, device.isa_class, (qconfig or {}).get("decode_kernel"),
+                             serves=PATHS[option.path].served_by_vllm)  # fmt: skip
     vllm = vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
-                       max_num_seqs=req.max_num_seqs, mode=req.serving_mode,
+                       max_num_seqs=req.max_num_seqs, mode=req.serving_mode, speculative=drafts.vllm_config(),
                        kv_cache_bytes=rules.kv_cache_bytes(model, req.max_model_len, req.max_num_seqs))  # fmt: skip
     threads = _threads(req, option.path, option.layout, vllm)
     if threads.env:
@@ -429,10 +435,11 @@ def make_plan(
         layers=layers,
         quantization_config=qconfig,
         vllm=vllm,
+        speculative=drafts,
         export=None if PATHS[option.path].served_by_vllm else export_section(model.name, chosen.memory.resident_bytes),
         quality=_plan_quality(chosen),
         calibration=_calibration_ref(calibration),
-        reasons=[*reasons, *threads.reasons],
+        reasons=[*reasons, *threads.reasons, *(drafts.reasons if speculative != "off" else [])],
         alternatives=[_alternative(ev, chosen, req) for ev in evaluated if ev is not chosen],
         warnings=[*_warnings(chosen, device, layers), *threads.warnings],
         pinned=path is not None,

@@ -19,12 +19,14 @@ from edge.formats.export import ExportSection
 from edge.measure.ledger import MemoryLedger
 from edge.measure.quality import PlanQuality
 from edge.model.shapes import ModelShape
+from edge.plan.speculative import Speculative
 
-# 8: the ledger's repack-retention item; 7: an int8 layer's scales per group (layers[].group,
+# 9: speculative (drafting, vllm.args' --speculative-config); 8: the ledger's repack-retention item; 7: an int8
+# layer's scales per group (layers[].group,
 # quantization_config.int8_group_size); 6: a kind of weight
 # split by format across its layers (layers[].indices, model.source_layers); 5: vllm.mode; 4: export;
 # 3: calibration; 2: ledger items' kind and layer, the plan's layers, kernel parameters
-SCHEMA_VERSION = "8"
+SCHEMA_VERSION = "9"
 
 # the types of the Plan's fields that rooms below own, for the Plan's readers
 __all__ = [
@@ -126,6 +128,7 @@ class Plan(BaseModel):
     calibration: CalibrationRef | None = None  # the device's kernel times the ranking used; None: facts table
     quantization_config: dict[str, Any] | None  # written into the converted checkpoint's config.json
     vllm: VllmConfig | None  # None for export-only
+    speculative: Speculative | None = None  # drafted tokens vLLM verifies (edge.plan.speculative); None: older plans
     export: ExportSection | None = None  # export-only: what edge-export builds and how (edge.formats.export)
     reasons: list[Reason]
     alternatives: list[Alternative]

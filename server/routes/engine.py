@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from server.schemas import Health, StatusResponse
+from server.schemas import DraftingStatus, Health, StatusResponse
 
 router = APIRouter()
 
@@ -23,9 +23,28 @@ async def get_status(request: Request) -> StatusResponse:
     return StatusResponse(
         plan=state.plan,
         engine=supervisor.status() if supervisor is not None else None,
+        drafting=await _drafting(request) if supervisor is not None else None,
         weight_path=state.weight_path,
         openai_base_url=f"http://{settings.host}:{settings.port}/v1" if supervisor is not None else None,
         model_dir=state.model_dir,
+    )
+
+
+async def _drafting(request: Request) -> DraftingStatus | None:
+    state = request.app.state
+    spec = state.plan.speculative if state.plan is not None else None
+    if spec is None or spec.method == "off":
+        return None
+    counts = await state.metrics.drafting(getattr(state, "metrics_http", None))
+    if counts is None:
+        return None
+    drafted, accepted, drafts = counts["drafted_tokens"], counts["accepted_tokens"], counts["drafts"]
+    return DraftingStatus(
+        method=spec.method,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        **counts,
+        acceptance_rate=accepted / drafted if drafted else None,
+        tokens_per_step=1 + accepted / drafts if drafts else None,
     )
 
 

@@ -63,6 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dead-completions", action="store_true")
     parser.add_argument("--busy-health", type=float, default=0.0)
     parser.add_argument("--served-model-name", nargs="+", default=None)
+    parser.add_argument("--speculative-config", default=None)
     args, ignored = parser.parse_known_args(argv)
     args.ignored = ignored  # the plan's vLLM flags (--dtype, --max-model-len, ...): accepted, unused
     return args
@@ -71,6 +72,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def completion_words(prompt: str, max_tokens: int) -> list[str]:
     """A deterministic 'generation': one word per token, derived from the prompt's length."""
     return [f" w{(len(prompt) + i) % 97}" for i in range(max_tokens)]
+
+
+ANSWERED = [0]  # completions answered, for the drafting counters
+
+
+def drafting_series(args: argparse.Namespace, name: str) -> str:
+    """With --speculative-config, vLLM's three spec_decode counters as its /metrics writes them: the stand-in
+    'drafts' num_speculative_tokens tokens a completion and 'accepts' all but one (no real drafting)."""
+    if args.speculative_config is None:
+        return ""
+    k = json.loads(args.speculative_config)["num_speculative_tokens"]
+    n = ANSWERED[0]
+    values = {"num_drafts": n, "num_draft_tokens": k * n, "num_accepted_tokens": (k - 1) * n}
+    return "".join(f"# HELP vllm:spec_decode_{key}_total Stand-in.\n# TYPE vllm:spec_decode_{key}_total counter\n"
+                   f'vllm:spec_decode_{key}_total{{engine="0",model_name="{name}"}} {value}.0\n'
+                   for key, value in values.items())  # fmt: skip
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
@@ -144,7 +161,8 @@ class Handler(BaseHTTPRequestHandler):
             name = served_names(self.args)[0]
             body = ("# HELP vllm:num_requests_running Requests running (stand-in).\n"
                     "# TYPE vllm:num_requests_running gauge\n"
-                    f'vllm:num_requests_running{{model_name="{name}"}} 0.0\n').encode()  # fmt: skip
+                    f'vllm:num_requests_running{{model_name="{name}"}} 0.0\n'
+                    + drafting_series(self.args, name)).encode()  # fmt: skip
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
             self.send_header("Content-Length", str(len(body)))
@@ -185,6 +203,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(500, {"error": {"message": message, "type": "InternalServerError", "code": 500}})
             return
         words = completion_words(prompt, max_tokens)
+        ANSWERED[0] += 1
         if request.get("stream"):
             self._stream(words)
         else:
