@@ -52,6 +52,17 @@ Variants:
     edge:MODE+uncalibrated  the same planned from the facts table, whatever calibration record is cached
                   (EDGE_CALIBRATION=off): what a box served before edge-serve timed its kernels on first start
 
+    edge:MODE+ngram  the same planned with n-gram drafting (--speculative ngram: vLLM's n-gram proposer, its drafts
+                  checked in one verify pass, edge.plan.speculative)
+    llama:TYPE+lookup  llama.cpp's own drafting for the same file: llama-cpp-python's server with its prompt-lookup
+                  draft model (--draft_model prompt-lookup-decoding, its default of 10 tokens predicted)
+
+--workloads open,summarize,edit (with --rounds): the paired decode rounds run each workload's prompt in turn, fixed in
+benchmarks/workloads/: `open` (today's prose opening, the answer free), `summarize` (a given passage, then a summary
+that quotes it), `edit` (a given function, then the same function with a variable renamed). Each workload gets its
+own paired table; an edge variant that drafts adds its acceptance rate over the workload's rounds (drafted tokens
+the model confirmed, from /status's drafting counters).
+
 --sampling greedy (the default) streams with temperature 0. --sampling llama-defaults sends every server the sampling
 llama.cpp's server applies to a request that names none (llama-cpp-python 0.3.36: temperature 0.8, top-k 40, top-p
 0.95, min-p 0.05, repeat penalty 1.1), each under its own parameter names: what a client moving from llama.cpp gets.
@@ -126,8 +137,20 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "no-map": {"EDGE_MAPPED_WEIGHTS": "0"}, "no-idle-trim": {"EDGE_IDLE_TRIM": "0"},
                   "vllm-tokenizer-pool": {"EDGE_TOKENIZER_COPIES": "2", "EDGE_TOKENIZER_SHALLOW_COPY": "0"}}
 # edge:MODE+NAME: the variant's edge-serve with these arguments (a pinned weight path beside the plan's own)
-EDGE_ARG_MODIFIERS = {"w4a16": ("--path", "w4a16-tinygemm"), "w4a8": ("--path", "w4a8-gptq")}
-SHORT_PROMPT = "Once upon a time, in a quiet village by the sea,"
+EDGE_ARG_MODIFIERS = {"w4a16": ("--path", "w4a16-tinygemm"), "w4a8": ("--path", "w4a8-gptq"),
+                      "ngram": ("--speculative", "ngram")}  # fmt: skip
+# llama:TYPE+NAME: llama.cpp's server with these arguments
+LLAMA_ARG_MODIFIERS = {"lookup": ("--draft_model", "prompt-lookup-decoding")}
+WORKLOADS_DIR = Path(__file__).with_name("workloads")
+WORKLOADS = ("open", "summarize", "edit")
+
+
+def workload_prompt(name: str) -> str:
+    """The workload's fixed prompt (benchmarks/workloads/NAME.txt), without its file's final newline."""
+    return (WORKLOADS_DIR / f"{name}.txt").read_text().removesuffix("\n")
+
+
+SHORT_PROMPT = workload_prompt("open")
 GREEDY = {"temperature": 0}
 # llama-cpp-python 0.3.36's server defaults (llama_cpp/server/types.py), under each server's own parameter names
 LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -183,10 +206,14 @@ class Server:
 
 
 def stream(url: str, model: str, prompt: str, tokens: int, sampling: dict | None = None) -> dict:
-    """One streamed completion: time to first token, token arrival times."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, **(sampling or GREEDY), "stream": True}
+    """One streamed completion: time to first token, token arrival times. A server that drafts sends several tokens
+    in one event, so the count is the usage it reports at the end (stream_options.include_usage, which vLLM's
+    server honours); a server that reports none (llama-cpp-python's, one event a token) counts its events. The rate
+    counts the tokens after the first event's one over the time from the first event to the last."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, **(sampling or GREEDY), "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     start = time.perf_counter()
-    times = []
+    times, usage = [], None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -195,8 +222,10 @@ def stream(url: str, model: str, prompt: str, tokens: int, sampling: dict | None
             chunk = json.loads(line[6:])
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 times.append(time.perf_counter() - start)
-    return {"ttft_s": times[0] if times else None, "tokens": len(times),
-            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 else None}  # fmt: skip
+            usage = chunk.get("usage") or usage
+    count = usage["completion_tokens"] if usage else len(times)
+    return {"ttft_s": times[0] if times else None, "tokens": count, "events": len(times),
+            "decode_tok_s": (count - 1) / (times[-1] - times[0]) if len(times) > 2 else None}  # fmt: skip
 
 
 def prefill(url: str, model: str, prompt: str) -> dict:
@@ -257,18 +286,35 @@ def measure(server: Server, model: str, tokenizer, seed: int, sampling: dict | N
 
 
 def decode_rounds(servers: dict[str, tuple], rounds: int, samplings: dict[str, dict | None],
-                  per: dict[str, list[float]], first: int = 0) -> None:  # fmt: skip
+                  per: dict[str, list[float]], first: int = 0, prompt: str = SHORT_PROMPT,
+                  drafting: dict[str, list[dict]] | None = None) -> None:  # fmt: skip
     """Paired decode: `rounds` rounds of one stream per server, the order rotated each round, so a VM whose speed
     drifts over minutes slows both sides of a pair alike; each variant's tok/s appended to `per` (rounds numbered
-    from `first`)."""
+    from `first`). `drafting`: an edge variant's drafting counters (/status) before and after each of its streams."""
     names = list(servers)
     for r in range(first, first + rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
             server, model, kind = servers[name]
-            result = stream(server.url, model, f"r{r} {SHORT_PROMPT}", DECODE_TOKENS, samplings[kind])
+            before = drafting_counters(server) if drafting is not None and kind == "edge" else None
+            result = stream(server.url, model, f"r{r} {prompt}", DECODE_TOKENS, samplings[kind])
             per.setdefault(name, []).append(result["decode_tok_s"])
+            if before is not None and (after := drafting_counters(server)) is not None:
+                drafting.setdefault(name, []).append({k: after[k] - before[k] for k in after})
         print(json.dumps({"round": r + 1, **{n: round(v[-1], 1) for n, v in per.items()}}), file=sys.stderr,
               flush=True)  # fmt: skip
+
+
+def drafting_counters(server: Server) -> dict[str, float] | None:
+    """edge-serve's drafting counters now (/status drafting), or None where its plan drafts nothing."""
+    found = httpx.get(f"{server.url}/status", timeout=30).json().get("drafting")
+    return None if found is None else {k: found[k] for k in ("drafts", "drafted_tokens", "accepted_tokens")}
+
+
+def acceptance(deltas: list[dict]) -> dict[str, float]:
+    """Drafted tokens confirmed over a workload's rounds, and tokens a verified step produced."""
+    total = {k: sum(d[k] for d in deltas) for k in ("drafts", "drafted_tokens", "accepted_tokens")}
+    return {**total, "acceptance_rate": total["accepted_tokens"] / total["drafted_tokens"] if total["drafted_tokens"]
+            else 0.0, "tokens_per_step": 1 + total["accepted_tokens"] / total["drafts"] if total["drafts"] else 1.0}
 
 
 def paired_summary(per: dict[str, list[float]], names: list[str]) -> dict:
@@ -327,11 +373,12 @@ def edge_server(mode: str, args: argparse.Namespace, log: Path, threads: int | N
     return server, model, threads
 
 
-def llama_server(python: Path, gguf: Path, threads: int, log: Path) -> tuple[Server, str]:
+def llama_server(python: Path, gguf: Path, threads: int, log: Path,
+                 extra: Sequence[str] = ()) -> tuple[Server, str]:  # fmt: skip
     port = free_port()
     argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
             "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
-            "--n_batch", "512", "--model_alias", gguf.stem]  # fmt: skip
+            "--n_batch", "512", "--model_alias", gguf.stem, *extra]  # fmt: skip
     server = Server(argv, dict(os.environ), port, log)
     server.ready_s = server.wait_ready("/v1/models")
     server.detail = {"gguf": gguf.name, "threads": threads, "decode_bytes": gguf_decode_bytes(gguf)}
@@ -451,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=0,
                         help="with --together, after the passes: this many rounds of one decode stream per server, "
                              "order rotated, each variant's ratio to the first per round (medians, quartiles)")
+    parser.add_argument("--workloads", default="open",
+                        help=f"with --rounds: comma list of {', '.join(WORKLOADS)} (benchmarks/workloads/), each "
+                             "workload's rounds paired and reported apart")
     parser.add_argument("--starts", type=int,
                         help="with --together: start the servers this many times, each time in another order, the "
                              "passes and rounds shared between the starts (default: one start per variant)")
@@ -478,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     args.log.parent.mkdir(parents=True, exist_ok=True)
     servers: dict[str, tuple] = {}  # --together: every variant's server, kept up through all passes
     paired: dict = {}
+    workloads = args.workloads.split(",")
+    if unknown := [w for w in workloads if w not in WORKLOADS]:
+        parser.error(f"--workloads: unknown {unknown} (of {', '.join(WORKLOADS)})")
+    per_workload: dict[str, dict[str, list[float]]] = {w: {} for w in workloads}
+    drafted: dict[str, dict[str, list[dict]]] = {w: {} for w in workloads}
     if args.rounds and not args.together:
         parser.error("--rounds alternates servers that are up side by side: add --together")
 
@@ -487,9 +542,11 @@ def main(argv: list[str] | None = None) -> int:
         what, _, own = what.partition("@")
         what, _, modifier = what.partition("+")
         own, _, modifier = own.partition("+") if own else ("", "", modifier)
-        if modifier not in ("", *EDGE_MODIFIERS, *EDGE_ARG_MODIFIERS) or (modifier and kind != "edge"):
+        edge_ok = kind == "edge" and modifier in (*EDGE_MODIFIERS, *EDGE_ARG_MODIFIERS)
+        if modifier and not edge_ok and not (kind == "llama" and modifier in LLAMA_ARG_MODIFIERS):
             parser.error(f"--variants: unknown modifier +{modifier} in {variant!r} "
-                         f"(edge:MODE+{'|'.join([*EDGE_MODIFIERS, *EDGE_ARG_MODIFIERS])})")  # fmt: skip
+                         f"(edge:MODE+{'|'.join([*EDGE_MODIFIERS, *EDGE_ARG_MODIFIERS])}, "
+                         f"llama:TYPE+{'|'.join(LLAMA_ARG_MODIFIERS)})")  # fmt: skip
         if kind == "edge":
             env = EDGE_MODIFIERS.get(modifier, {})
             server, model, threads_here = edge_server(what, args, args.log, int(own) if own else None, env,
@@ -497,11 +554,11 @@ def main(argv: list[str] | None = None) -> int:
             threads = threads or threads_here
         else:
             gguf = {"Q4_0": q4_0, "Q4_1": q4_1, "file": args.model}[what]
-            server, model = llama_server(args.llama_python, gguf, int(own) if own else threads or 1, args.log)
+            server, model = llama_server(args.llama_python, gguf, int(own) if own else threads or 1, args.log,
+                                         LLAMA_ARG_MODIFIERS.get(modifier, ()))  # fmt: skip
         return server, model, kind
 
     bound = read_bound() if args.bound else {}
-    per_round: dict[str, list[float]] = {}
     starts = max(1, args.starts or (len(variants) if args.together else 1))
     for start_index in range(starts):
         # --together: each start brings the servers up in another order and takes its share of the passes and
@@ -528,20 +585,28 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             if args.rounds:
                 share = args.rounds // starts + (start_index < args.rounds % starts)
-                decode_rounds({v: servers[v] for v in variants}, share, SAMPLINGS[args.sampling], per_round,
-                              first=len(per_round.get(variants[0], [])))  # fmt: skip
+                for workload in workloads:
+                    print(f"workload {workload}", file=sys.stderr, flush=True)
+                    decode_rounds({v: servers[v] for v in variants}, share, SAMPLINGS[args.sampling],
+                                  per_workload[workload], first=len(per_workload[workload].get(variants[0], [])),
+                                  prompt=workload_prompt(workload), drafting=drafted[workload])  # fmt: skip
         finally:
             for server, _, _ in servers.values():
                 server.stop()
             servers.clear()
-    paired = paired_summary(per_round, variants) if per_round else {}
+    paired = {w: {**paired_summary(per, variants),
+                  "acceptance": {v: acceptance(d) for v, d in drafted[w].items()}}
+              for w, per in per_workload.items() if per}  # fmt: skip
     summary = summarize(rows, bound)
     cpu = host_model_name() or "unknown"
     print(f"{cpu}, {os.cpu_count()} cores, {threads} thread(s), {args.passes} passes (medians), "
           f"sampling {args.sampling}\n")
     print(table(summary))
-    if paired:
-        print("\n" + rounds_table(paired))
+    for workload, result in paired.items():
+        print(f"\nWorkload {workload}. " + rounds_table(result))
+        for name, a in result["acceptance"].items():
+            print(f"{name}: {a['acceptance_rate']:.1%} of {a['drafted_tokens']:.0f} drafted tokens accepted, "
+                  f"{a['tokens_per_step']:.2f} tokens a verified step")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu, "threads": threads, "sampling": args.sampling, "rows": rows,
                                          "summary": summary, "paired": paired, "read_bound_gb_s": bound}, indent=1))
