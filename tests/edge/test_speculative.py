@@ -17,7 +17,7 @@ from edge.facts import FACTS, MeasuredFact
 from edge.measure.quality import shipped_records
 from edge.model.reader import default_model
 from edge.plan import speculative
-from edge.plan.engine_config import ATTENTION_ENV
+from edge.plan.engine_config import ATTENTION_ENV, DRAFTING_ENV
 from edge.plan.planner import make_plan
 
 DATA = Path(__file__).parent / "data"
@@ -100,3 +100,8 @@ def test_a_speculative_not_offered_is_refused_naming_the_field(asked):
 def test_a_plan_no_engine_serves_drafts_nothing():
     p = make_plan(PHONE, default_model(), quality=shipped_records(), speculative="ngram")
     assert p.vllm is None and p.speculative.method == "off"
+
+
+def test_a_drafting_plan_keeps_numba_off_the_engines_openmp_threads():
+    assert plan(speculative="ngram").vllm.env.items() >= DRAFTING_ENV.items()
+    assert not DRAFTING_ENV.keys() & plan().vllm.env.keys()

@@ -5,7 +5,8 @@ its drafts are checked and accepted (vLLM's spec_decode counters).
 
 Both runs take their engine arguments and environment from the plans themselves (edge.plan.engine_config:
 `--speculative-config`, and the attention in one pass for every row, VLLM_CPU_ATTN_SPLIT_KV=0, without which a
-summary's greedy text left the undrafted one at token 106 here). One subprocess per plan, the engine core stepped
+summary's greedy text left the undrafted one at token 106 here), and torch on the plan's threads (numba's threading
+layer had given it every core). One subprocess per plan, the engine core stepped
 inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the one-process plan serves), all prompts queued before the first
 step.
 """
@@ -26,13 +27,15 @@ NEW_TOKENS = 128
 
 
 def generate(model: str, out: Path, keywords: dict) -> None:
+    import torch
     from vllm import LLM, SamplingParams
 
     prompts = [(WORKLOADS / f"{name}.txt").read_text() for name in ("open", "summarize", "edit")]
     llm = LLM(model=model, seed=0, disable_log_stats=False, **keywords)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
     counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
-    out.write_text(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs], "counters": counters}))
+    out.write_text(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs], "counters": counters,
+                               "threads": torch.get_num_threads()}))  # fmt: skip
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -71,4 +74,8 @@ def test_ngram_drafting_generates_the_undrafted_greedy_text_and_accepts_drafts(t
     assert drafted > 0, "no token was drafted: the plan's speculative_config did not reach the engine"
     assert 0 < accepted <= drafted
     assert not off["counters"], "the undrafted plan's engine drafted"
+    # vLLM's n-gram proposer starts numba, whose default threading layer gave torch every core (edge.plan.engine_config
+    # DRAFTING_ENV): the drafting engine computes on the plan's threads like the other
+    for done in (off, ngram):
+        assert done["threads"] == int(done["plan"].vllm.env["OMP_NUM_THREADS"])
 
