@@ -244,14 +244,19 @@ FACTS: dict[str, MeasuredFact] = {
         # n-gram drafting (edge.plan.speculative) against none, the same plan otherwise, paired rounds of one greedy
         # stream of 128 tokens, 6 rounds a workload (benchmarks/bench_serve.py --variants edge:one-process,
         # edge:one-process+ngram,llama:Q4_0,llama:Q4_0+lookup --together --rounds 6 --workloads open,summarize,edit;
-        # docs/reports/2026-12-07-speculative.md), AMD EPYC Zen 5, 1 thread, the default model. Open continuation
-        # 1.110x (q1-q3 1.004-1.523; 47.8 % of drafts accepted: this model's story repeats its lines); a summary of
-        # a given passage 2.344x (93.8 %), an edited function 1.419x (55.1 %)
-        _fact("avx512.speculative.ngram.open_ratio", 1.110, "x", "here", "avx512", "2026-12-07",
+        # docs/reports/2026-12-07-speculative.md), AMD EPYC Zen 5, 1 thread, the default model, torch kept on the
+        # plan's one thread (DRAFTING_ENV). Open continuation 0.979x (q1-q3 0.898-1.348; 47.8 % of drafts accepted:
+        # this model's story repeats its lines); a summary of a given passage 1.840x (93.8 %), an edited function
+        # 1.149x (55.1 %)
+        _fact("avx512.speculative.ngram.open_ratio", 0.979, "x", "here", "avx512", "2026-12-07",
               "served decode with n-gram drafting / without, open continuation (benchmarks/workloads/open.txt)"),
-        _fact("avx512.speculative.ngram.quoting_ratio", 2.344, "x", "here", "avx512", "2026-12-07",
-              "served decode with n-gram drafting / without, the better of a summary quoting its passage (2.344) "
-              "and a function edited in place (1.419)"),
+        _fact("avx512.speculative.ngram.quoting_ratio", 1.840, "x", "here", "avx512", "2026-12-07",
+              "served decode with n-gram drafting / without, the better of a summary quoting its passage (1.840) "
+              "and a function edited in place (1.149)"),
+        # the same runs' settled RssAnon over the tree with drafting less without: 65, 63 and 66 MiB in three runs
+        # (numba and llvmlite imported, the proposer's function compiled)
+        _fact("any.ngram_proposer_bytes", 65 * 2**20, "bytes", "here", "avx512", "2026-12-07",
+              "RssAnon vLLM's n-gram proposer adds to the engine (one-process, default model, AMD EPYC Zen 5)"),
         _fact("any.vllm_engine_baseline_bytes", 1432165944, "bytes", "here", "avx2", "2026-11-29",
               "vLLM 0.28 OpenAI server + engine core + worker, RssAnon summed over the tree, settled after one "
               "completion, minus weights (269 MB) and KV cache (189 MB): median of 2 passes, 1.54 and 1.67 GB "

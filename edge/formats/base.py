@@ -29,7 +29,7 @@ Layers = dict[str, list[LayerDecision]]  # kind -> its parts (edge.catalog.quant
 ItemKind = Literal[
     "bf16-weights", "int4-weights", "int8-weights", "row-major-copy", "lookup-copy", "untie-cost", "export-weights",
     "norms", "biases", "rope", "kv-cache", "engine-baseline", "tokenizer", "prefill-activations", "load-copy",
-    "repack-transient", "dequant-working-set", "repack-retention",
+    "repack-transient", "dequant-working-set", "repack-retention", "drafting",
 ]  # fmt: skip
 
 

@@ -61,6 +61,7 @@ def estimate(
     tokenizer_bytes_per_token: int = 0,
     mapped_weights: bool = True,
     idle_trim: bool = False,
+    drafting_bytes: int = 0,
 ) -> MemoryLedger:
     """Itemized resident footprint and load-time peak of running `model` on `path`.
 
@@ -77,6 +78,7 @@ def estimate(
     idle_trim: the engine gives its heap's free pages back once it idles after serving (the one-process engine,
     kernels/vllm_plugin/heap_trim.py IdleTrim), so a full prefill batch's activations are held while it serves, not
     while it idles: they count at the serving moment, added to its largest run transient, instead of as resident.
+    drafting_bytes: what the engine's draft proposer holds where the plan drafts (edge.plan.speculative), else 0.
     """
     quant = quant or rules_for(model, path, group_size, own_blocks=reads_own_blocks(kernel.decode_kernel, path))
     # a kind split by format (a GGUF's mixed grid): parts; `layers`, when given, are model_layers(model, quant)
@@ -101,6 +103,10 @@ def estimate(
             ),
             *fmt.load_transients(model, parts, repack_chunk_rows=kernel.repack_chunk_rows),
         ]
+        if drafting_bytes:
+            items.append(resident("drafting", "n-gram draft proposer", drafting_bytes,
+                                  "vLLM's n-gram proposer: numba and llvmlite with its compiled function, measured "
+                                  "(edge.plan.speculative DRAFTING_BYTES_FACT)"))  # fmt: skip
         if bf16_repack_retention > 0:
             items += _repack_retention(model, items, bf16_repack_retention)
         items += fmt.run_transients(model, parts, layout, dequant_threshold=kernel.dequant_threshold,

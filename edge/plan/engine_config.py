@@ -15,6 +15,7 @@ from edge.device.profile import DeviceProfile
 from edge.measure.kernel_params import KernelParams, float_dtype
 from edge.model.shapes import ModelShape
 from edge.plan.schema import Layout, ServingMode, VllmConfig, WeightPath
+from edge.plan.speculative import Speculative
 
 # vLLM reserves one core for its front end on x86 by default (docs/FACTS.md: on a 2-core box it then runs one
 # compute thread). On boxes this small, the GEMMs get every core instead.
@@ -163,12 +164,6 @@ COMPILE_ENV = {"VLLM_USE_LAYERNAME": "0"}
 # decode step took 1.012x the time, within the run's noise (benchmarks/step_profile.py plain+split-kv,
 # plain+no-split-kv, 6 rounds of 96 steps, same host).
 ATTENTION_ENV = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
-# vLLM's n-gram proposer is a numba function compiled with parallel=True (vllm/v1/spec_decode/ngram_proposer.py; it
-# caps itself at one thread). Starting numba's default threading layer set the process's OpenMP team to every core:
-# torch then ran 2 threads under OMP_NUM_THREADS=1, and a 510-token prefill went from 1502 to 2966 tok/s (AMD EPYC
-# Zen 5, 2 cores, offline LLM): the plan's thread count no longer held. Numba's own work queue on one thread leaves
-# OpenMP alone (torch kept 1 thread: 1578 tok/s).
-DRAFTING_ENV = {"NUMBA_THREADING_LAYER": "workqueue", "NUMBA_NUM_THREADS": "1"}
 
 
 
@@ -246,10 +241,11 @@ def vllm_config(
     max_num_seqs: int,
     kv_cache_bytes: int,
     mode: ServingMode | None = None,
-    speculative: dict[str, Any] | None = None,
+    speculative: Speculative | None = None,
 ) -> VllmConfig | None:
     """mode: the serving mode asked for (edge-select/edge-serve --serving-mode), else serving_mode_for(device).
-    speculative: vLLM's speculative_config (edge.plan.speculative.Speculative.vllm_config), None for no drafting."""
+    speculative: the plan's drafting (edge.plan.speculative): vLLM's speculative_config and the engine's environment
+    for it; None or off for none."""
     if not PATHS[path].served_by_vllm:
         return None
     args = [
@@ -263,9 +259,9 @@ def vllm_config(
     ]  # fmt: skip
     if (block := attention_block_size(model)) is not None:
         args += ["--block-size", str(block)]
-    if speculative is not None:
-        args += ["--speculative-config", json.dumps(speculative, separators=(",", ":"))]
-    drafting_env = DRAFTING_ENV if speculative is not None else {}
+    drafting = speculative.vllm_config() if speculative is not None else None
+    if drafting is not None:
+        args += ["--speculative-config", json.dumps(drafting, separators=(",", ":"))]
     if PATHS[path].quantizes_weights:
         assert qconfig is not None
         args += ["--quantization", qconfig["quant_method"]]  # cpu_int4, gptq or cpu_w4a8: the checkpoint's method
@@ -275,7 +271,7 @@ def vllm_config(
         "VLLM_CACHE_ROOT": f"~/.cache/edge-select/vllm/{_cache_key(model, path, qconfig)}",
         **COMPILE_ENV,
         **ATTENTION_ENV,
-        **drafting_env,
+        **(speculative.engine_env() if speculative is not None else {}),
     }
     cores = device.compute_cores
     if cores is not None and cores <= SMALL_BOX_CORES:

@@ -89,6 +89,7 @@ class Request:
     calibration: CalibrationRecord | None = None  # the device's kernel times (edge-calibrate), when known
     serving_mode: ServingMode = DEFAULT_SERVING_MODE
     threads: int | None = None  # the engine's compute threads as asked; None: the calibration's choice or the default
+    speculative: str = "off"  # what was asked of drafting (edge.plan.speculative)
 
 
 class Weights:
@@ -224,6 +225,7 @@ def _estimate(weights: Weights, req: Request, max_model_len: int | None = None) 
         tokenizer_bytes_per_token=int(fact("any.tokenizer_bytes_per_vocab_token").value),
         # the retention the baseline's own measurement left out (a baseline measured on bf16 already holds it)
         bf16_repack_retention=bf16_repack_retention(baseline.isa_class),
+        drafting_bytes=drafting.drafting_bytes(req.speculative, req.device.isa_class),
     )  # fmt: skip
 
 
@@ -388,7 +390,7 @@ def make_plan(
         max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
         max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_kld=max_kld, calibration=calibration,
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
-        serving_mode=mode, threads=threads,
+        serving_mode=mode, threads=threads, speculative=speculative,
     )  # fmt: skip
     # A plan quotes records of its device's architecture alone (edge.measure.quality.for_arch); a path whose every
     # record on any architecture is over the speed floor (lossy_elsewhere) is as lossy here: the weights are the same.
@@ -403,7 +405,7 @@ def make_plan(
     drafts = drafting.decide(speculative, device.isa_class, (qconfig or {}).get("decode_kernel"),
                              serves=PATHS[option.path].served_by_vllm)  # fmt: skip
     vllm = vllm_config(device, model, option.path, qconfig, max_model_len=req.max_model_len,
-                       max_num_seqs=req.max_num_seqs, mode=req.serving_mode, speculative=drafts.vllm_config(),
+                       max_num_seqs=req.max_num_seqs, mode=req.serving_mode, speculative=drafts,
                        kv_cache_bytes=rules.kv_cache_bytes(model, req.max_model_len, req.max_num_seqs))  # fmt: skip
     threads = _threads(req, option.path, option.layout, vllm)
     if threads.env:

@@ -45,6 +45,14 @@ PROMPT_LOOKUP_MAX = 4
 # at least this much faster on a workload that quotes its prompt.
 AUTO_MAX_COST = 0.03
 AUTO_MIN_GAIN = 1.3
+# vLLM's n-gram proposer is a numba function compiled with parallel=True (vllm/v1/spec_decode/ngram_proposer.py; it
+# caps itself at one thread). Starting numba's default threading layer set the process's OpenMP team to every core:
+# torch then ran 2 threads under OMP_NUM_THREADS=1, and a 510-token prefill went from 1502 to 2966 tok/s (AMD EPYC
+# Zen 5, 2 cores, offline LLM): the plan's thread count no longer held. Numba's own work queue on one thread leaves
+# OpenMP alone (torch kept 1 thread: 1578 tok/s).
+DRAFTING_ENV = {"NUMBA_THREADING_LAYER": "workqueue", "NUMBA_NUM_THREADS": "1"}
+# The ledger's item for a drafting engine: what vLLM's n-gram proposer brings in (numba, llvmlite, its JIT)
+DRAFTING_BYTES_FACT = "any.ngram_proposer_bytes"
 
 
 class Speculative(BaseModel):
@@ -55,7 +63,15 @@ class Speculative(BaseModel):
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     asked: str  # what the caller asked for: off, ngram or auto
+    max_seqs: int | None = None  # drafts only while at most this many sequences decode; None when off
     reasons: list[Reason] = []
+
+    def engine_env(self) -> dict[str, str]:
+        """The engine's environment for drafting: numba kept off OpenMP (DRAFTING_ENV) and the plugin's limit on the
+        sequences that draft (kernels/vllm_plugin/drafting.py); nothing when off."""
+        if self.method == "off":
+            return {}
+        return {**DRAFTING_ENV, "EDGE_DRAFT_MAX_SEQS": str(self.max_seqs)}
 
     def vllm_config(self) -> dict | None:
         """vLLM's `--speculative-config`, or None when off."""
@@ -77,14 +93,16 @@ def check(asked: object) -> str:
     return str(asked)
 
 
-def draft_tokens(decode_kernel: str | None) -> tuple[int, str]:
-    """k for a plan whose decode rows run on this kernel (None: a path without the choice), and why: as many as keep
-    k + 1 rows on it."""
+def draft_tokens(decode_kernel: str | None) -> tuple[int, int, str]:
+    """k for a plan whose decode rows run on this kernel (None: a path without the choice), how many sequences may
+    draft at once, and why: as many as keep the verify pass's rows on the kernel. Drafting 4 streams at once on the
+    default model served 0.755x the undrafted engine's throughput (kernels/vllm_plugin/drafting.py)."""
     rows = decode_rows(decode_kernel) if decode_kernel else None
     if rows is None or rows < 2:
-        return DEFAULT_DRAFT_TOKENS, f"{DEFAULT_DRAFT_TOKENS} drafted tokens a step"
+        return DEFAULT_DRAFT_TOKENS, 1, f"{DEFAULT_DRAFT_TOKENS} drafted tokens a step, while one sequence decodes"
     k = rows - 1
-    return k, f"{k} drafted tokens a step: the verify pass's {rows} rows stay on the {decode_kernel} decode kernel"
+    return k, 1, (f"{k} drafted tokens a step while one sequence decodes: the verify pass's {rows} rows stay on the "
+                  f"{decode_kernel} decode kernel")  # fmt: skip
 
 
 def measured_gain(isa_class: str) -> tuple[float, float] | None:
@@ -95,35 +113,46 @@ def measured_gain(isa_class: str) -> tuple[float, float] | None:
     return (cost.value, gain.value) if cost and gain else None
 
 
+def method_for(asked: str, isa_class: str) -> tuple[SpeculativeMethod, list[Reason]]:
+    """What an engine on this ISA class drafts for what was asked (check's value), and why."""
+    if asked == "off":
+        return "off", [Reason(text="no drafting, as asked (speculative off)", source="asked")]
+    if asked == "ngram":
+        return "ngram", [Reason(text="n-gram drafting, as asked (speculative ngram)", source="asked")]
+    measured = measured_gain(isa_class)
+    if measured is None:
+        return "off", [Reason(text=f"no drafting: n-gram drafting is not measured on the {isa_class} class "
+                                   "(speculative auto)")]  # fmt: skip
+    open_ratio, quoting = measured
+    key = f"{isa_class}.speculative.ngram"
+    if open_ratio < 1 - AUTO_MAX_COST or quoting < AUTO_MIN_GAIN:
+        return "off", [Reason(
+            text=f"no drafting: n-gram drafting measured x{open_ratio:.2f} on open continuation and x{quoting:.2f} "
+                 f"where the answer quotes its prompt on this class, short of at most {AUTO_MAX_COST:.0%} lost and "
+                 f"x{AUTO_MIN_GAIN} gained (speculative auto)", fact=f"{key}.open_ratio")]  # fmt: skip
+    return "ngram", [
+        Reason(text=f"n-gram drafting measured x{quoting:.2f} where the answer quotes its prompt on this class "
+                    "(speculative auto)", fact=f"{key}.quoting_ratio", value=quoting, source="measured here"),
+        Reason(text=f"and x{open_ratio:.2f} on open continuation, within {AUTO_MAX_COST:.0%}",
+               fact=f"{key}.open_ratio", value=open_ratio, source="measured here"),
+    ]  # fmt: skip
+
+
+def drafting_bytes(asked: str, isa_class: str) -> int:
+    """What the engine's proposer holds where a plan for this ask on this class drafts (the ledger's item)."""
+    return int(FACTS[DRAFTING_BYTES_FACT].value) if method_for(asked, isa_class)[0] != "off" else 0
+
+
 def decide(asked: str, isa_class: str, decode_kernel: str | None, serves: bool) -> Speculative:
     """The plan's drafting for what was asked (check's value) on a device of this ISA class whose decode rows run
     on decode_kernel (None: the path's own kernel decodes); `serves`: whether vLLM serves the plan at all (an
     export-only plan drafts nothing)."""
-    if not serves or asked == "off":
-        why = "no drafting, as asked (speculative off)" if serves else "no engine: nothing drafts"
-        return Speculative(method="off", asked=asked, reasons=[Reason(text=why, source="asked")])
-    reasons = []
-    if asked == "auto":
-        measured = measured_gain(isa_class)
-        if measured is None:
-            return Speculative(method="off", asked=asked, reasons=[Reason(
-                text=f"no drafting: n-gram drafting is not measured on the {isa_class} class (speculative auto)")])
-        open_ratio, quoting = measured
-        key = f"{isa_class}.speculative.ngram"
-        if open_ratio < 1 - AUTO_MAX_COST or quoting < AUTO_MIN_GAIN:
-            return Speculative(method="off", asked=asked, reasons=[Reason(
-                text=f"no drafting: n-gram drafting measured x{open_ratio:.2f} on open continuation and x{quoting:.2f} "
-                     f"where the answer quotes its prompt on this class, short of at most {AUTO_MAX_COST:.0%} lost and "
-                     f"x{AUTO_MIN_GAIN} gained (speculative auto)", fact=f"{key}.open_ratio")])  # fmt: skip
-        reasons += [
-            Reason(text=f"n-gram drafting measured x{quoting:.2f} where the answer quotes its prompt on this class "
-                        "(speculative auto)", fact=f"{key}.quoting_ratio", value=quoting, source="measured here"),
-            Reason(text=f"and x{open_ratio:.2f} on open continuation, within {AUTO_MAX_COST:.0%}",
-                   fact=f"{key}.open_ratio", value=open_ratio, source="measured here"),
-        ]  # fmt: skip
-    else:
-        reasons.append(Reason(text="n-gram drafting, as asked (speculative ngram)", source="asked"))
-    k, why = draft_tokens(decode_kernel)
+    if not serves:
+        return Speculative(method="off", asked=asked, reasons=[Reason(text="no engine: nothing drafts")])
+    method, reasons = method_for(asked, isa_class)
+    if method == "off":
+        return Speculative(method="off", asked=asked, reasons=reasons)
+    k, seqs, why = draft_tokens(decode_kernel)
     reasons.append(Reason(text=why, value=k, unit="tokens"))
-    return Speculative(method="ngram", num_speculative_tokens=k, prompt_lookup_min=PROMPT_LOOKUP_MIN,
-                       prompt_lookup_max=PROMPT_LOOKUP_MAX, asked=asked, reasons=reasons)  # fmt: skip
+    return Speculative(method=method, num_speculative_tokens=k, prompt_lookup_min=PROMPT_LOOKUP_MIN,
+                       prompt_lookup_max=PROMPT_LOOKUP_MAX, max_seqs=seqs, asked=asked, reasons=reasons)  # fmt: skip

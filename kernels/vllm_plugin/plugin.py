@@ -41,6 +41,9 @@ def register() -> None:
     from kernels.vllm_plugin import heap_trim, mapped_weights, memory_trace, tokenizer_pool
 
     tokenizer_pool.install()
+    from kernels.vllm_plugin import drafting
+
+    drafting.install()
     mapped_weights.install()
     heap_trim.install()
     memory_trace.install()  # after warmup's and heap_trim's patches: it records what they leave

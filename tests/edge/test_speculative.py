@@ -17,8 +17,9 @@ from edge.facts import FACTS, MeasuredFact
 from edge.measure.quality import shipped_records
 from edge.model.reader import default_model
 from edge.plan import speculative
-from edge.plan.engine_config import ATTENTION_ENV, DRAFTING_ENV
+from edge.plan.engine_config import ATTENTION_ENV
 from edge.plan.planner import make_plan
+from edge.plan.speculative import DRAFTING_ENV
 
 DATA = Path(__file__).parent / "data"
 # the Zen 4 record timed the AVX2 int8-activation decode kernel faster: its speed plan decodes on it
@@ -102,6 +103,14 @@ def test_a_plan_no_engine_serves_drafts_nothing():
     assert p.vllm is None and p.speculative.method == "off"
 
 
-def test_a_drafting_plan_keeps_numba_off_the_engines_openmp_threads():
-    assert plan(speculative="ngram").vllm.env.items() >= DRAFTING_ENV.items()
-    assert not DRAFTING_ENV.keys() & plan().vllm.env.keys()
+def test_a_drafting_plan_keeps_numba_off_the_engines_openmp_threads_and_drafts_for_one_sequence():
+    env = plan(speculative="ngram").vllm.env
+    assert env.items() >= DRAFTING_ENV.items() and env["EDGE_DRAFT_MAX_SEQS"] == "1"
+    assert not (DRAFTING_ENV.keys() | {"EDGE_DRAFT_MAX_SEQS"}) & plan().vllm.env.keys()
+
+
+def test_the_ledger_counts_the_proposer_only_where_the_plan_drafts():
+    drafting_items = [i for i in plan(speculative="ngram").memory.items if i.kind == "drafting"]
+    assert [i.bytes for i in drafting_items] == [int(FACTS[speculative.DRAFTING_BYTES_FACT].value)]
+    assert plan(speculative="ngram").memory.resident_bytes - plan().memory.resident_bytes == drafting_items[0].bytes
+    assert not [i for i in plan().memory.items if i.kind == "drafting"]
