@@ -245,15 +245,16 @@ FACTS: dict[str, MeasuredFact] = {
         # stream of 128 tokens, 6 rounds a workload (benchmarks/bench_serve.py --variants edge:one-process,
         # edge:one-process+ngram,llama:Q4_0,llama:Q4_0+lookup --together --rounds 6 --workloads open,summarize,edit;
         # docs/reports/2026-12-07-speculative.md), AMD EPYC Zen 5, 1 thread, the default model, torch kept on the
-        # plan's one thread (DRAFTING_ENV). Open continuation 0.979x (q1-q3 0.898-1.348; 47.8 % of drafts accepted:
-        # this model's story repeats its lines); a summary of a given passage 1.840x (93.8 %), an edited function
-        # 1.149x (55.1 %)
-        _fact("avx512.speculative.ngram.open_ratio", 0.979, "x", "here", "avx512", "2026-12-07",
+        # plan's one thread (DRAFTING_ENV), one sequence drafting at a time (EDGE_DRAFT_MAX_SEQS). Open continuation
+        # 0.970x (q1-q3 0.901-1.279; 47.8 % of drafts accepted: this model's story repeats its lines; 0.979x in the
+        # run before, all sequences drafting); a summary of a given passage 1.905x (93.8 %), an edited function
+        # 1.199x (55.1 %)
+        _fact("avx512.speculative.ngram.open_ratio", 0.970, "x", "here", "avx512", "2026-12-07",
               "served decode with n-gram drafting / without, open continuation (benchmarks/workloads/open.txt)"),
-        _fact("avx512.speculative.ngram.quoting_ratio", 1.840, "x", "here", "avx512", "2026-12-07",
-              "served decode with n-gram drafting / without, the better of a summary quoting its passage (1.840) "
-              "and a function edited in place (1.149)"),
-        # the same runs' settled RssAnon over the tree with drafting less without: 65, 63 and 66 MiB in three runs
+        _fact("avx512.speculative.ngram.quoting_ratio", 1.905, "x", "here", "avx512", "2026-12-07",
+              "served decode with n-gram drafting / without, the better of a summary quoting its passage (1.905) "
+              "and a function edited in place (1.199)"),
+        # the same runs' settled RssAnon over the tree with drafting less without: 65, 61, 63 and 66 MiB in four runs
         # (numba and llvmlite imported, the proposer's function compiled)
         _fact("any.ngram_proposer_bytes", 65 * 2**20, "bytes", "here", "avx512", "2026-12-07",
               "RssAnon vLLM's n-gram proposer adds to the engine (one-process, default model, AMD EPYC Zen 5)"),

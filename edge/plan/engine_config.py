@@ -161,8 +161,8 @@ COMPILE_ENV = {"VLLM_USE_LAYERNAME": "0"}
 # 0.14 and the greedy text of a summary left the undrafted one at token 106; with one pass for every row they were
 # bit-identical over 128 tokens (AMD EPYC Zen 5, default model, docs/reports/2026-12-07-speculative.md). The
 # plan keeps one pass whether it drafts or not, so that turning drafting on or off never changes greedy text. A
-# decode step took 1.012x the time, within the run's noise (benchmarks/step_profile.py plain+split-kv,
-# plain+no-split-kv, 6 rounds of 96 steps, same host).
+# decode step took 4.693 against 4.649 ms (1.009x), within the run's noise (benchmarks/step_profile.py
+# plain+split-kv, plain+no-split-kv, 6 rounds of 96 steps, same host).
 ATTENTION_ENV = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
 
 

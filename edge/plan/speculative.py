@@ -34,8 +34,8 @@ DEFAULT_SPECULATIVE = "off"
 
 # k drafted tokens make a verify pass of k + 1 rows a sequence. The plan keeps them on the decode kernel, which
 # reads each weight once for all its rows (kernels/ops/avx2_int4.cpp: rows in blocks of 2); past its rows the layer
-# goes to tinygemm. Measured on the default model (AMD EPYC Zen 5, a summary of a given passage, 128 greedy tokens):
-# k=3 309.7 tok/s, k=5 312.1, no drafting 139.9 (docs/reports/2026-12-07-speculative.md).
+# goes to tinygemm. Measured on the default model (AMD EPYC Zen 5, a summary of a given passage, 128 greedy tokens,
+# torch on 2 threads in both): k=3 309.7 tok/s, k=5 312.1 (docs/reports/2026-12-07-speculative.md).
 DEFAULT_DRAFT_TOKENS = 3
 # The n-gram match: the longest suffix of the text so far, from PROMPT_LOOKUP_MAX tokens down to PROMPT_LOOKUP_MIN,
 # found earlier in the text proposes the tokens that followed it (vLLM's ngram_proposer).
