@@ -71,6 +71,9 @@ CORE_SLOW = {
         "the real vLLM engine serving a GGUF's Q4_K tensors as the file's own blocks (quantization_config.q4k)",
     "tests/kernels/test_w4a8_blocks_serve_slow.py":
         "the real vLLM engine serving a w4a8-gptq plan whose 8-bit set keeps a GGUF's Q6_K and Q5_0 blocks",
+    "tests/kernels/test_speculative_slow.py":
+        "the real vLLM engine with n-gram drafting: the undrafted plan's greedy text, token for token, on the plan's "
+        "threads, drafting only while one sequence decodes",
     "tests/server/test_memory_budget_slow.py":
         "deploy/edge-up --memory-budget 1GiB with the real vLLM: a later start stays under it through a full context",
 }
