@@ -69,26 +69,13 @@ def _vllm_wna16(w: torch.Tensor, group: int) -> Weights:
     return Weights(reference, weight.nbytes + scales.nbytes, copy)
 
 
-_W4A8_ZERO = -2004318072  # 0x88888888: zero 8 in every nibble, what vLLM substitutes for a symmetric GPTQ weight
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
 def _vllm_w4a8(w: torch.Tensor, group: int) -> Weights:
     ops = vllm_ops("convert_weight_packed_scale_zp", "int4_scaled_mm_cpu", "dynamic_scaled_int8_quant")
-    from vllm.model_executor.layers.quantization.utils.quant_utils import (
-        pack_quantized_values_into_int32,
-        unpack_quantized_values_into_int32,
-    )
-    from vllm.scalar_type import scalar_types
+    from kernels.vllm_plugin.cpu_w4a8 import to_w4a8
 
     qweight, scales, reference = _gptq(w, group)
-    n, k = w.shape
-    # vLLM 0.28 CPUWNA16LinearKernel._process_gptq_weights_w4a8: GPTQ repacked as AWQ, then blocked by the op.
-    codes = unpack_quantized_values_into_int32(qweight, scalar_types.uint4b8, 0)  # [K, N]
-    codes = codes.view(k, n // 8, 8)[:, :, _AWQ_ORDER].reshape(k, n)
-    awq = pack_quantized_values_into_int32(codes, scalar_types.uint4b8, 1).contiguous()  # [K, N/8]
-    zeros = torch.full((scales.shape[0], n // 8), _W4A8_ZERO, dtype=torch.int32)  # [K/g, N/8]
-    blocked = ops.convert_weight_packed_scale_zp(awq, zeros, scales, ops.CPUQuantAlgo.AWQ)  # weight, zeros, scales
+    # vLLM 0.28 CPUWNA16LinearKernel._process_gptq_weights_w4a8, as the plugin's cpu_w4a8 repacks at load
+    blocked = to_w4a8(qweight, scales)  # weight, zeros, scales
 
     def copy() -> Run:
         held_w, held_z, held_s = (t.clone() for t in blocked)

@@ -21,11 +21,12 @@ which code each weight gets, not how a grid is chosen.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from kernels.ops.scale_search import CODE_MIN, round_scales, search_scales
+from kernels.ops.scale_search import CODE_MIN, keep_best, round_scales, search_scales
 
 LEVELS = 15  # codes 0..15
 DEFAULT_DAMP = 0.01  # the paper's λ: 1 % of the mean diagonal
@@ -83,22 +84,16 @@ def asym_grid(groups: torch.Tensor, scale_dtype: torch.dtype,
     squared reconstruction error."""
     low, high = groups.amin(dim=1), groups.amax(dim=1)
     middle, half = (high + low) / 2, (high - low) / 2
-    best_scales = best_zeros = best_errors = None
-    for ratio in (1.0, *ratios):
-        lo = middle - half * ratio
-        scales = round_scales((2 * half * ratio) / LEVELS, scale_dtype)
-        zeros = torch.round(-lo / scales).clamp(0, LEVELS)
-        codes = torch.clamp(torch.round(groups / scales[:, None]) + zeros[:, None], 0, LEVELS)
-        errors = ((codes - zeros[:, None]) * scales[:, None] - groups).square().sum(dim=1)
-        if best_errors is None:
-            best_scales, best_zeros, best_errors = scales, zeros, errors
-            continue
-        better = errors < best_errors
-        best_scales = torch.where(better, scales, best_scales)
-        best_zeros = torch.where(better, zeros, best_zeros)
-        best_errors = torch.where(better, errors, best_errors)
-    assert best_scales is not None and best_zeros is not None
-    return best_scales, best_zeros.to(torch.int32)
+
+    def candidates() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        for ratio in (1.0, *ratios):
+            scales = round_scales((2 * half * ratio) / LEVELS, scale_dtype)
+            zeros = torch.round(-(middle - half * ratio) / scales).clamp(0, LEVELS)
+            codes = torch.clamp(torch.round(groups / scales[:, None]) + zeros[:, None], 0, LEVELS)
+            yield ((codes - zeros[:, None]) * scales[:, None] - groups).square().sum(dim=1), scales, zeros
+
+    _, scales, zeros = keep_best(candidates())
+    return scales, zeros.to(torch.int32)
 
 
 def _codes(column: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

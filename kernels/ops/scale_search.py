@@ -13,6 +13,8 @@ scale, so the error that counts is the one computed with it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 CODE_MIN = -8  # uint4b8: code q in 0..15 means q - 8 (vLLM scalar_types.uint4b8, bias 8)
@@ -53,16 +55,29 @@ def absmax_scales(groups: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return round_scales(groups.abs().amax(dim=1) / CODE_MAX, dtype)
 
 
+def keep_best(candidates: Iterable[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """Of candidate grids, each (errors [G], *values [G]), per group the values whose error is smallest (the first
+    on a tie): the search shape every per-group grid here shares."""
+    best: list[torch.Tensor] | None = None
+    for candidate in candidates:
+        if best is None:
+            best = list(candidate)
+            continue
+        better = candidate[0] < best[0]
+        best = [torch.where(better, new, old) for new, old in zip(candidate, best, strict=True)]
+    assert best is not None, "no candidate grid"
+    return best
+
+
 def _search_chunk(groups: torch.Tensor, dtype: torch.dtype, ratios: tuple[float, ...], refit: bool) -> torch.Tensor:
     base = groups.abs().amax(dim=1) / CODE_MAX  # [G] fp32
-    best_scales = round_scales(base, dtype)
-    best_errors = group_errors(groups, best_scales)
-    for ratio in ratios:
-        scales = round_scales(base * ratio, dtype)
-        errors = group_errors(groups, scales)
-        better = errors < best_errors
-        best_scales = torch.where(better, scales, best_scales)
-        best_errors = torch.where(better, errors, best_errors)
+
+    def candidates() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for ratio in (1.0, *ratios):
+            scales = round_scales(base * ratio, dtype)
+            yield group_errors(groups, scales), scales
+
+    best_errors, best_scales = keep_best(candidates())
     if not refit:
         return best_scales
     # Least-squares refit: for the winner's codes q, the scale minimising |w - s q|^2 is <w,q>/<q,q>.

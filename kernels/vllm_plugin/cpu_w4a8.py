@@ -106,23 +106,27 @@ def to_w4a8(qweight: torch.Tensor, scales: torch.Tensor,
 def _convert(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
              ops: Any) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """vLLM's _process_gptq_weights_w4a8 for one slice of output channels (its AWQ zero points where given)."""
-    from vllm.model_executor.layers.quantization.utils.quant_utils import (
-        pack_quantized_values_into_int32,
-        unpack_quantized_values_into_int32,
-    )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_quantized_values_into_int32
     from vllm.scalar_type import scalar_types
 
-    kind = scalar_types.uint4b8
-    codes = unpack_quantized_values_into_int32(qweight.contiguous(), kind, 0)  # [K, n] int32 0..15
-    k, n = codes.shape
-    codes = codes.view(k, n // PACK, PACK)[:, :, AWQ_ORDER].reshape(k, n)
-    packed = pack_quantized_values_into_int32(codes, kind, 1).contiguous()  # [K, n/8] int32, packed along N
+    codes = unpack_quantized_values_into_int32(qweight.contiguous(), scalar_types.uint4b8, 0)  # [K, n] int32 0..15
+    packed = _awq_packed(codes)  # [K, n/8]
     if zeros is None:
-        packed_zeros = torch.full((scales.shape[0], n // PACK), FAKE_ZERO, dtype=torch.int32)  # [K/g, n/8]
+        packed_zeros = torch.full((scales.shape[0], codes.shape[1] // PACK), FAKE_ZERO, dtype=torch.int32)
     else:
-        ordered = zeros.reshape(-1, n // PACK, PACK)[:, :, AWQ_ORDER].reshape(-1, n)  # [K/g, n]
-        packed_zeros = pack_quantized_values_into_int32(ordered.contiguous(), kind, 1).contiguous()  # [K/g, n/8]
+        packed_zeros = _awq_packed(zeros)  # [K/g, n/8]
     return ops.convert_weight_packed_scale_zp(packed, packed_zeros, scales.contiguous(), ops.CPUQuantAlgo.AWQ)
+
+
+def _awq_packed(values: torch.Tensor) -> torch.Tensor:
+    """int32 values 0..15 [R, n] -> int32 [R, n/8], eight to a word along N in AWQ's nibble order: vLLM's GPTQ-to-AWQ
+    repack, for the codes and the zero points alike."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import pack_quantized_values_into_int32
+    from vllm.scalar_type import scalar_types
+
+    rows, n = values.shape
+    ordered = values.reshape(rows, n // PACK, PACK)[:, :, AWQ_ORDER].reshape(rows, n)
+    return pack_quantized_values_into_int32(ordered.contiguous(), scalar_types.uint4b8, 1).contiguous()
 
 
 def w4a8_linear_impl(
