@@ -224,7 +224,7 @@ def stream(url: str, model: str, prompt: str, tokens: int, sampling: dict | None
                 times.append(time.perf_counter() - start)
             usage = chunk.get("usage") or usage
     count = usage["completion_tokens"] if usage else len(times)
-    return {"ttft_s": times[0] if times else None, "tokens": count, "events": len(times),
+    return {"ttft_s": times[0] if times else None, "tokens": count,
             "decode_tok_s": (count - 1) / (times[-1] - times[0]) if len(times) > 2 else None}  # fmt: skip
 
 
@@ -304,17 +304,21 @@ def decode_rounds(servers: dict[str, tuple], rounds: int, samplings: dict[str, d
               flush=True)  # fmt: skip
 
 
+DRAFT_COUNTERS = ("drafts", "drafted_tokens", "accepted_tokens")  # /status drafting's counters
+
+
 def drafting_counters(server: Server) -> dict[str, float] | None:
     """edge-serve's drafting counters now (/status drafting), or None where its plan drafts nothing."""
     found = httpx.get(f"{server.url}/status", timeout=30).json().get("drafting")
-    return None if found is None else {k: found[k] for k in ("drafts", "drafted_tokens", "accepted_tokens")}
+    return None if found is None else {k: found[k] for k in DRAFT_COUNTERS}
 
 
 def acceptance(deltas: list[dict]) -> dict[str, float]:
     """Drafted tokens confirmed over a workload's rounds, and tokens a verified step produced."""
-    total = {k: sum(d[k] for d in deltas) for k in ("drafts", "drafted_tokens", "accepted_tokens")}
-    return {**total, "acceptance_rate": total["accepted_tokens"] / total["drafted_tokens"] if total["drafted_tokens"]
-            else 0.0, "tokens_per_step": 1 + total["accepted_tokens"] / total["drafts"] if total["drafts"] else 1.0}
+    drafts, drafted, accepted = (sum(d[k] for d in deltas) for k in DRAFT_COUNTERS)
+    return {"drafts": drafts, "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tokens_per_step": 1 + accepted / drafts if drafts else 1.0}  # fmt: skip
 
 
 def paired_summary(per: dict[str, list[float]], names: list[str]) -> dict:

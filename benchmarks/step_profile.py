@@ -72,12 +72,12 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     # the int4 linears called with their tensors as the graph's arguments, not by index
     # (kernels/vllm_plugin/layer_table.py)
     "no-table": {"EDGE_LAYER_TABLE": "0"},
+    # vLLM's CPU attention splitting a decode row's keys into chunks it merges after (VLLM_CPU_ATTN_SPLIT_KV=1, as
+    # vLLM ships it) or one pass over them (=0, the plan's: edge.plan.engine_config ATTENTION_ENV)
+    "split-kv": {"VLLM_CPU_ATTN_SPLIT_KV": "1"},
+    "no-split-kv": {"VLLM_CPU_ATTN_SPLIT_KV": "0"},
 }
 # variants that change the engine's arguments: the plan's compilation config without Inductor's C++ wrapper
-# vLLM's CPU attention splitting a sequence's keys into chunks it merges after (VLLM_CPU_ATTN_SPLIT_KV, on as vLLM
-# ships it) against one pass over them (edge.plan.engine_config ATTENTION_ENV): the plan's value is whichever
-VARIANT_ENV["split-kv"] = {"VLLM_CPU_ATTN_SPLIT_KV": "1"}
-VARIANT_ENV["no-split-kv"] = {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
 VARIANT_KWARGS: dict[str, dict] = {"python-wrapper": {"compilation_config": {}}}
 
 

@@ -89,7 +89,7 @@ class Request:
     calibration: CalibrationRecord | None = None  # the device's kernel times (edge-calibrate), when known
     serving_mode: ServingMode = DEFAULT_SERVING_MODE
     threads: int | None = None  # the engine's compute threads as asked; None: the calibration's choice or the default
-    speculative: str = "off"  # what was asked of drafting (edge.plan.speculative)
+    drafting_bytes: int = 0  # what the engine's draft proposer holds where the plan drafts (edge.plan.speculative)
 
 
 class Weights:
@@ -225,7 +225,7 @@ def _estimate(weights: Weights, req: Request, max_model_len: int | None = None) 
         tokenizer_bytes_per_token=int(fact("any.tokenizer_bytes_per_vocab_token").value),
         # the retention the baseline's own measurement left out (a baseline measured on bf16 already holds it)
         bf16_repack_retention=bf16_repack_retention(baseline.isa_class),
-        drafting_bytes=drafting.drafting_bytes(req.speculative, req.device.isa_class),
+        drafting_bytes=req.drafting_bytes,
     )  # fmt: skip
 
 
@@ -390,7 +390,8 @@ def make_plan(
         max_model_len=max_model_len or min(DEFAULT_MAX_MODEL_LEN, model.max_position_embeddings),
         max_num_seqs=max_num_seqs or DEFAULT_MAX_NUM_SEQS, max_kld=max_kld, calibration=calibration,
         kernel=kernel_params.for_device(device, calibration, _w4a16_shapes(model, gates)),
-        serving_mode=mode, threads=threads, speculative=speculative,
+        serving_mode=mode, threads=threads,
+        drafting_bytes=drafting.drafting_bytes(drafting.method_for(speculative, device.isa_class)[0]),
     )  # fmt: skip
     # A plan quotes records of its device's architecture alone (edge.measure.quality.for_arch); a path whose every
     # record on any architecture is over the speed floor (lossy_elsewhere) is as lossy here: the weights are the same.

@@ -51,6 +51,11 @@ AUTO_MIN_GAIN = 1.3
 # Zen 5, 2 cores, offline LLM): the plan's thread count no longer held. Numba's own work queue on one thread leaves
 # OpenMP alone (torch kept 1 thread: 1578 tok/s).
 DRAFTING_ENV = {"NUMBA_THREADING_LAYER": "workqueue", "NUMBA_NUM_THREADS": "1"}
+# The plugin's limit on the sequences that draft in one step (kernels/vllm_plugin/drafting.py reads it). k + 1 rows
+# fill the decode kernel's rows (draft_tokens), so one sequence: 4 streams all drafting served 0.755x the undrafted
+# engine's throughput on the default model, one at a time 0.974x (docs/reports/2026-12-07-speculative.md).
+DRAFT_MAX_SEQS_ENV = "EDGE_DRAFT_MAX_SEQS"
+DRAFTING_SEQS = 1
 # The ledger's item for a drafting engine: what vLLM's n-gram proposer brings in (numba, llvmlite, its JIT)
 DRAFTING_BYTES_FACT = "any.ngram_proposer_bytes"
 
@@ -71,7 +76,7 @@ class Speculative(BaseModel):
         sequences that draft (kernels/vllm_plugin/drafting.py); nothing when off."""
         if self.method == "off":
             return {}
-        return {**DRAFTING_ENV, "EDGE_DRAFT_MAX_SEQS": str(self.max_seqs)}
+        return {**DRAFTING_ENV, DRAFT_MAX_SEQS_ENV: str(self.max_seqs)}
 
     def vllm_config(self) -> dict | None:
         """vLLM's `--speculative-config`, or None when off."""
@@ -85,7 +90,7 @@ def check(asked: object) -> str:
     """The caller's `speculative` value, or an InputError naming it."""
     if asked is None:
         return DEFAULT_SPECULATIVE
-    if asked in ("suffix",) or (isinstance(asked, str) and asked.startswith("draft")):
+    if asked == "suffix" or (isinstance(asked, str) and asked.startswith("draft")):
         raise InputError("speculative", asked, "off, ngram or auto: vLLM's suffix proposer needs the arctic-inference "
                          "package and a draft model is not built here yet")  # fmt: skip
     if asked not in SPECULATIVE_CHOICES:
@@ -93,16 +98,15 @@ def check(asked: object) -> str:
     return str(asked)
 
 
-def draft_tokens(decode_kernel: str | None) -> tuple[int, int, str]:
-    """k for a plan whose decode rows run on this kernel (None: a path without the choice), how many sequences may
-    draft at once, and why: as many as keep the verify pass's rows on the kernel. Drafting 4 streams at once on the
-    default model served 0.755x the undrafted engine's throughput (kernels/vllm_plugin/drafting.py)."""
+def draft_tokens(decode_kernel: str | None) -> tuple[int, str]:
+    """k for a plan whose decode rows run on this kernel (None: a path without the choice), and why: as many as keep
+    one sequence's verify pass on the kernel."""
     rows = decode_rows(decode_kernel) if decode_kernel else None
     if rows is None or rows < 2:
-        return DEFAULT_DRAFT_TOKENS, 1, f"{DEFAULT_DRAFT_TOKENS} drafted tokens a step, while one sequence decodes"
+        return DEFAULT_DRAFT_TOKENS, f"{DEFAULT_DRAFT_TOKENS} drafted tokens a step, while one sequence decodes"
     k = rows - 1
-    return k, 1, (f"{k} drafted tokens a step while one sequence decodes: the verify pass's {rows} rows stay on the "
-                  f"{decode_kernel} decode kernel")  # fmt: skip
+    return k, (f"{k} drafted tokens a step while one sequence decodes: the verify pass's {rows} rows stay on the "
+               f"{decode_kernel} decode kernel")  # fmt: skip
 
 
 def measured_gain(isa_class: str) -> tuple[float, float] | None:
@@ -138,9 +142,9 @@ def method_for(asked: str, isa_class: str) -> tuple[SpeculativeMethod, list[Reas
     ]  # fmt: skip
 
 
-def drafting_bytes(asked: str, isa_class: str) -> int:
-    """What the engine's proposer holds where a plan for this ask on this class drafts (the ledger's item)."""
-    return int(FACTS[DRAFTING_BYTES_FACT].value) if method_for(asked, isa_class)[0] != "off" else 0
+def drafting_bytes(method: SpeculativeMethod) -> int:
+    """What the engine's proposer holds where the plan drafts with this method (the ledger's item)."""
+    return int(FACTS[DRAFTING_BYTES_FACT].value) if method != "off" else 0
 
 
 def decide(asked: str, isa_class: str, decode_kernel: str | None, serves: bool) -> Speculative:
@@ -152,7 +156,8 @@ def decide(asked: str, isa_class: str, decode_kernel: str | None, serves: bool) 
     method, reasons = method_for(asked, isa_class)
     if method == "off":
         return Speculative(method="off", asked=asked, reasons=reasons)
-    k, seqs, why = draft_tokens(decode_kernel)
+    k, why = draft_tokens(decode_kernel)
     reasons.append(Reason(text=why, value=k, unit="tokens"))
     return Speculative(method=method, num_speculative_tokens=k, prompt_lookup_min=PROMPT_LOOKUP_MIN,
-                       prompt_lookup_max=PROMPT_LOOKUP_MAX, max_seqs=seqs, asked=asked, reasons=reasons)  # fmt: skip
+                       prompt_lookup_max=PROMPT_LOOKUP_MAX, max_seqs=DRAFTING_SEQS, asked=asked,
+                       reasons=reasons)  # fmt: skip

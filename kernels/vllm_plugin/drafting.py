@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import os
 
+from edge.plan.speculative import DRAFT_MAX_SEQS_ENV as ENV
+
 log = logging.getLogger(__name__)
 
-ENV = "EDGE_DRAFT_MAX_SEQS"
 _MARK = "_edge_select_draft_limit"
 
 
