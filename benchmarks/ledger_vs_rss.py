@@ -115,9 +115,12 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
         plan = httpx.get(f"{server.url}/status", timeout=30).json()["plan"]
         args_ = plan["vllm"]["args"]
         seqs, max_len = (int(args_[args_.index(flag) + 1]) for flag in ("--max-num-seqs", "--max-model-len"))
+        marks = [time.monotonic()]
         tokens = fill_context(server.url, model, tokenizer, max_len, seed)
+        marks.append(time.monotonic())
         concurrent(server.url, model, seqs, 128)
         idle_from = time.monotonic()
+        marks.append(idle_from)
         time.sleep(5)
         settled = {"engine": rss_anon_mib(engine_pid), "wrapper": rss_anon_mib(server.proc.pid)}
         settled["others"] = tree_rss_anon_bytes(server.proc.pid) / MIB - settled["engine"] - settled["wrapper"]
@@ -148,7 +151,9 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
         "ledger_file_backed_mib": file_backed / MIB,
         "mapped_file_mib": file_steps["mapped"] - file_steps["imports"] if "mapped" in file_steps else None,
         "phases_mib": steps, "phases_file_mib": file_steps,
-        "at_ready_mib": at_ready, "settled_by_process_mib": settled, "breakdown_mib": breakdown,
+        "at_ready_mib": at_ready,
+        "workload_peak_mib": {part: engine.peak_between(start, end) / MIB  # which part of the workload peaked
+                              for part, start, end in zip(("full-context", "streams"), marks, marks[1:])}, "settled_by_process_mib": settled, "breakdown_mib": breakdown,
         "items_mib": {item["kind"] + (f":{item['layer']}" if item.get("layer") else ""): item["bytes"] / MIB
                       for item in plan["memory"]["items"]},  # fmt: skip
     }

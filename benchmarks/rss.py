@@ -132,6 +132,10 @@ class TreeSampler:
         tail = [b for t, b in self.file_samples if t >= since]
         return int(statistics.median(tail)) if tail else 0
 
+    def peak_between(self, start: float, end: float) -> int:
+        """RssAnon's highest sample taken in [start, end) (time.monotonic()): what one part of a workload peaked at."""
+        return max((b for t, b in self.samples if start <= t < end), default=0)
+
     @property
     def peak_file_bytes(self) -> int:
         """RssFile's peak."""

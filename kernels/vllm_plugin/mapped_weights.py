@@ -16,10 +16,18 @@ writable, so a module that writes into a weight gets its own copy of that page a
 
 Where the image cannot be written (a read-only cache, a full disk), the engine keeps its anonymous copies and logs
 why. EDGE_MAPPED_WEIGHTS=0 keeps them too (benchmarks compare the two).
+
+A start that finds the last image of the same model and configuration loads into it (`premap`): before vLLM's loader
+writes the checkpoint, each parameter the image holds under its name, dtype and shape is pointed at its bytes there,
+and a copy the loader makes into one of them is skipped where the bytes are already equal (`SkipEqualCopies`). Such
+a parameter never becomes anonymous memory: the load-time peak no longer holds the whole model anonymously before
+it is mapped (the Gemma 3-shaped model's 360 MiB embedding). A copy that differs is made, into a private copy of
+the page, and the comparison after loading replaces the image as before. EDGE_PREMAP=0 loads as vLLM does.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import hashlib
@@ -35,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kernels.ops import huge_pages
 from kernels.vllm_plugin import memory_trace, on_import
 from kernels.vllm_plugin.memory_trace import module_tensors
 
 ENV = "EDGE_MAPPED_WEIGHTS"
+PREMAP_ENV = "EDGE_PREMAP"
 MAGIC = b"EDGEMAP1"
 DATA_ALIGN = 4096  # the data starts on a page
 TENSOR_ALIGN = 64  # each tensor on a cache line (and on any dtype's size)
@@ -64,16 +74,17 @@ class Entry:
     nbytes: int
 
 
-def model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def model_tensors(model: torch.nn.Module, own: tuple[int, int] | None = None) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the model's modules hold (parameters, buffers, plain attributes, as the quantization methods keep
-    their packed weights) that can be mapped: on the CPU, contiguous, not empty, not already in a file mapping. Each
-    tensor object once, in address order. A tensor that overlaps another's bytes without being the same region is
-    left out (a view into a weight: mapping one would leave the other on the old memory)."""
+    their packed weights) that can be mapped: on the CPU, contiguous, not empty, not already in a file mapping other
+    than `own` (the address range of the image the load wrote into, `premap`). Each tensor object once, in address
+    order. A tensor that overlaps another's bytes without being the same region is left out (a view into a weight:
+    mapping one would leave the other on the old memory)."""
     found: dict[int, tuple[str, torch.Tensor]] = {}
     for name, tensor in module_tensors(model):
         if id(tensor) not in found and tensor.is_contiguous() and tensor.numel() > 0 and not tensor.requires_grad:
             found[id(tensor)] = (name, tensor)
-    file_backed = _file_mapped_ranges()
+    file_backed = [r for r in _file_mapped_ranges() if own is None or not own[0] <= r[0] < own[1]]
     out, end, last = [], 0, None
     for name, tensor in sorted(found.values(), key=lambda nt: (nt[1].data_ptr(), -_nbytes(nt[1]))):
         start = tensor.data_ptr()
@@ -284,15 +295,118 @@ def prune(folder: Path, keep: int) -> list[Path]:
     return gone
 
 
+def _identity_key(identity: str) -> str:
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
 def image_path(identity: str, entries: list[Entry], cache: Path) -> Path:
-    """The image's file: one per model and configuration (`identity`) and index."""
+    """The image's file: one per model and configuration (`identity`, the name's first part) and index."""
     key = hashlib.sha256(identity.encode() + _header(entries)).hexdigest()[:16]
-    return cache / "mapped" / f"{key}.bin"
+    return cache / "mapped" / f"{_identity_key(identity)}-{key}.bin"
 
 
-def map_model(model: torch.nn.Module, identity: str, cache: Path) -> dict[str, Any]:
-    """Map `model`'s tensors from their image (written first where missing or different); what was done."""
-    tensors = model_tensors(model)
+def last_image(identity: str, cache: Path) -> Path | None:
+    """The most recently used image of this model and configuration, whatever its index; None if there is none."""
+    images = sorted((cache / "mapped").glob(f"{_identity_key(identity)}-*.bin"), key=lambda p: p.stat().st_mtime)
+    return images[-1] if images else None
+
+
+class Premapped:
+    """The parameters a load writes into an image's private mapping (`premap`), and what the load did to them."""
+
+    def __init__(self, image: Image, params: list[tuple[str, torch.Tensor, Entry]]) -> None:
+        self.image = image  # held until map_model has moved every tensor off it
+        lo = image.bytes.data_ptr()
+        self.range = (lo, lo + image.bytes.numel())
+        self.params = sorted(params, key=lambda p: p[1].data_ptr())
+        self._starts = [t.data_ptr() for _, t, _ in self.params]
+        self.covered = [0] * len(self.params)  # bytes the load copied into each, or found equal
+        self.skipped = self.written = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for _, _, entry in self.params)
+
+    def owner(self, address: int) -> int | None:
+        """The index of the parameter holding `address`, or None."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0 and address < self._starts[i] + self.params[i][2].nbytes:
+            return i
+        return None
+
+    def uncovered(self) -> list[str]:
+        """The parameters the load wrote fewer bytes into than they hold: they read the image's bytes there."""
+        return [name for (name, _, entry), done in zip(self.params, self.covered, strict=True) if done < entry.nbytes]
+
+    def release(self) -> None:
+        """Let go of the image's mapping once no tensor reads it (map_model has moved them): the pages a differing
+        copy wrote privately go with it."""
+        self.image, self.params, self._starts = None, [], []  # type: ignore[assignment]
+
+    def summary(self) -> dict[str, Any]:
+        return {"premapped_bytes": self.nbytes, "premapped_params": len(self.params), "copies_skipped_bytes":
+                self.skipped, "copies_written_bytes": self.written, "uncovered": self.uncovered()}  # fmt: skip
+
+
+class SkipEqualCopies(TorchFunctionMode):
+    """While a load runs: a `Tensor.copy_` into a premapped parameter whose bytes already equal the source's returns
+    without writing (a write, even of the same bytes, would copy the page out of the file into anonymous memory).
+    Any other copy, and every other op, runs as it would."""
+
+    def __init__(self, premapped: Premapped) -> None:
+        super().__init__()
+        self.premapped = premapped
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+            dst, src = args[0], args[1]
+            i = self.premapped.owner(dst.data_ptr())
+            if i is not None and src.device.type == "cpu":
+                nbytes = dst.numel() * dst.element_size()
+                self.premapped.covered[i] += nbytes
+                if dst.dtype == src.dtype and dst.shape == src.shape and torch.equal(dst, src):
+                    self.premapped.skipped += nbytes
+                    return dst
+                self.premapped.written += nbytes
+        return func(*args, **kwargs)
+
+
+def premap(model: torch.nn.Module, image: Image) -> Premapped:
+    """Point each of `model`'s parameters that `image` holds under one of its names, with its dtype and shape, at
+    those bytes, before anything is loaded into them. Only parameters: vLLM's loader writes every one from the
+    checkpoint, so none keeps a value from before the load; buffers and other tensors are left alone."""
+    if image.index is None:
+        return Premapped(image, [])
+    entries, start = image.index
+    by_name = {entry.name: entry for entry in entries}
+    if len(image.bytes) < start + (entries[-1].offset + entries[-1].nbytes if entries else 0):
+        return Premapped(image, [])  # cut short: map_model writes a new image
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in module_tensors(model):
+        if isinstance(tensor, torch.nn.Parameter):
+            names.setdefault(id(tensor), []).append(name)
+            tensors[id(tensor)] = tensor
+    params = []
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            entry = next((by_name[n] for n in sorted(names[key]) if n in by_name), None)
+            if (entry is None or not tensor.is_contiguous() or entry.shape != tuple(tensor.shape)
+                    or entry.dtype != str(tensor.dtype).removeprefix("torch.")):  # fmt: skip
+                continue
+            old = tensor.data_ptr()
+            tensor.set_(image.view(start, entry))
+            huge_pages.forget(old)  # nothing was written there: the slab goes once its other tensors do
+            params.append((entry.name, tensor, entry))
+    return Premapped(image, params)
+
+
+def map_model(model: torch.nn.Module, identity: str, cache: Path, premapped: Premapped | None = None) -> dict[str, Any]:
+    """Map `model`'s tensors from their image (written first where missing or different); what was done. Tensors the
+    load wrote into an image's mapping (`premapped`) are moved like the rest, onto a new mapping of the image: the
+    pages a differing copy wrote privately go with the old one."""
+    tensors = model_tensors(model, premapped.range if premapped else None)
     entries = index(tensors)
     if not entries:
         return {"mapped_bytes": 0, "tensors": 0, "image": None, "written": False}
@@ -309,18 +423,54 @@ def map_model(model: torch.nn.Module, identity: str, cache: Path) -> dict[str, A
         prune(path.parent, KEEP_IMAGES)
     else:
         os.utime(path)  # used now: pruning keeps the most recently used
+    if premapped is not None:
+        premapped.release()
     return {"mapped_bytes": sum(e.nbytes for e in entries), "tensors": len(tensors), "image": str(path),
             "written": written, "refreshed": refreshed, "huge_mapped_bytes": pmd_mapped_bytes(path)}  # fmt: skip
 
 
-def _identity(runner: Any) -> str:
-    """What the image depends on besides its index: the model and its quantization. A setting that changes the
-    loaded tensors changes the index, and one that changes only their bytes is caught by the comparison."""
-    model = runner.vllm_config.model_config
+def premap_enabled() -> bool:
+    return os.environ.get(PREMAP_ENV, "1") != "0"
+
+
+def _identity(model: Any) -> str:
+    """What the image depends on besides its index: the model and its quantization (vLLM's ModelConfig). A setting
+    that changes the loaded tensors changes the index, and one that changes only their bytes is caught by the
+    comparison."""
     quant_dict = getattr(model.hf_config, "quantization_config", None)  # the checkpoint's, as the plan wrote it
     return json.dumps(
         [str(model.model), str(getattr(model, "revision", None)), str(model.dtype), quant_dict], default=str
     )
+
+
+_PREMAPPED: dict[int, Premapped] = {}  # id(model) -> what its load wrote into, until map_model takes it
+
+
+def _into_last_image(method: Any) -> Any:
+    @functools.wraps(method)
+    def load_weights(self: Any, model: torch.nn.Module, model_config: Any, *args: Any, **kwargs: Any) -> Any:
+        from edge.paths import cache_dir
+
+        path = last_image(_identity(model_config), cache_dir()) if premap_enabled() else None
+        if path is None:
+            return method(self, model, model_config, *args, **kwargs)
+        refresh_page_cache(path)  # before mapping it: pages this process maps stay as they are
+        premapped = premap(model, Image(path))
+        with SkipEqualCopies(premapped):
+            result = method(self, model, model_config, *args, **kwargs)
+        _PREMAPPED[id(model)] = premapped
+        done = premapped.summary()
+        if done["uncovered"]:
+            logger.warning("mapped weights: the load wrote only part of %s; they read the image's bytes there",
+                           done["uncovered"])  # fmt: skip
+        logger.info("mapped weights: loaded into %s: %.1f MiB premapped, %.1f MiB found equal, %.1f MiB copied",
+                    path, done["premapped_bytes"] / 2**20, done["copies_skipped_bytes"] / 2**20,
+                    done["copies_written_bytes"] / 2**20)  # fmt: skip
+        memory_trace.record("premapped", image=str(path), **done)
+        return result
+
+    setattr(load_weights, _MARK, method)
+    return load_weights
 
 
 def _after_load(method: Any) -> Any:
@@ -329,8 +479,9 @@ def _after_load(method: Any) -> Any:
         result = method(self, *args, **kwargs)
         from edge.paths import cache_dir
 
+        premapped = _PREMAPPED.pop(id(self.model), None)
         try:
-            done = map_model(self.model, _identity(self), cache_dir())
+            done = map_model(self.model, _identity(self.vllm_config.model_config), cache_dir(), premapped)
         except OSError as error:
             logger.warning("mapped weights: the weights stay in anonymous memory: %s", error)
             return result
@@ -345,15 +496,19 @@ def _after_load(method: Any) -> Any:
 
 
 def _patch(cpu_worker: Any) -> None:
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.v1.worker import cpu_model_runner
 
     runner = cpu_model_runner.CPUModelRunner
     if not getattr(runner.load_model, _MARK, None):
         runner.load_model = _after_load(runner.load_model)
+    if not getattr(DefaultModelLoader.load_weights, _MARK, None):
+        DefaultModelLoader.load_weights = _into_last_image(DefaultModelLoader.load_weights)
 
 
 def install() -> bool:
-    """Map the weights once loaded, in the process that imports the CPU worker; False when turned off."""
+    """Map the weights once loaded, and load into the last image where there is one, in the process that imports the
+    CPU worker; False when turned off."""
     if not enabled():
         return False
     on_import.when_imported("vllm.v1.worker.cpu_worker", _patch)

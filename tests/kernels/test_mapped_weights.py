@@ -161,3 +161,132 @@ def test_the_huge_page_share_of_an_image_is_a_fraction_and_a_small_file_is_never
     assert 0.0 <= mapped_weights.huge_page_share(large) <= 1.0
     mapped_weights.refresh_page_cache(large)
     assert large.read_bytes() == content  # dropping cached pages loses nothing
+
+
+# --- loading into the last image (premap) ---------------------------------------------------------------------
+
+
+def _checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+    """What a loader would copy into _params_layer's parameters."""
+    gen = torch.Generator().manual_seed(seed)
+    return {"qweight": torch.randint(-128, 128, (MLP, HIDDEN), generator=gen, dtype=torch.int8),
+            "scales": torch.rand(MLP, HIDDEN // 32, generator=gen).to(torch.bfloat16)}  # fmt: skip
+
+
+def _params_layer() -> torch.nn.Module:
+    """A stand-in for a layer before loading: uninitialized parameters from the arena (as the plugin registers its
+    weights), and a buffer computed when the module is built (as a rotary table is)."""
+    layer = torch.nn.Module()
+    layer.qweight = torch.nn.Parameter(huge_pages.empty(MLP, HIDDEN, dtype=torch.int8), requires_grad=False)
+    layer.scales = torch.nn.Parameter(huge_pages.empty(MLP, HIDDEN // 32, dtype=torch.bfloat16), requires_grad=False)
+    layer.register_buffer("table", torch.arange(HIDDEN, dtype=torch.float32))
+    return layer
+
+
+def _load(layer: torch.nn.Module, checkpoint: dict[str, torch.Tensor], premapped=None) -> None:
+    """The loader's copies: each parameter's first and second halves of rows, as a fused layer's shards load."""
+    with mapped_weights.SkipEqualCopies(premapped) if premapped else torch.no_grad():
+        for name, value in checkpoint.items():
+            param = getattr(layer, name)
+            half = value.shape[0] // 2
+            param.data[:half].copy_(value[:half])
+            param.data[half:].copy_(value[half:])
+
+
+def _anonymous_kib(path: str) -> int:
+    """The private copies this process holds of `path`'s pages (Anonymous in /proc/self/smaps, every mapping)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            inside = len(fields) > 5 and fields[5] == path
+        elif inside and fields[0] == "Anonymous:":
+            total += int(fields[1])
+    return total
+
+
+def _first_start(tmp_path) -> dict:
+    layer = _params_layer()
+    _load(layer, _checkpoint())
+    return map_model(layer, "a model", tmp_path)
+
+
+def test_a_second_start_loads_into_the_last_image_without_a_private_copy(tmp_path):
+    first = _first_start(tmp_path)
+    path = mapped_weights.last_image("a model", tmp_path)
+    assert str(path) == first["image"]
+    layer = _params_layer()
+    premapped = mapped_weights.premap(layer, Image(path))
+    assert {name for name, _, _ in premapped.params} == {"qweight", "scales"}  # parameters only, not the buffer
+    assert _in_file_mapping(layer.qweight, first["image"]) and not _in_file_mapping(layer.table, first["image"])
+    _load(layer, _checkpoint(), premapped)
+    done = premapped.summary()
+    assert (
+        done["copies_skipped_bytes"] == done["premapped_bytes"] == premapped.nbytes
+        and done["copies_written_bytes"] == 0
+    )
+    assert done["uncovered"] == [] and _anonymous_kib(first["image"]) == 0  # every page still the file's
+    again = map_model(layer, "a model", tmp_path, premapped)
+    assert not again["written"] and again["image"] == first["image"] and again["tensors"] == 3
+    for name, value in _checkpoint().items():
+        assert torch.equal(getattr(layer, name), value) and _in_file_mapping(getattr(layer, name), first["image"])
+
+
+def test_a_load_that_differs_writes_its_own_values_and_the_image_is_replaced(tmp_path):
+    first = _first_start(tmp_path)
+    layer = _params_layer()
+    premapped = mapped_weights.premap(layer, Image(mapped_weights.last_image("a model", tmp_path)))
+    changed = _checkpoint()
+    changed["scales"][MLP - 1, 0] += 1  # in the second half's copy only
+    _load(layer, changed, premapped)
+    done = premapped.summary()
+    assert 0 < done["copies_written_bytes"] < premapped.nbytes and done["uncovered"] == []
+    assert all(torch.equal(getattr(layer, n), v) for n, v in changed.items())
+    again = map_model(layer, "a model", tmp_path, premapped)
+    assert again["written"] and again["image"] == first["image"]
+    assert all(torch.equal(getattr(layer, n), v) for n, v in changed.items())
+
+
+def test_a_parameter_the_load_does_not_write_whole_is_named(tmp_path):
+    _first_start(tmp_path)
+    layer = _params_layer()
+    premapped = mapped_weights.premap(layer, Image(mapped_weights.last_image("a model", tmp_path)))
+    with mapped_weights.SkipEqualCopies(premapped):
+        layer.qweight.data.copy_(_checkpoint()["qweight"])
+    assert premapped.uncovered() == ["scales"]
+
+
+def test_the_last_image_is_the_same_models_most_recent_and_a_mismatch_is_not_premapped(tmp_path):
+    assert mapped_weights.last_image("a model", tmp_path) is None
+    _first_start(tmp_path)
+    other = torch.nn.Module()
+    other.qweight = torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.int8), requires_grad=False)
+    map_model(other, "another model", tmp_path)
+    image = Image(mapped_weights.last_image("a model", tmp_path))
+    assert [e.name for e in image.index[0]] == ["qweight", "scales", "table"]
+    wider = torch.nn.Module()  # same names, another shape: loads as vLLM would, into its own memory
+    wider.qweight = torch.nn.Parameter(torch.empty(MLP, 2 * HIDDEN, dtype=torch.int8), requires_grad=False)
+    assert mapped_weights.premap(wider, image).params == []
+
+
+@pytest.mark.parametrize("premap", ["1", "0"])
+def test_the_loaders_load_goes_into_the_last_image_unless_turned_off(tmp_path, monkeypatch, premap):
+    """The wrapper around vLLM's DefaultModelLoader.load_weights, with a stand-in loader method and model config."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("EDGE_SELECT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(mapped_weights.PREMAP_ENV, premap)
+    config = SimpleNamespace(model="/models/a", revision=None, dtype=torch.bfloat16, hf_config=SimpleNamespace())
+    identity = mapped_weights._identity(config)
+    first = _params_layer()
+    _load(first, _checkpoint())
+    image = map_model(first, identity, tmp_path)["image"]
+
+    def load_weights(loader, model, model_config):  # what vLLM's loader does: copies into the parameters
+        _load(model, _checkpoint())
+
+    layer = _params_layer()
+    mapped_weights._into_last_image(load_weights)(None, layer, config)
+    premapped = mapped_weights._PREMAPPED.pop(id(layer), None)
+    assert (premapped is not None) == (premap == "1") and _in_file_mapping(layer.qweight, image) == (premap == "1")
+    assert all(torch.equal(getattr(layer, n), v) for n, v in _checkpoint().items())

@@ -156,6 +156,9 @@ def test_real_vllm_serves_through_the_wrapper_and_comes_back_after_being_killed(
     assert group_members(group) == []  # nothing of the killed engine is left: its engine core and worker neither
     assert not engine_socket.exists() and Path(engine["engine_socket"]).is_socket()  # a fresh socket, the old gone
     assert mapped_image(engine["engine_pid"]) == image  # the same file (path and inode): reused, not written again
+    # the restart loaded into that image (mapped_weights.premap): the parameters it holds as loaded found equal
+    loaded_into = [line for line in log.read_text().splitlines() if "mapped weights: loaded into" in line]
+    assert loaded_into and " 0.0 MiB premapped" not in loaded_into[-1], loaded_into
 
     again = complete(url, model)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
