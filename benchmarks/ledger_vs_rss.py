@@ -54,8 +54,8 @@ trace_env = "EDGE_MEMORY_TRACE"  # kernels/vllm_plugin/memory_trace.py ENV (impo
 
 def _env_pairs(text: str) -> dict[str, str]:
     pairs = dict(pair.split("=", 1) for pair in text.split(",") if pair)
-    if not all(k.startswith("EDGE_") for k in pairs):
-        raise argparse.ArgumentTypeError(f"expected EDGE_ variables, got {text!r}")
+    if not all(k.startswith(("EDGE_", "MALLOC_")) for k in pairs):  # the plugin's switches, glibc's malloc tunables
+        raise argparse.ArgumentTypeError(f"expected EDGE_ or MALLOC_ variables, got {text!r}")
     return pairs
 
 
@@ -97,6 +97,17 @@ def phases(trace: Path, key: str = "rss_anon") -> dict[str, float]:
     return {line["phase"]: line[key] / MIB for line in lines}
 
 
+def peak_phase(trace: Path, engine: TreeSampler, wall_offset: float) -> str | None:
+    """The start phase the engine's RssAnon peak came in: the first EDGE_MEMORY_TRACE line written after it (the
+    phase it peaked during), "serving" after the last, None without samples. `wall_offset` is time.time() less
+    time.monotonic() (the trace's clock against the sampler's)."""
+    if not engine.samples or not trace.exists():
+        return None
+    at = max(engine.samples, key=lambda s: s[1])[0] + wall_offset
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    return next((line["phase"] for line in lines if line["t"] >= at), "serving")
+
+
 def compile_cache(mode: str, args: argparse.Namespace) -> Path:
     """The plan's vLLM cache root (VLLM_CACHE_ROOT: its compile cache lives there)."""
     argv = [str(ROOT / ".venv" / "bin" / "edge-select"), *edge_argv(mode, args)[1:], "--json"]
@@ -132,6 +143,7 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
     ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"] - file_backed}
     baseline = sum(i["bytes"] for i in plan["memory"]["items"] if i["kind"] == "engine-baseline")
     steps, file_steps = phases(trace), phases(trace, "rss_file")
+    peaked_in = peak_phase(trace, engine, time.time() - time.monotonic())
     trace.unlink(missing_ok=True)
     breakdown = _breakdown(steps, at_ready["engine"], settled)
     return {
@@ -151,9 +163,12 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
         "ledger_file_backed_mib": file_backed / MIB,
         "mapped_file_mib": file_steps["mapped"] - file_steps["imports"] if "mapped" in file_steps else None,
         "phases_mib": steps, "phases_file_mib": file_steps,
-        "at_ready_mib": at_ready,
+        "at_ready_mib": at_ready, "settled_by_process_mib": settled, "breakdown_mib": breakdown,
+        "engine_peak_phase": peaked_in,
+        "engine_peak_s": max(engine.samples, key=lambda s: s[1])[0] - engine.samples[0][0] if engine.samples else None,
+        "tree_peak_at": server.sampler.describe_peak(),  # which processes held the tree's highest sample
         "workload_peak_mib": {part: engine.peak_between(start, end) / MIB  # which part of the workload peaked
-                              for part, start, end in zip(("full-context", "streams"), marks, marks[1:])}, "settled_by_process_mib": settled, "breakdown_mib": breakdown,
+                              for part, start, end in zip(("full-context", "streams"), marks, marks[1:], strict=False)},
         "items_mib": {item["kind"] + (f":{item['layer']}" if item.get("layer") else ""): item["bytes"] / MIB
                       for item in plan["memory"]["items"]},  # fmt: skip
     }

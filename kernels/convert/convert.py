@@ -99,9 +99,7 @@ class Source:
         return bool(flag) if flag is not None else HEAD not in self.shapes
 
     def checksummed_files(self) -> list[Path]:
-        if self.gguf is not None:
-            return [self.directory]
-        return [self.directory / "config.json", *(self.directory / name for name in self.files)]
+        return source_files(self.directory)
 
     @property
     def bytes_in(self) -> int:
@@ -126,6 +124,19 @@ class Decisions:
     # tensors written as `grid`'s own blocks, by type (edge.catalog.quantized_layers.OWN_BLOCK_TYPES): Q4_K (4-bit,
     # quantization_config.q4k), Q6_K, Q8_0, Q5_0 (the 8-bit set: q6k, q8_0, q5_0)
     own_blocks: dict[str, str] = field(default_factory=dict)
+
+
+def source_files(src: Path) -> list[Path]:
+    """The files a source is identified by (their sizes and times, then their sha256s): a GGUF file itself, a model
+    directory's config.json and weight files. Reads no header: an up-to-date check needs nothing more, and a GGUF's
+    header with a 262144-token vocabulary took gguf-py 12 s and 800 MiB to parse (a Gemma 3-shaped file, Zen 5)."""
+    if src.suffix == ".gguf" and src.is_file():
+        return [src]
+    if not src.is_dir():
+        raise InputError("SRC", str(src), "a model directory or a .gguf file")
+    if not (src / "config.json").is_file():
+        raise InputError("SRC", str(src), "a model directory holding config.json")
+    return [src / "config.json", *(src / name for name in _weight_files(src))]
 
 
 def read_source(src: Path) -> Source:
@@ -347,12 +358,12 @@ def _check_request(path: str, qconfig: dict[str, Any] | None) -> None:
     format_of(path).check_request(path, qconfig, quant_methods(path))
 
 
-def _fingerprint(source: Source) -> dict[str, list[int]]:
+def _fingerprint(files: list[Path]) -> dict[str, list[int]]:
     """Cheap identity of the source files (size, mtime); the sha256s settle it when this differs."""
-    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in source.checksummed_files()}
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
 
 
-def _up_to_date(dst: Path, source: Source, qconfig: dict[str, Any] | None, path: str) -> tuple[bool, str]:
+def _up_to_date(dst: Path, files: list[Path], qconfig: dict[str, Any] | None, path: str) -> tuple[bool, str]:
     """Deep: every file's sha256 against the manifest (a flipped byte in a weight file is never served; hashing
     runs at about 1 GB/s, seconds even for a 7B model's 4-bit checkpoint)."""
     manifest, problem = read_manifest(dst, MANIFEST, deep=True)
@@ -363,9 +374,9 @@ def _up_to_date(dst: Path, source: Source, qconfig: dict[str, Any] | None, path:
         if manifest.get(key) != value:
             return False, f"it was converted with {key}={manifest.get(key)!r}"
     recorded = manifest.get("source") or {}
-    if recorded.get("fingerprint") == _fingerprint(source):
+    if recorded.get("fingerprint") == _fingerprint(files):
         return True, "up to date"
-    sha = {p.name: sha256_file(p) for p in source.checksummed_files()}
+    sha = {p.name: sha256_file(p) for p in files}
     if recorded.get("sha256") == sha:
         return True, "up to date"
     return False, "it was converted from different source files"
@@ -400,14 +411,15 @@ def convert(
     _check_request(path, quantization_config)
     if dst == src or src in dst.parents:
         raise InputError("DST", str(dst), "a directory outside SRC")
-    source = read_source(src)
+    files = source_files(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with _locked(dst):
-        fresh, why = _up_to_date(dst, source, quantization_config, path) if dst.exists() else (False, "")
-        if fresh:  # before decide(): on a GGUF source that reads the whole file's header (5 s for the default model's)
+        fresh, why = _up_to_date(dst, files, quantization_config, path) if dst.exists() else (False, "")
+        if fresh:  # before read_source(), which on a GGUF parses the whole header (source_files says what it costs)
             log(f"{dst} is up to date; nothing to do")
             return dst
-        decisions = decide(source, quantization_config, path)  # bad input raises here, before any writing
+        source = read_source(src)  # bad input raises here or in decide(), before any writing
+        decisions = decide(source, quantization_config, path)
         if dst.exists():
             if not force:
                 raise InputError("DST", str(dst), f"a new directory, or --force to replace it ({why})")
@@ -605,7 +617,7 @@ def _finish_directory(
         "quantization_config": qconfig,
         "source": {
             "directory": str(source.directory),
-            "fingerprint": _fingerprint(source),
+            "fingerprint": _fingerprint(source.checksummed_files()),
             "sha256": {p.name: sha256_file(p) for p in source.checksummed_files()},
         },
         "summary": summary,

@@ -22,7 +22,9 @@ writes the checkpoint, each parameter the image holds under its name, dtype and 
 and a copy the loader makes into one of them is skipped where the bytes are already equal (`SkipEqualCopies`). Such
 a parameter never becomes anonymous memory: the load-time peak no longer holds the whole model anonymously before
 it is mapped (the Gemma 3-shaped model's 360 MiB embedding). A copy that differs is made, into a private copy of
-the page, and the comparison after loading replaces the image as before. EDGE_PREMAP=0 loads as vLLM does.
+the page, and the comparison after loading replaces the image as before. A first start, with no image yet, loads
+the same way into the checkpoint's own file where it is one safetensors file: the parameters stored there as they
+are loaded (an unfused layer's, the embedding). EDGE_PREMAP=0 loads as vLLM does.
 """
 
 from __future__ import annotations
@@ -188,10 +190,42 @@ def read_index(view: memoryview) -> tuple[list[Entry], int] | None:
         return None
 
 
-class Image:
-    """A private, writable, huge-page-advised mapping of an image file, and its bytes as one uint8 tensor."""
+# safetensors' dtype codes (its format's header: a little-endian u64 length, then JSON naming each tensor's dtype,
+# shape and [begin, end) byte offsets from the data's start) as torch's dtype names
+SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
+                      "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64",
+                      "I64": "int64", "U64": "uint64"}  # fmt: skip
 
-    def __init__(self, path: Path) -> None:
+
+def read_safetensors_index(view: memoryview) -> tuple[list[Entry], int] | None:
+    """A mapped safetensors file's tensors as an image's index (those of a dtype torch names), and the data's start;
+    None where it is not one."""
+    if len(view) < 8:
+        return None
+    (size,) = struct.unpack("<Q", view[:8])
+    try:
+        header = json.loads(bytes(view[8 : 8 + size]))
+        entries = [
+            Entry(
+                name,
+                SAFETENSORS_DTYPES[info["dtype"]],
+                tuple(info["shape"]),
+                info["data_offsets"][0],
+                info["data_offsets"][1] - info["data_offsets"][0],
+            )
+            for name, info in header.items()
+            if name != "__metadata__" and info["dtype"] in SAFETENSORS_DTYPES
+        ]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return sorted(entries, key=lambda e: e.offset), 8 + size
+
+
+class Image:
+    """A private, writable, huge-page-advised mapping of an image file (or, with `reader`, of another file of tensors:
+    a checkpoint), and its bytes as one uint8 tensor."""
+
+    def __init__(self, path: Path, reader: Any = None) -> None:
         self.bytes, self.index = torch.empty(0, dtype=torch.uint8), None
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -202,7 +236,7 @@ class Image:
             with contextlib.suppress(OSError):  # EINVAL from a kernel without THP: 4 KiB mappings
                 self.map.madvise(mmap.MADV_HUGEPAGE)
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)  # holds the mapping as long as a view of it lives
-        self.index = read_index(memoryview(self.map))
+        self.index = (reader or read_index)(memoryview(self.map))
 
     def view(self, start: int, entry: Entry) -> torch.Tensor:
         at = start + entry.offset
@@ -380,7 +414,7 @@ def premap(model: torch.nn.Module, image: Image) -> Premapped:
         return Premapped(image, [])
     entries, start = image.index
     by_name = {entry.name: entry for entry in entries}
-    if len(image.bytes) < start + (entries[-1].offset + entries[-1].nbytes if entries else 0):
+    if len(image.bytes) < start + max((e.offset + e.nbytes for e in entries), default=0):
         return Premapped(image, [])  # cut short: map_model writes a new image
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -395,8 +429,12 @@ def premap(model: torch.nn.Module, image: Image) -> Premapped:
             if (entry is None or not tensor.is_contiguous() or entry.shape != tuple(tensor.shape)
                     or entry.dtype != str(tensor.dtype).removeprefix("torch.")):  # fmt: skip
                 continue
+            try:
+                view = image.view(start, entry)
+            except RuntimeError:  # a checkpoint's tensor not aligned to its dtype's size: loaded as vLLM loads it
+                continue
             old = tensor.data_ptr()
-            tensor.set_(image.view(start, entry))
+            tensor.set_(view)
             huge_pages.forget(old)  # nothing was written there: the slab goes once its other tensors do
             params.append((entry.name, tensor, entry))
     return Premapped(image, params)
@@ -446,16 +484,32 @@ def _identity(model: Any) -> str:
 _PREMAPPED: dict[int, Premapped] = {}  # id(model) -> what its load wrote into, until map_model takes it
 
 
+def load_source(identity: str, model_dir: Path, cache: Path) -> tuple[Path, Image] | None:
+    """What a start loads into (`premap`): the last image of this model and configuration; on a first start, the
+    checkpoint itself where it is one safetensors file (its tensors that become a parameter as they are stored, the
+    embedding among them); None where neither is, or premapping is off."""
+    if not premap_enabled():
+        return None
+    path = last_image(identity, cache)
+    if path is not None:
+        refresh_page_cache(path)  # before mapping it: pages this process maps stay as they are
+        return path, Image(path)
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if len(files) == 1:
+        return files[0], Image(files[0], read_safetensors_index)
+    return None
+
+
 def _into_last_image(method: Any) -> Any:
     @functools.wraps(method)
     def load_weights(self: Any, model: torch.nn.Module, model_config: Any, *args: Any, **kwargs: Any) -> Any:
         from edge.paths import cache_dir
 
-        path = last_image(_identity(model_config), cache_dir()) if premap_enabled() else None
-        if path is None:
+        source = load_source(_identity(model_config), Path(str(model_config.model)), cache_dir())
+        if source is None:
             return method(self, model, model_config, *args, **kwargs)
-        refresh_page_cache(path)  # before mapping it: pages this process maps stay as they are
-        premapped = premap(model, Image(path))
+        path, image = source
+        premapped = premap(model, image)
         with SkipEqualCopies(premapped):
             result = method(self, model, model_config, *args, **kwargs)
         _PREMAPPED[id(model)] = premapped

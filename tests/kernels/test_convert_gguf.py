@@ -162,3 +162,23 @@ def test_edge_select_evaluate_scores_a_gguf_against_the_files_own_weights(tmp_pa
     path = tiny_gguf(tmp_path / "src", "llama", tokenizer_source)
     record = plan_then_evaluate(path)
     assert record["model"] == path.stem and 0 < record["kld_mean"] < 0.05, record
+
+
+def test_an_up_to_date_check_on_a_gguf_parses_no_header(tmp_path, tokenizer_source, monkeypatch):
+    """Every edge-serve start runs the check beside the engine's own start: a 262144-token vocabulary's header
+    took gguf-py 12 s and 800 MiB to parse (kernels/convert/convert.py source_files)."""
+    from kernels.convert import convert as convert_module
+
+    path = tiny_gguf(tmp_path / "src", "llama", tokenizer_source)
+    dst = _convert(path, tmp_path / "dst")
+
+    def no_parse(src):
+        raise AssertionError(f"the header of {src} was parsed")
+
+    monkeypatch.setattr(convert_module, "read_source", no_parse)
+    assert _convert(path, dst) == dst  # up to date: returned before reading the source
+    path.touch()  # a new time, the same bytes: settled by the sha256, still without the header
+    assert _convert(path, dst) == dst
+    path.write_bytes(path.read_bytes() + b"\0")  # other bytes: converted again, which reads it
+    with pytest.raises(AssertionError, match="was parsed"):
+        _convert(path, dst)
