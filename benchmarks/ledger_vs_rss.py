@@ -79,14 +79,16 @@ def rss_anon_mib(pid: int) -> float:
     return rss_anon_bytes(pid) / MIB
 
 
-def total_peak_bytes(engine: TreeSampler) -> int:
+def total_peak_bytes(engine: TreeSampler, libraries: int | None = None) -> int:
     """The engine's peak of RssAnon plus the RssFile it gained after loading its libraries: the weights it maps
-    (kernels/vllm_plugin/mapped_weights.py), what the ledger's peak counts. The libraries' share is RssFile at the
-    moment RssAnon peaked, while the weights were still anonymous (they are mapped after they load)."""
+    (kernels/vllm_plugin/mapped_weights.py), what the ledger's peak counts. `libraries`: RssFile once its imports
+    were done (its EDGE_MEMORY_TRACE); without it, RssFile at the moment RssAnon peaked, which holds only the
+    libraries where that peak came while the weights were still anonymous (before they were mapped)."""
     if not engine.samples:
         return 0
-    peak_at = max(range(len(engine.samples)), key=lambda i: engine.samples[i][1])
-    libraries = engine.file_samples[peak_at][1]
+    if libraries is None:
+        peak_at = max(range(len(engine.samples)), key=lambda i: engine.samples[i][1])
+        libraries = engine.file_samples[peak_at][1]
     return max(a + f for (_, a), (_, f) in zip(engine.samples, engine.file_samples, strict=True)) - libraries
 
 
@@ -138,11 +140,12 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
     finally:
         server.stop()
     engine = server.sampler.below_root()
-    measured = {"peak": total_peak_bytes(engine), "settled": engine.settled_bytes(idle_from)}
+    steps, file_steps = phases(trace), phases(trace, "rss_file")
+    libraries = round(file_steps["imports"] * MIB) if "imports" in file_steps else None
+    measured = {"peak": total_peak_bytes(engine, libraries), "settled": engine.settled_bytes(idle_from)}
     file_backed = plan["memory"].get("file_backed_bytes", 0)  # RssFile once mapped: the ledger's anonymous part
     ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"] - file_backed}
     baseline = sum(i["bytes"] for i in plan["memory"]["items"] if i["kind"] == "engine-baseline")
-    steps, file_steps = phases(trace), phases(trace, "rss_file")
     peaked_in = peak_phase(trace, engine, time.time() - time.monotonic())
     trace.unlink(missing_ok=True)
     breakdown = _breakdown(steps, at_ready["engine"], settled)

@@ -24,6 +24,7 @@ from edge.formats.base import (
     parts,
     resident,
     times,
+    transient,
 )
 from edge.formats.int8 import INT8
 from edge.model.shapes import LinearShape, ModelShape
@@ -38,6 +39,11 @@ class Gptq(WeightFormat):
     # Ranking where nothing measured (ARM): 4-bit codes and a bf16 scale per 32 weights (KleidiAI's group), what the
     # kernel reads per weight, as tinygemm's 0.5625 is its codes, scale and zero per 64.
     derived_bytes = 0.5625
+    # The plugin's cpu_w4a8 converts a layer's GPTQ codes for vLLM's W4A8 kernel this many output channels at a time
+    # (kernels/vllm_plugin/cpu_w4a8.py to_w4a8): each chunk's codes unpacked to int32 and reordered. 2048 (K 6912)
+    # peaked ~200 MiB above the load on a Gemma 3-shaped plan (AMD EPYC Zen 5, 2026-12-07); a multiple of the
+    # kernel's 32-channel blocks.
+    convert_chunk_channels = 512
 
     def cannot_hold(self, layout: str, n: int, k: int, group: int) -> str | None:
         multiple = rules.GPTQ_PARTITION_MULTIPLE
@@ -49,6 +55,20 @@ class Gptq(WeightFormat):
     def bytes(self, lin: LinearShape, group: int) -> int:
         groups = 1 if group == -1 else lin.k // group
         return lin.count * (lin.n * lin.k // 2 + BF16 * lin.n * groups + 4 * (lin.n // 8) * groups)
+
+    def load_transients(self, model: ModelShape, layers: Layers, *, repack_chunk_rows: int) -> list[MemoryItem]:
+        """The W4A8 conversion's chunk: a chunk of output channels' codes as int32, unpacked and reordered (two
+        copies). No bf16 copy: edge-convert quantizes in its own process before the engine starts, and the engine
+        loads the converted codes."""
+        converted = [lin for lin in model.linears if any(d.format == "int4" for d in layers[lin.name])]
+        if not converted:
+            return []
+        widest = max(converted, key=lambda lin: min(self.convert_chunk_channels, lin.n) * lin.k)
+        chunk = min(self.convert_chunk_channels, widest.n)
+        size = 2 * 4 * chunk * widest.k
+        return [transient("repack-transient", "W4A8 conversion chunk (int32 codes)", size,
+                          f"{widest.name}: 2 x 4 B x {chunk} channels x {widest.k} = {mib(size)} (codes unpacked "
+                          "and reordered a chunk of output channels at a time)")]  # fmt: skip
 
     def weight_items(self, model: ModelShape, layers: Layers, layout: str | None, group: int | None, *,
                      block: int, decode_kernel: str) -> list[MemoryItem]:  # fmt: skip

@@ -56,8 +56,6 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # vLLM repacks GPTQ codes into AWQ's nibbl
 ASYM_FORMAT = "gptq_v2"  # qzeros hold each group's zero as it is (an asymmetric checkpoint)
 # quantization_config keys that say how the converter rounded (kernels/convert/gptq_pass.py), carried as they are
 ROUNDING_KEYS = ("rounding", "smoothing", "calibration_windows")
-CONVERT_CHUNK_CHANNELS = 512  # output channels converted at a time: the int32 codes are 8x the packed bytes, and a
-# chunk of 2048 (K 6912) peaked ~200 MiB above the load (a Gemma 3-shaped W4A8 plan, Zen 5, 2026-12-07)
 
 
 # Which kernel runs the int4 layers: vLLM's int4_scaled_mm_cpu on x86, KleidiAI through torch's _dyn_quant ops on
@@ -97,7 +95,7 @@ def to_w4a8(qweight: torch.Tensor, scales: torch.Tensor,
     the kernel takes them as they are (asymmetric W4A8 needs nothing new in it)."""
     from vllm import _custom_ops as ops
 
-    step = CONVERT_CHUNK_CHANNELS
+    step = GPTQ.convert_chunk_channels  # the ledger books this chunk's transient (edge.formats.gptq)
     parts = [_convert(qweight[:, i : i + step], scales[:, i : i + step],
                       None if zeros is None else zeros[:, i : i + step], ops)
              for i in range(0, qweight.shape[1], step)]  # fmt: skip

@@ -327,3 +327,10 @@ def test_reading_a_header_leaves_mistral_common_unimported():
             "import mistral_common.tokens.tokenizers.mistral; print('importable')")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["llama", "False", "importable"]
+
+
+def test_the_default_ggufs_lean_read_is_gguf_pys():
+    """The planner's read (no gguf-py reader: edge.model.gguf_metadata._read_lean) of the default model's file."""
+    lean, full = read_header(default_gguf()), read_header(default_gguf(), keep_reader=True)
+    assert lean.reader is None and list(lean.metadata.items()) == list(full.metadata.items())
+    assert lean.tensors == full.tensors and lean.metadata["tokenizer.ggml.tokens"] == 49152

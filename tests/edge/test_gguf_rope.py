@@ -244,3 +244,31 @@ def test_bad_rope_scaling_metadata_names_its_key(key, value):
     with pytest.raises(InputError) as refused:
         hf_config(header_from_json(body))
     assert refused.value.field == key
+
+
+def test_the_lean_header_read_is_gguf_pys_field_for_field(tmp_path):
+    """read_header without gguf-py's reader (edge.model.gguf_metadata._read_lean, what the planner uses) gives what
+    gguf-py's parse gives: metadata in its order, the tensor table and the RoPE tensors' values (the Llama 3 and
+    Phi-3 files here, whose factors are float32 values that print short)."""
+    theta, head_dim, scaling = LLAMA3_CASES[next(iter(LLAMA3_CASES))]
+    divisors = _llama3_divisors(theta, head_dim, scaling)
+    llama3 = _write(tmp_path / "llama3.gguf", "llama", {"rope_freqs.weight": divisors}, theta=theta,
+                    head_dim=head_dim, context=131072)  # fmt: skip
+    tensors = {"rope_factors_long.weight": np.array(PHI3_LONG), "rope_factors_short.weight": np.array(PHI3_SHORT)}
+    phi3 = _write(tmp_path / "phi3.gguf", "phi3", tensors, theta=10000.0, head_dim=PHI3_HEAD, context=PHI3_CONTEXT,
+                  metadata={"rope.scaling.original_context_length": PHI3_ORIGINAL})  # fmt: skip
+    for path in (llama3, phi3):
+        lean, full = read_header(path), read_header(path, keep_reader=True)
+        assert lean.reader is None and full.reader is not None
+        assert list(lean.metadata.items()) == list(full.metadata.items())
+        assert lean.tensors == full.tensors and lean.rope_data == full.rope_data and lean.rope_data
+
+
+def test_a_gguf_cut_short_is_refused_by_name(tmp_path):
+    path = _write(tmp_path / "plain.gguf", "llama", {}, theta=1e4, head_dim=64, context=4096)
+    data = path.read_bytes()
+    for cut in (8, 30, len(data) // 2):
+        path.write_bytes(data[:cut])
+        with pytest.raises(InputError) as refused:
+            read_header(path)
+        assert refused.value.field == "model" and "plain.gguf" in str(refused.value)

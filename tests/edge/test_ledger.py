@@ -9,6 +9,7 @@ import pytest
 
 from edge.catalog import shape_rules as rules
 from edge.catalog.quantized_layers import QuantRules, rules_for
+from edge.formats.gptq import GPTQ
 from edge.measure.kernel_params import KernelParams
 from edge.measure.ledger import estimate
 from edge.model.reader import default_model, read_model
@@ -206,6 +207,16 @@ def test_gptq_layer_bytes_are_qweight_scales_and_qzeros():
     items = by_kind(ledger(default_model(), "w4a8-gptq", group=64))
     # 30 x (576 x 576 / 2 B qweight + 2 B x 576 x 9 scales + 4 B x 72 x 9 qzeros)
     assert items["int4-weights", "q_proj"].bytes == 30 * (576 * 576 // 2 + 2 * 576 * 9 + 4 * 72 * 9)
+
+
+def test_w4a8_loads_with_its_conversion_chunk_not_a_bf16_copy():
+    """The plugin converts each 4-bit layer for vLLM's W4A8 kernel a chunk of output channels at a time
+    (edge.formats.gptq convert_chunk_channels, which kernels/vllm_plugin/cpu_w4a8.py reads): down_proj's K=1536 is
+    the widest K of the default model's 4-bit layers."""
+    items = by_kind(ledger(default_model(), "w4a8-gptq", group=64))
+    chunk = GPTQ.convert_chunk_channels
+    assert items["repack-transient", None].bytes == 2 * 4 * min(chunk, 576) * 1536
+    assert ("load-copy", None) not in items
 
 
 def test_bf16_tied_model_stores_the_embedding_once():

@@ -212,7 +212,7 @@ def test_conversion_in_slices_of_output_channels_equals_the_whole(monkeypatch):
     tensors = checkpoint(3072, HIDDEN)
     qweight, scales = tensors["layer.qweight"], tensors["layer.scales"]
     whole = cpu_w4a8.to_w4a8(qweight, scales)
-    monkeypatch.setattr(cpu_w4a8, "CONVERT_CHUNK_CHANNELS", 128)
+    monkeypatch.setattr(cpu_w4a8.GPTQ, "convert_chunk_channels", 128)
     for ours, theirs in zip(cpu_w4a8.to_w4a8(qweight, scales), whole, strict=True):
         assert torch.equal(ours, theirs)
 
