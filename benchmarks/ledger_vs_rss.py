@@ -80,10 +80,10 @@ def rss_anon_mib(pid: int) -> float:
 
 
 def total_peak_bytes(engine: TreeSampler, libraries: int | None = None) -> int:
-    """The engine's peak of RssAnon plus the RssFile it gained after loading its libraries: the weights it maps
-    (kernels/vllm_plugin/mapped_weights.py), what the ledger's peak counts. `libraries`: RssFile once its imports
-    were done (its EDGE_MEMORY_TRACE); without it, RssFile at the moment RssAnon peaked, which holds only the
-    libraries where that peak came while the weights were still anonymous (before they were mapped)."""
+    """The engine's peak of RssAnon plus its RssFile beyond its libraries: the weights it maps
+    (kernels/vllm_plugin/mapped_weights.py), what the ledger's peak counts. `libraries`: RssFile once ready less the
+    weights' image (from its EDGE_MEMORY_TRACE); without it, RssFile at the moment RssAnon peaked, which holds only
+    the libraries where that peak came while the weights were still anonymous (before they were mapped)."""
     if not engine.samples:
         return 0
     if libraries is None:
@@ -96,7 +96,7 @@ def phases(trace: Path, key: str = "rss_anon") -> dict[str, float]:
     """The engine process's RssAnon (or `key`: rss_file) after each start phase (MiB), from its EDGE_MEMORY_TRACE
     lines."""
     lines = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
-    return {line["phase"]: line[key] / MIB for line in lines}
+    return {line["phase"]: line[key] / MIB for line in lines if key in line}
 
 
 def peak_phase(trace: Path, engine: TreeSampler, wall_offset: float) -> str | None:
@@ -141,7 +141,10 @@ def one_pass(mode: str, args: argparse.Namespace, tokenizer, seed: int, log: Pat
         server.stop()
     engine = server.sampler.below_root()
     steps, file_steps = phases(trace), phases(trace, "rss_file")
-    libraries = round(file_steps["imports"] * MIB) if "imports" in file_steps else None
+    # the libraries' share of RssFile once ready: all of it but the weights' image (code loaded after the imports,
+    # Inductor's compiled graph among it, is a library too; the ledger counts only the weights)
+    image_bytes = phases(trace, "mapped_bytes").get("mapped", 0.0) * MIB
+    libraries = round(file_steps["ready"] * MIB - image_bytes) if "ready" in file_steps else None
     measured = {"peak": total_peak_bytes(engine, libraries), "settled": engine.settled_bytes(idle_from)}
     file_backed = plan["memory"].get("file_backed_bytes", 0)  # RssFile once mapped: the ledger's anonymous part
     ledger = {"peak": plan["memory"]["peak_bytes"], "settled": plan["memory"]["resident_bytes"] - file_backed}

@@ -89,6 +89,12 @@ def _per_module(release: Any) -> Any:
     return release_device_memory_under_pressure
 
 
+def trim_if_enabled() -> bool:
+    """trim() unless EDGE_HEAP_TRIM=0: after the weights are mapped (kernels/vllm_plugin/mapped_weights.py), their
+    loaded and converted copies have just been freed into the heap."""
+    return os.environ.get(ENV, "1") != "0" and trim()
+
+
 class IdleTrim:
     """When to trim while serving: `worked()` after each step; `timeout()` tells the waiting loop how long to wait
     for the next input before `trim()` is worth it (None: wait without a limit, nothing to give back)."""

@@ -22,9 +22,10 @@ writes the checkpoint, each parameter the image holds under its name, dtype and 
 and a copy the loader makes into one of them is skipped where the bytes are already equal (`SkipEqualCopies`). Such
 a parameter never becomes anonymous memory: the load-time peak no longer holds the whole model anonymously before
 it is mapped (the Gemma 3-shaped model's 360 MiB embedding). A copy that differs is made, into a private copy of
-the page, and the comparison after loading replaces the image as before. A first start, with no image yet, loads
-the same way into the checkpoint's own file where it is one safetensors file: the parameters stored there as they
-are loaded (an unfused layer's, the embedding). EDGE_PREMAP=0 loads as vLLM does.
+the page, and the comparison after loading replaces the image as before. A first start, with no image yet, loads as
+vLLM does. (Loading into the checkpoint's own file on a first start was tried: a GGUF's 8-bit blocks, which their
+method rearranges in place, left that mapping alive after the weights moved to the image, with their rewritten
+pages as 169 MiB of RssAnon on a ~1B; not kept.) EDGE_PREMAP=0 loads as vLLM does.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import os
 import struct
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kernels.ops import huge_pages
-from kernels.vllm_plugin import memory_trace, on_import
+from kernels.vllm_plugin import heap_trim, memory_trace, on_import
 from kernels.vllm_plugin.memory_trace import module_tensors
 
 ENV = "EDGE_MAPPED_WEIGHTS"
@@ -76,17 +78,17 @@ class Entry:
     nbytes: int
 
 
-def model_tensors(model: torch.nn.Module, own: tuple[int, int] | None = None) -> list[tuple[str, torch.Tensor]]:
+def model_tensors(model: torch.nn.Module, own: Sequence[tuple[int, int]] = ()) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the model's modules hold (parameters, buffers, plain attributes, as the quantization methods keep
     their packed weights) that can be mapped: on the CPU, contiguous, not empty, not already in a file mapping other
-    than `own` (the address range of the image the load wrote into, `premap`). Each tensor object once, in address
-    order. A tensor that overlaps another's bytes without being the same region is left out (a view into a weight:
-    mapping one would leave the other on the old memory)."""
+    than those at `own` (the address ranges of the files the load wrote into, `premap`). Each tensor object once, in
+    address order. A tensor that overlaps another's bytes without being the same region is left out (a view into a
+    weight: mapping one would leave the other on the old memory)."""
     found: dict[int, tuple[str, torch.Tensor]] = {}
     for name, tensor in module_tensors(model):
         if id(tensor) not in found and tensor.is_contiguous() and tensor.numel() > 0 and not tensor.requires_grad:
             found[id(tensor)] = (name, tensor)
-    file_backed = [r for r in _file_mapped_ranges() if own is None or not own[0] <= r[0] < own[1]]
+    file_backed = [r for r in _file_mapped_ranges() if not any(lo <= r[0] < hi for lo, hi in own)]
     out, end, last = [], 0, None
     for name, tensor in sorted(found.values(), key=lambda nt: (nt[1].data_ptr(), -_nbytes(nt[1]))):
         start = tensor.data_ptr()
@@ -190,42 +192,10 @@ def read_index(view: memoryview) -> tuple[list[Entry], int] | None:
         return None
 
 
-# safetensors' dtype codes (its format's header: a little-endian u64 length, then JSON naming each tensor's dtype,
-# shape and [begin, end) byte offsets from the data's start) as torch's dtype names
-SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-                      "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64",
-                      "I64": "int64", "U64": "uint64"}  # fmt: skip
-
-
-def read_safetensors_index(view: memoryview) -> tuple[list[Entry], int] | None:
-    """A mapped safetensors file's tensors as an image's index (those of a dtype torch names), and the data's start;
-    None where it is not one."""
-    if len(view) < 8:
-        return None
-    (size,) = struct.unpack("<Q", view[:8])
-    try:
-        header = json.loads(bytes(view[8 : 8 + size]))
-        entries = [
-            Entry(
-                name,
-                SAFETENSORS_DTYPES[info["dtype"]],
-                tuple(info["shape"]),
-                info["data_offsets"][0],
-                info["data_offsets"][1] - info["data_offsets"][0],
-            )
-            for name, info in header.items()
-            if name != "__metadata__" and info["dtype"] in SAFETENSORS_DTYPES
-        ]
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return None
-    return sorted(entries, key=lambda e: e.offset), 8 + size
-
-
 class Image:
-    """A private, writable, huge-page-advised mapping of an image file (or, with `reader`, of another file of tensors:
-    a checkpoint), and its bytes as one uint8 tensor."""
+    """A private, writable, huge-page-advised mapping of an image file, and its bytes as one uint8 tensor."""
 
-    def __init__(self, path: Path, reader: Any = None) -> None:
+    def __init__(self, path: Path) -> None:
         self.bytes, self.index = torch.empty(0, dtype=torch.uint8), None
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -236,7 +206,7 @@ class Image:
             with contextlib.suppress(OSError):  # EINVAL from a kernel without THP: 4 KiB mappings
                 self.map.madvise(mmap.MADV_HUGEPAGE)
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)  # holds the mapping as long as a view of it lives
-        self.index = (reader or read_index)(memoryview(self.map))
+        self.index = read_index(memoryview(self.map))
 
     def view(self, start: int, entry: Entry) -> torch.Tensor:
         at = start + entry.offset
@@ -348,10 +318,9 @@ def last_image(identity: str, cache: Path) -> Path | None:
 class Premapped:
     """The parameters a load writes into an image's private mapping (`premap`), and what the load did to them."""
 
-    def __init__(self, image: Image, params: list[tuple[str, torch.Tensor, Entry]]) -> None:
-        self.image = image  # held until map_model has moved every tensor off it
-        lo = image.bytes.data_ptr()
-        self.range = (lo, lo + image.bytes.numel())
+    def __init__(self, images: Sequence[Image], params: list[tuple[str, torch.Tensor, Entry]]) -> None:
+        self.images = list(images)  # held until map_model has moved every tensor off them
+        self.ranges = [(i.bytes.data_ptr(), i.bytes.data_ptr() + i.bytes.numel()) for i in self.images]
         self.params = sorted(params, key=lambda p: p[1].data_ptr())
         self._starts = [t.data_ptr() for _, t, _ in self.params]
         self.covered = [0] * len(self.params)  # bytes the load copied into each, or found equal
@@ -375,7 +344,7 @@ class Premapped:
     def release(self) -> None:
         """Let go of the image's mapping once no tensor reads it (map_model has moved them): the pages a differing
         copy wrote privately go with it."""
-        self.image, self.params, self._starts = None, [], []  # type: ignore[assignment]
+        self.images, self.params, self._starts = [], [], []
 
     def summary(self) -> dict[str, Any]:
         return {"premapped_bytes": self.nbytes, "premapped_params": len(self.params), "copies_skipped_bytes":
@@ -406,16 +375,20 @@ class SkipEqualCopies(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def premap(model: torch.nn.Module, image: Image) -> Premapped:
-    """Point each of `model`'s parameters that `image` holds under one of its names, with its dtype and shape, at
-    those bytes, before anything is loaded into them. Only parameters: vLLM's loader writes every one from the
-    checkpoint, so none keeps a value from before the load; buffers and other tensors are left alone."""
-    if image.index is None:
-        return Premapped(image, [])
-    entries, start = image.index
-    by_name = {entry.name: entry for entry in entries}
-    if len(image.bytes) < start + max((e.offset + e.nbytes for e in entries), default=0):
-        return Premapped(image, [])  # cut short: map_model writes a new image
+def premap(model: torch.nn.Module, images: Image | Sequence[Image]) -> Premapped:
+    """Point each of `model`'s parameters that one of `images` holds under one of its names, with its dtype and shape,
+    at those bytes (the first image that does), before anything is loaded into them. Only parameters: vLLM's loader
+    writes every one from the checkpoint, so none keeps a value from before the load; buffers and other tensors are
+    left alone."""
+    images = [images] if isinstance(images, Image) else list(images)
+    sources = []
+    for image in images:
+        if image.index is None:
+            continue
+        entries, start = image.index
+        if len(image.bytes) < start + max((e.offset + e.nbytes for e in entries), default=0):
+            continue  # cut short: map_model writes a new image
+        sources.append((image, {entry.name: entry for entry in entries}, start))
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in module_tensors(model):
@@ -425,26 +398,24 @@ def premap(model: torch.nn.Module, image: Image) -> Premapped:
     params = []
     with torch.no_grad():
         for key, tensor in tensors.items():
-            entry = next((by_name[n] for n in sorted(names[key]) if n in by_name), None)
-            if (entry is None or not tensor.is_contiguous() or entry.shape != tuple(tensor.shape)
-                    or entry.dtype != str(tensor.dtype).removeprefix("torch.")):  # fmt: skip
-                continue
-            try:
-                view = image.view(start, entry)
-            except RuntimeError:  # a checkpoint's tensor not aligned to its dtype's size: loaded as vLLM loads it
-                continue
-            old = tensor.data_ptr()
-            tensor.set_(view)
-            huge_pages.forget(old)  # nothing was written there: the slab goes once its other tensors do
-            params.append((entry.name, tensor, entry))
-    return Premapped(image, params)
+            for image, by_name, start in sources:
+                entry = next((by_name[n] for n in sorted(names[key]) if n in by_name), None)
+                if (entry is None or not tensor.is_contiguous() or entry.shape != tuple(tensor.shape)
+                        or entry.dtype != str(tensor.dtype).removeprefix("torch.")):  # fmt: skip
+                    continue
+                old = tensor.data_ptr()
+                tensor.set_(image.view(start, entry))
+                huge_pages.forget(old)  # nothing was written there: the slab goes once its other tensors do
+                params.append((entry.name, tensor, entry))
+                break
+    return Premapped([image for image, _, _ in sources], params)
 
 
 def map_model(model: torch.nn.Module, identity: str, cache: Path, premapped: Premapped | None = None) -> dict[str, Any]:
     """Map `model`'s tensors from their image (written first where missing or different); what was done. Tensors the
     load wrote into an image's mapping (`premapped`) are moved like the rest, onto a new mapping of the image: the
     pages a differing copy wrote privately go with the old one."""
-    tensors = model_tensors(model, premapped.range if premapped else None)
+    tensors = model_tensors(model, premapped.ranges if premapped else ())
     entries = index(tensors)
     if not entries:
         return {"mapped_bytes": 0, "tensors": 0, "image": None, "written": False}
@@ -484,20 +455,14 @@ def _identity(model: Any) -> str:
 _PREMAPPED: dict[int, Premapped] = {}  # id(model) -> what its load wrote into, until map_model takes it
 
 
-def load_source(identity: str, model_dir: Path, cache: Path) -> tuple[Path, Image] | None:
-    """What a start loads into (`premap`): the last image of this model and configuration; on a first start, the
-    checkpoint itself where it is one safetensors file (its tensors that become a parameter as they are stored, the
-    embedding among them); None where neither is, or premapping is off."""
-    if not premap_enabled():
-        return None
-    path = last_image(identity, cache)
-    if path is not None:
-        refresh_page_cache(path)  # before mapping it: pages this process maps stay as they are
-        return path, Image(path)
-    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
-    if len(files) == 1:
-        return files[0], Image(files[0], read_safetensors_index)
-    return None
+def load_sources(identity: str, cache: Path) -> list[tuple[Path, Image]]:
+    """What a start loads into (`premap`): the last image of this model and configuration, for the parameters it holds
+    as loaded; none on a first start, or where premapping is off."""
+    path = last_image(identity, cache) if premap_enabled() else None
+    if path is None:
+        return []
+    refresh_page_cache(path)  # before mapping it: pages this process maps stay as they are
+    return [(path, Image(path))]
 
 
 def _into_last_image(method: Any) -> Any:
@@ -505,11 +470,11 @@ def _into_last_image(method: Any) -> Any:
     def load_weights(self: Any, model: torch.nn.Module, model_config: Any, *args: Any, **kwargs: Any) -> Any:
         from edge.paths import cache_dir
 
-        source = load_source(_identity(model_config), Path(str(model_config.model)), cache_dir())
-        if source is None:
+        sources = load_sources(_identity(model_config), cache_dir())
+        if not sources:
             return method(self, model, model_config, *args, **kwargs)
-        path, image = source
-        premapped = premap(model, image)
+        premapped = premap(model, [image for _, image in sources])
+        path = " and ".join(str(p) for p, _ in sources)
         with SkipEqualCopies(premapped):
             result = method(self, model, model_config, *args, **kwargs)
         _PREMAPPED[id(model)] = premapped
@@ -539,6 +504,7 @@ def _after_load(method: Any) -> Any:
         except OSError as error:
             logger.warning("mapped weights: the weights stay in anonymous memory: %s", error)
             return result
+        heap_trim.trim_if_enabled()  # the copies the mapping replaced went into the heap
         how = "written" if done["written"] else "reused, read again" if done["refreshed"] else "reused"
         logger.info("mapped weights: %d tensors, %.1f MiB from %s (%s), %.1f MiB of it in 2 MiB pages", done["tensors"],
                     done["mapped_bytes"] / 2**20, done["image"], how, done["huge_mapped_bytes"] / 2**20)  # fmt: skip

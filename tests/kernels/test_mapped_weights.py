@@ -292,42 +292,7 @@ def test_the_loaders_load_goes_into_the_last_image_unless_turned_off(tmp_path, m
     assert all(torch.equal(getattr(layer, n), v) for n, v in _checkpoint().items())
 
 
-def test_a_first_start_loads_into_a_one_file_checkpoint_and_writes_the_image_from_it(tmp_path):
-    from safetensors.torch import save_file
-
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    save_file(_checkpoint(), model_dir / "model.safetensors")
-    path, image = mapped_weights.load_source("a model", model_dir, tmp_path)
-    assert path == model_dir / "model.safetensors"
-    layer = _params_layer()
-    premapped = mapped_weights.premap(layer, image)
-    assert {name for name, _, _ in premapped.params} == {"qweight", "scales"}
-    _load(layer, _checkpoint(), premapped)
-    assert premapped.summary()["copies_written_bytes"] == 0 and _anonymous_kib(str(path)) == 0
-    done = map_model(layer, "a model", tmp_path, premapped)
-    assert done["written"] and done["tensors"] == 3
-    for name, value in _checkpoint().items():
-        assert torch.equal(getattr(layer, name), value) and _in_file_mapping(getattr(layer, name), done["image"])
-    assert mapped_weights.load_source("a model", model_dir, tmp_path)[0] == Path(done["image"])  # the image next
-
-
-def test_a_checkpoint_tensor_off_its_dtypes_alignment_loads_as_vllm_loads_it(tmp_path):
-    import json
-    import struct
-
-    odd = torch.arange(3, dtype=torch.int8)
-    scales = torch.rand(MLP, HIDDEN // 32).to(torch.bfloat16)
-    end = 3 + scales.numel() * 2
-    header = {"odd": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]},
-              "scales": {"dtype": "BF16", "shape": list(scales.shape), "data_offsets": [3, end]}}  # fmt: skip
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(
-        struct.pack("<Q", len(text)) + text + odd.numpy().tobytes() + scales.view(torch.int16).numpy().tobytes()
-    )
-    layer = _params_layer()
-    premapped = mapped_weights.premap(layer, Image(path, mapped_weights.read_safetensors_index))
-    assert premapped.params == []  # scales sit at byte 3: no bf16 view there
-    assert mapped_weights.read_safetensors_index(memoryview(b"\xff" * 16)) is None
+def test_a_first_start_loads_as_vllm_does_and_a_later_one_into_the_image(tmp_path):
+    assert mapped_weights.load_sources("a model", tmp_path) == []
+    image = _first_start(tmp_path)["image"]
+    assert [str(p) for p, _ in mapped_weights.load_sources("a model", tmp_path)] == [image]
