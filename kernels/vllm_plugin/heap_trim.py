@@ -75,14 +75,23 @@ def trim() -> bool:
     return True
 
 
+def release_freed() -> bool:
+    """`malloc_trim(0)` alone, without a garbage collection (tensors are freed when their last reference goes), unless
+    EDGE_HEAP_TRIM=0; False where it did nothing. For the load's steps that free what they replaced: a module's
+    repack, the weights mapped in place of their copies (kernels/vllm_plugin/mapped_weights.py swap_in)."""
+    fn = _malloc_trim()
+    if fn is None or os.environ.get(ENV, "1") == "0":
+        return False
+    fn(0)
+    return True
+
+
 def _per_module(release: Any) -> Any:
     @functools.wraps(release)
     def release_device_memory_under_pressure(device: Any) -> bool:
         released = release(device)
-        fn = _malloc_trim()
-        if getattr(device, "type", None) == "cpu" and fn is not None:
-            fn(0)
-            return True
+        if getattr(device, "type", None) == "cpu":
+            return release_freed() or released
         return released
 
     setattr(release_device_memory_under_pressure, _MARK, release)

@@ -58,6 +58,10 @@ PREMAP_ENV = "EDGE_PREMAP"
 MAGIC = b"EDGEMAP1"
 DATA_ALIGN = 4096  # the data starts on a page
 TENSOR_ALIGN = 64  # each tensor on a cache line (and on any dtype's size)
+# swap_in trims the heap after moving this many bytes: the copies it frees (below glibc's mmap threshold) stayed in
+# the heap while the image's pages came in, so the ~1B's weights were held twice, RssAnon + RssFile 2111 MiB at the
+# load's peak (benchmarks/ledger_vs_rss.py, AMD EPYC Zen 5, 2026-12-07)
+SWAP_TRIM_BYTES = 64 << 20
 KEEP_IMAGES = 4  # images kept in the cache, the most recently used: a box switching plans or models keeps its last
 logger = logging.getLogger("vllm.edge_select.mapped_weights")
 _MARK = "_edge_select_mapped_weights"
@@ -226,6 +230,7 @@ def swap_in(image: Image, tensors: list[tuple[str, torch.Tensor]], entries: list
         return False
     by_region = {(t.data_ptr(), _nbytes(t)): e for t, e in zip(_entry_tensors(tensors, entries), entries, strict=True)}
     checked: set[int] = set()
+    freed = 0  # bytes moved since the heap was last trimmed
     with torch.no_grad():
         for _, tensor in tensors:
             old = tensor.data_ptr()
@@ -237,6 +242,10 @@ def swap_in(image: Image, tensors: list[tuple[str, torch.Tensor]], entries: list
                 checked.add(entry.offset)
             tensor.set_(view)
             huge_pages.forget(old)
+            freed += entry.nbytes
+            if freed >= SWAP_TRIM_BYTES:  # glibc keeps freed blocks below its mmap threshold: give them back as we go
+                heap_trim.release_freed()
+                freed = 0
     return True
 
 
