@@ -41,7 +41,6 @@ import os
 import struct
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,17 +81,17 @@ class Entry:
     nbytes: int
 
 
-def model_tensors(model: torch.nn.Module, own: Sequence[tuple[int, int]] = ()) -> list[tuple[str, torch.Tensor]]:
+def model_tensors(model: torch.nn.Module, own: tuple[int, int] | None = None) -> list[tuple[str, torch.Tensor]]:
     """Every tensor the model's modules hold (parameters, buffers, plain attributes, as the quantization methods keep
     their packed weights) that can be mapped: on the CPU, contiguous, not empty, not already in a file mapping other
-    than those at `own` (the address ranges of the files the load wrote into, `premap`). Each tensor object once, in
+    than the one at `own` (the address range of the image the load wrote into, `premap`). Each tensor object once, in
     address order. A tensor that overlaps another's bytes without being the same region is left out (a view into a
     weight: mapping one would leave the other on the old memory)."""
     found: dict[int, tuple[str, torch.Tensor]] = {}
     for name, tensor in module_tensors(model):
         if id(tensor) not in found and tensor.is_contiguous() and tensor.numel() > 0 and not tensor.requires_grad:
             found[id(tensor)] = (name, tensor)
-    file_backed = [r for r in _file_mapped_ranges() if not any(lo <= r[0] < hi for lo, hi in own)]
+    file_backed = [r for r in _file_mapped_ranges() if own is None or not own[0] <= r[0] < own[1]]
     out, end, last = [], 0, None
     for name, tensor in sorted(found.values(), key=lambda nt: (nt[1].data_ptr(), -_nbytes(nt[1]))):
         start = tensor.data_ptr()
@@ -327,9 +326,9 @@ def last_image(identity: str, cache: Path) -> Path | None:
 class Premapped:
     """The parameters a load writes into an image's private mapping (`premap`), and what the load did to them."""
 
-    def __init__(self, images: Sequence[Image], params: list[tuple[str, torch.Tensor, Entry]]) -> None:
-        self.images = list(images)  # held until map_model has moved every tensor off them
-        self.ranges = [(i.bytes.data_ptr(), i.bytes.data_ptr() + i.bytes.numel()) for i in self.images]
+    def __init__(self, image: Image, params: list[tuple[str, torch.Tensor, Entry]]) -> None:
+        self.image: Image | None = image  # held until map_model has moved every tensor off it
+        self.range = (image.bytes.data_ptr(), image.bytes.data_ptr() + image.bytes.numel())
         self.params = sorted(params, key=lambda p: p[1].data_ptr())
         self._starts = [t.data_ptr() for _, t, _ in self.params]
         self.covered = [0] * len(self.params)  # bytes the load copied into each, or found equal
@@ -353,7 +352,7 @@ class Premapped:
     def release(self) -> None:
         """Let go of the image's mapping once no tensor reads it (map_model has moved them): the pages a differing
         copy wrote privately go with it."""
-        self.images, self.params, self._starts = [], [], []
+        self.image, self.params, self._starts = None, [], []
 
     def summary(self) -> dict[str, Any]:
         return {"premapped_bytes": self.nbytes, "premapped_params": len(self.params), "copies_skipped_bytes":
@@ -384,20 +383,16 @@ class SkipEqualCopies(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def premap(model: torch.nn.Module, images: Image | Sequence[Image]) -> Premapped:
-    """Point each of `model`'s parameters that one of `images` holds under one of its names, with its dtype and shape,
-    at those bytes (the first image that does), before anything is loaded into them. Only parameters: vLLM's loader
-    writes every one from the checkpoint, so none keeps a value from before the load; buffers and other tensors are
-    left alone."""
-    images = [images] if isinstance(images, Image) else list(images)
-    sources = []
-    for image in images:
-        if image.index is None:
-            continue
-        entries, start = image.index
-        if len(image.bytes) < start + max((e.offset + e.nbytes for e in entries), default=0):
-            continue  # cut short: map_model writes a new image
-        sources.append((image, {entry.name: entry for entry in entries}, start))
+def premap(model: torch.nn.Module, image: Image) -> Premapped:
+    """Point each of `model`'s parameters that `image` holds under one of its names, with its dtype and shape, at
+    those bytes, before anything is loaded into them. Only parameters: vLLM's loader writes every one from the
+    checkpoint, so none keeps a value from before the load; buffers and other tensors are left alone."""
+    if image.index is None:
+        return Premapped(image, [])
+    entries, start = image.index
+    if len(image.bytes) < start + max((e.offset + e.nbytes for e in entries), default=0):
+        return Premapped(image, [])  # cut short: map_model writes a new image
+    by_name = {entry.name: entry for entry in entries}
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in module_tensors(model):
@@ -407,24 +402,22 @@ def premap(model: torch.nn.Module, images: Image | Sequence[Image]) -> Premapped
     params = []
     with torch.no_grad():
         for key, tensor in tensors.items():
-            for image, by_name, start in sources:
-                entry = next((by_name[n] for n in sorted(names[key]) if n in by_name), None)
-                if (entry is None or not tensor.is_contiguous() or entry.shape != tuple(tensor.shape)
-                        or entry.dtype != str(tensor.dtype).removeprefix("torch.")):  # fmt: skip
-                    continue
-                old = tensor.data_ptr()
-                tensor.set_(image.view(start, entry))
-                huge_pages.forget(old)  # nothing was written there: the slab goes once its other tensors do
-                params.append((entry.name, tensor, entry))
-                break
-    return Premapped([image for image, _, _ in sources], params)
+            entry = next((by_name[n] for n in sorted(names[key]) if n in by_name), None)
+            if (entry is None or not tensor.is_contiguous() or entry.shape != tuple(tensor.shape)
+                    or entry.dtype != str(tensor.dtype).removeprefix("torch.")):  # fmt: skip
+                continue
+            old = tensor.data_ptr()
+            tensor.set_(image.view(start, entry))
+            huge_pages.forget(old)  # nothing was written there: the slab goes once its other tensors do
+            params.append((entry.name, tensor, entry))
+    return Premapped(image, params)
 
 
 def map_model(model: torch.nn.Module, identity: str, cache: Path, premapped: Premapped | None = None) -> dict[str, Any]:
     """Map `model`'s tensors from their image (written first where missing or different); what was done. Tensors the
     load wrote into an image's mapping (`premapped`) are moved like the rest, onto a new mapping of the image: the
     pages a differing copy wrote privately go with the old one."""
-    tensors = model_tensors(model, premapped.ranges if premapped else ())
+    tensors = model_tensors(model, premapped.range if premapped else None)
     entries = index(tensors)
     if not entries:
         return {"mapped_bytes": 0, "tensors": 0, "image": None, "written": False}
@@ -464,14 +457,14 @@ def _identity(model: Any) -> str:
 _PREMAPPED: dict[int, Premapped] = {}  # id(model) -> what its load wrote into, until map_model takes it
 
 
-def load_sources(identity: str, cache: Path) -> list[tuple[Path, Image]]:
+def load_source(identity: str, cache: Path) -> tuple[Path, Image] | None:
     """What a start loads into (`premap`): the last image of this model and configuration, for the parameters it holds
-    as loaded; none on a first start, or where premapping is off."""
+    as loaded; None on a first start, or where premapping is off."""
     path = last_image(identity, cache) if premap_enabled() else None
     if path is None:
-        return []
+        return None
     refresh_page_cache(path)  # before mapping it: pages this process maps stay as they are
-    return [(path, Image(path))]
+    return path, Image(path)
 
 
 def _into_last_image(method: Any) -> Any:
@@ -479,11 +472,11 @@ def _into_last_image(method: Any) -> Any:
     def load_weights(self: Any, model: torch.nn.Module, model_config: Any, *args: Any, **kwargs: Any) -> Any:
         from edge.paths import cache_dir
 
-        sources = load_sources(_identity(model_config), cache_dir())
-        if not sources:
+        source = load_source(_identity(model_config), cache_dir())
+        if source is None:
             return method(self, model, model_config, *args, **kwargs)
-        premapped = premap(model, [image for _, image in sources])
-        path = " and ".join(str(p) for p, _ in sources)
+        path, image = source
+        premapped = premap(model, image)
         with SkipEqualCopies(premapped):
             result = method(self, model, model_config, *args, **kwargs)
         _PREMAPPED[id(model)] = premapped

@@ -293,6 +293,6 @@ def test_the_loaders_load_goes_into_the_last_image_unless_turned_off(tmp_path, m
 
 
 def test_a_first_start_loads_as_vllm_does_and_a_later_one_into_the_image(tmp_path):
-    assert mapped_weights.load_sources("a model", tmp_path) == []
+    assert mapped_weights.load_source("a model", tmp_path) is None
     image = _first_start(tmp_path)["image"]
-    assert [str(p) for p, _ in mapped_weights.load_sources("a model", tmp_path)] == [image]
+    assert str(mapped_weights.load_source("a model", tmp_path)[0]) == image
