@@ -46,6 +46,10 @@ Variants:
     edge:MODE+no-premap  the same loading as vLLM does into memory of its own, then mapping the weights
                   (EDGE_PREMAP=0), instead of loading into the last image's pages, or the checkpoint's on a first
                   start (kernels/vllm_plugin/mapped_weights.py premap)
+    edge:MODE+no-hold  the same with each step's outputs handed to the event loop as the step ends
+                  (EDGE_HOLD_OUTPUTS=0), instead of when the next step's forward starts (one-process serving,
+                  kernels/vllm_plugin/engine_thread.py): the event loop's work on them then takes the GIL while the
+                  engine schedules and prepares the next step
     edge:MODE+vllm-tokenizer-pool  the same with vLLM's tokenizer copies as it ships them: its renderer's pool
                   filled with 2 deep copies up front (EDGE_TOKENIZER_COPIES=2), and each copy of the cached tokenizer
                   building its cache again (EDGE_TOKENIZER_SHALLOW_COPY=0), instead of one copy sharing the cache
@@ -138,7 +142,7 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "grid": {"EDGE_OWN_BLOCKS": "0"}, "no-table": {"EDGE_LAYER_TABLE": "0"},
                   "two-copies": {"EDGE_DECODE_COPY_ONLY": "0"}, "no-trim": {"EDGE_HEAP_TRIM": "0"},
                   "no-map": {"EDGE_MAPPED_WEIGHTS": "0"}, "no-idle-trim": {"EDGE_IDLE_TRIM": "0"},
-                  "no-premap": {"EDGE_PREMAP": "0"},
+                  "no-premap": {"EDGE_PREMAP": "0"}, "no-hold": {"EDGE_HOLD_OUTPUTS": "0"},
                   "vllm-tokenizer-pool": {"EDGE_TOKENIZER_COPIES": "2", "EDGE_TOKENIZER_SHALLOW_COPY": "0"}}
 # edge:MODE+NAME: the variant's edge-serve with these arguments (a pinned weight path beside the plan's own)
 EDGE_ARG_MODIFIERS = {"w4a16": ("--path", "w4a16-tinygemm"), "w4a8": ("--path", "w4a8-gptq"),

@@ -12,7 +12,10 @@ Requests reach it through a queue; its outputs come back to the event loop throu
 above the client (AsyncLLM's output processor, detokenizer, the OpenAI serving classes, the HTTP server) is vLLM's.
 
 The GIL: the thread holds it only for vLLM's per-step Python (scheduler, input preparation, sampler bookkeeping);
-torch ops and the project's kernels release it, and then the event loop serves HTTP and detokenizes. The engine's
+torch ops and the project's kernels release it, and then the event loop serves HTTP and detokenizes. So a step's
+outputs are handed to the event loop when the next step's forward starts (EDGE_HOLD_OUTPUTS, on unless "0"), not as
+the step ends: the event loop's work on them then overlaps the forward, which holds no GIL, instead of taking the GIL
+from the next step's scheduling and input preparation. The last step's outputs go at once. The engine's
 OpenMP threads are this thread's team (OMP_NUM_THREADS); the event loop's thread computes nothing parallel.
 
 Failure domain: the engine and the API server are one process, so a crash of either ends both; edge-serve's wrapper,
@@ -37,6 +40,7 @@ from kernels.vllm_plugin import heap_trim
 
 ENV = "EDGE_ENGINE_CORE_START"
 THREAD = "thread"
+HOLD_ENV = "EDGE_HOLD_OUTPUTS"  # "0": each step's outputs go to the event loop as the step ends
 logger = logging.getLogger("vllm.edge_select.engine_thread")
 _MARK = "_edge_select_engine_thread"
 _STOP = object()
@@ -64,6 +68,7 @@ class ThreadEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outputs: asyncio.Queue | None = None
         self._pending: list[Any] = []  # outputs made before the event loop was known
+        self._held: list[Any] = []  # this step's outputs, delivered when the next forward starts (HOLD_ENV)
         self._loop_thread: int | None = None
         self._handler_failed = threading.Event()
         self._lock = threading.Lock()
@@ -93,6 +98,7 @@ class ThreadEngineClient:
         logger.info("engine core runs in thread %r of the API server's process (pid %d): %d threads to start, %d to "
                     "serve", threading.current_thread().name, os.getpid(), startup, serving)
         idle = heap_trim.IdleTrim()
+        hold = _hold_outputs() and self._hand_over_in_forward(core)
         try:
             while True:
                 # Wait for work when there is none; take every queued input before the next step.
@@ -105,16 +111,48 @@ class ThreadEngineClient:
                 if not core.scheduler.has_requests():
                     continue
                 outputs, executed = core.step_fn()
+                self._flush_held()  # a step that ran no forward: its predecessor's outputs go now, in order
                 for out in outputs.values() if outputs else ():
-                    self._deliver(out)
+                    self._hold(out) if hold else self._deliver(out)
+                if not core.scheduler.has_requests():
+                    self._flush_held()  # no next forward to hand them over in
                 core.post_step(executed)
                 idle.worked()
         except BaseException as e:  # noqa: BLE001 - the engine is dead: every request and /health learn it
             logger.exception("engine core thread failed")
+            self._flush_held()
             self.resources.engine_dead = True
             self._deliver(e)
         finally:
             self._fail_inputs()
+
+    def _hand_over_in_forward(self, core: Any) -> bool:
+        """Deliver a step's outputs when the next step's forward starts (HOLD_ENV): the forward runs in C++ without
+        the GIL, so the event loop's work on them (detokenizing, the streamed chunk) overlaps it instead of taking
+        the GIL from the next step's scheduling and input preparation. False where the runner cannot be reached."""
+        runner = getattr(getattr(getattr(getattr(core, "model_executor", None), "driver_worker", None), "worker", None),
+                         "model_runner", None)  # fmt: skip
+        forward = getattr(runner, "_model_forward", None)
+        if forward is None:
+            logger.warning("%s: the model runner's _model_forward is not reachable; outputs go after each step",
+                           HOLD_ENV)
+            return False
+
+        def _model_forward(*args: Any, **kwargs: Any) -> Any:
+            self._flush_held()
+            return forward(*args, **kwargs)
+
+        runner._model_forward = _model_forward
+        return True
+
+    def _hold(self, out: Any) -> None:
+        self._held.append(out)
+
+    def _flush_held(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            for out in held:
+                self._deliver(out)
 
     def _wait_for_input(self, idle: heap_trim.IdleTrim) -> Any:
         """The next input, however long it takes; past idle.timeout() without one, the heap is trimmed first
@@ -298,6 +336,10 @@ class ThreadEngineClient:
 
         self._deliver(EngineDeadError("the API server is shutting down"))
         self._handler_failed.wait(STOP_WAIT_S)
+
+
+def _hold_outputs() -> bool:
+    return os.environ.get(HOLD_ENV, "1") != "0"
 
 
 def _thread_counts() -> tuple[int, int]:

@@ -264,3 +264,68 @@ def test_the_client_is_routed_only_in_one_process_mode(env, installed):
                           timeout=300, check=True)  # fmt: skip
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == {"installed": installed, "again": False, "replaced": installed, "ours": installed}
+
+
+class StandInRunner:
+    """A stand-in for vLLM's model runner: only the `_model_forward` the client hooks."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+
+    def _model_forward(self):
+        self.core.events.append(("forward", self.core.steps, len(self.core.delivered)))
+
+
+class StandInCoreWithRunner(StandInCore):
+    """The stand-in core, reaching its runner as vLLM's EngineCore does (model_executor.driver_worker.worker);
+    each step records what the event loop had been handed when it scheduled and when its forward started."""
+
+    def __init__(self, vllm_config, executor_class, log_stats) -> None:
+        super().__init__(vllm_config, executor_class, log_stats)
+        self.events: list[tuple[str, int, int]] = []
+        self.delivered: list = []
+        runner = StandInRunner(self)
+        worker = SimpleNamespace(model_runner=runner)
+        self.model_executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker))
+        self.runner = runner
+
+    def step_fn(self):
+        self.events.append(("schedule", self.steps + 1, len(self.delivered)))
+        self.runner._model_forward()  # looked up on the instance, as vLLM's execute_model calls it
+        return super().step_fn()
+
+
+@pytest.mark.parametrize("hold", ["1", "0"])
+def test_a_steps_outputs_reach_the_event_loop_when_the_next_forward_starts(monkeypatch, hold):
+    """EDGE_HOLD_OUTPUTS (default on): step N's outputs are handed over as step N+1's forward starts, so the event
+    loop's work on them overlaps the forward, not the next step's scheduling; the last step's go at once; order
+    kept. With "0", each step's outputs go as it ends."""
+    monkeypatch.setattr(vllm_core, "EngineCore", StandInCoreWithRunner)
+    monkeypatch.setenv(engine_thread.HOLD_ENV, hold)
+    client = engine_thread.ThreadEngineClient(config(steps=3), None, False)
+    core = client._core
+    deliver = client._deliver
+
+    def recorded(out):
+        core.delivered.append(out)
+        deliver(out)
+
+    client._deliver = recorded
+
+    async def run():
+        await client.add_request_async("a")
+        return await collect(client, 3)
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert [left for _, left in got] == [2, 1, 0]
+    if hold == "1":
+        # step 2 schedules with step 1's output still held; its forward starts with it handed over
+        assert core.events == [("schedule", 1, 0), ("forward", 0, 0), ("schedule", 2, 0), ("forward", 1, 1),
+                               ("schedule", 3, 1), ("forward", 2, 2)]
+    else:
+        assert core.events == [("schedule", 1, 0), ("forward", 0, 0), ("schedule", 2, 1), ("forward", 1, 1),
+                               ("schedule", 3, 2), ("forward", 2, 2)]
+    assert len(core.delivered) == 3  # the last step's output too, with no next forward to wait for
