@@ -76,6 +76,8 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     # vLLM ships it) or one pass over them (=0, the plan's: edge.plan.engine_config ATTENTION_ENV)
     "split-kv": {"VLLM_CPU_ATTN_SPLIT_KV": "1"},
     "no-split-kv": {"VLLM_CPU_ATTN_SPLIT_KV": "0"},
+    # decode rows on vLLM's attention kernel instead of the plugin's lean one (kernels/vllm_plugin/attention.cpp)
+    "no-lean": {"EDGE_LEAN_ATTENTION": "0"},
 }
 # variants that change the engine's arguments: the plan's compilation config without Inductor's C++ wrapper
 VARIANT_KWARGS: dict[str, dict] = {"python-wrapper": {"compilation_config": {}}}

@@ -15,12 +15,19 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace {
+
+constexpr int64_t kLeanRows = 8;   // lean_attention takes a step whose sequences have at most this many query rows
+constexpr int64_t kMaxHead = 256;  // and heads of at most this size
 
 struct Layer {
   bool ready = false;
@@ -30,6 +37,7 @@ struct Layer {
   int64_t window = -1;
   std::optional<at::Tensor> alibi, sinks;
   std::string kv_dtype, isa;
+  bool lean = false;  // decode rows may take lean_attention (see there): set by set_layer from what it was given
 };
 
 struct Step {
@@ -38,6 +46,7 @@ struct Step {
   bool causal = true;
   at::Tensor query_start_loc, seq_lens, block_table, scheduler_metadata, slot_mapping;
   std::optional<at::Tensor> dynamic_causal;
+  int64_t max_query = 0;  // the most rows any sequence has in this step (query_start_loc's largest step)
 };
 
 struct State {
@@ -45,6 +54,8 @@ struct State {
   std::vector<Layer> layers;
   std::vector<Step> steps;
   int64_t direct = 0, fallen_back = 0;  // calls of `attention` each way since forget (tests ask)
+  int64_t lean_calls = 0;               // of `direct`, those lean_attention served
+  bool lean_on = true;                  // set_lean: whether decode rows may take lean_attention at all
 };
 
 State& state() {
@@ -67,8 +78,11 @@ void set_layer(int64_t index, int64_t group, const at::Tensor& kv_cache, double 
   std::lock_guard<std::mutex> guard(s.lock);
   if (static_cast<int64_t>(s.layers.size()) <= index) s.layers.resize(index + 1);
   auto& layer = s.layers[index];
+  const bool lean = kv_dtype == "auto" && isa == "vec" && kv_cache.scalar_type() == at::kBFloat16 && !alibi &&
+                    !sinks && softcap == 0.0 && window < 0 && kv_cache.size(3) % 32 == 0 &&
+                    kv_cache.size(3) / 2 <= kMaxHead && block_size % 16 == 0 && kv_cache.is_contiguous();
   layer = Layer{true, group, halves[0], halves[1], scale, softcap, k_scale, v_scale, window, alibi, sinks,
-                std::move(kv_dtype), std::move(isa)};
+                std::move(kv_dtype), std::move(isa), lean};
 }
 
 void set_step(int64_t group, int64_t tokens, bool causal, const at::Tensor& query_start_loc,
@@ -78,8 +92,22 @@ void set_step(int64_t group, int64_t tokens, bool causal, const at::Tensor& quer
   auto& s = state();
   std::lock_guard<std::mutex> guard(s.lock);
   if (static_cast<int64_t>(s.steps.size()) <= group) s.steps.resize(group + 1);
+  int64_t max_query = 0;
+  if (query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous()) {
+    const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+    for (int64_t i = 0; i + 1 < query_start_loc.numel(); ++i)
+      max_query = std::max<int64_t>(max_query, starts[i + 1] - starts[i]);
+  } else {
+    max_query = INT64_MAX;  // not read here: never lean
+  }
   s.steps[group] = Step{true, tokens, causal, query_start_loc, seq_lens, block_table, scheduler_metadata,
-                        slot_mapping, dynamic_causal};
+                        slot_mapping, dynamic_causal, max_query};
+}
+
+void set_lean(bool on) {
+  auto& s = state();
+  std::lock_guard<std::mutex> guard(s.lock);
+  s.lean_on = on;
 }
 
 void end_step() {
@@ -93,12 +121,12 @@ void forget() {
   std::lock_guard<std::mutex> guard(s.lock);
   s.layers.clear();
   s.steps.clear();
-  s.direct = s.fallen_back = 0;
+  s.direct = s.fallen_back = s.lean_calls = 0;
 }
 
 std::vector<int64_t> calls() {
   auto& s = state();
-  return {s.direct, s.fallen_back};
+  return {s.direct, s.fallen_back, s.lean_calls};
 }
 
 // -1 when `attention` would fall back for this layer now, else its group (tests and the step profiler ask)
@@ -109,6 +137,204 @@ int64_t ready_group(int64_t index) {
   const auto group = s.layers[index].group;
   if (group >= static_cast<int64_t>(s.steps.size()) || !s.steps[group].valid) return -1;
   return group;
+}
+
+
+// ---- lean decode attention --------------------------------------------------------------------------------------
+// vLLM's CPU attention costs ~8 us a layer for one decode row at a short context on this project's hosts (a boxed
+// call with 18 arguments, its scheduler's tiling, an OpenMP region), where the arithmetic is well under 1 us. For a
+// step whose every sequence has at most kLeanRows query rows (decode, and a drafted verify pass), on vLLM's "vec"
+// cache layout (x86 without AMX; kernels/vllm_plugin/attention.py checks it against vLLM's op), with a bf16 cache and
+// none of alibi, sinks, soft-capping or a window, the rows are attended here. Each row the same way whatever the
+// batch: a drafted token's logits equal an undrafted one's. Causal: row j of a sequence's n rows sees positions
+// [0, seq_len - n + j].
+// The "vec" layout (vLLM 0.28 csrc/cpu/cpu_attn_vec.hpp): a block's keys per KV head column-major [head, block_size],
+// its values row-major [block_size, head].
+
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does (NaN kept a NaN)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// e^x for x <= 0 (softmax after the max is taken), written so the compiler vectorizes it: 2^(x log2 e) split into
+// an integer power (the exponent bits) and a fraction's degree-6 polynomial; relative error < 2e-7, 0 below -87.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float f = t - fi;  // [0, 1)
+  float p = 1.5353362e-4f;
+  p = p * f + 1.3398874e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022650e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const int32_t e = static_cast<int32_t>(fi) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define EDGE_LEAN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define EDGE_LEAN_CLONES
+#endif
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load_bf16x16(const uint16_t* p) {  // 16 bf16 from p as floats (unaligned)
+  u16x16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
+  f32x16 out;
+  std::memcpy(&out, &wide, sizeof out);
+  return out;
+}
+
+// One query row's G heads (sharing KV head `kv_head`) against `count` cached positions of one sequence, in vectors
+// of 16 floats (the compiler's clones: one zmm on x86-64-v4, two ymm on v3). q: the row's [G, head] bf16 query;
+// out: its [G, head] bf16 output; scores: G rows of `padded` floats; qf: G * head floats.
+template <int G>
+EDGE_LEAN_CLONES void lean_row(const uint16_t* q, uint16_t* out, int64_t head, int64_t kv_head, int64_t count,
+                               const int32_t* blocks, int64_t block_size, const uint16_t* key_base,
+                               const uint16_t* value_base, int64_t block_stride, int64_t head_stride, float scale,
+                               float* scores, float* qf) {
+  const int64_t padded = (count + 15) / 16 * 16;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < head; ++d) qf[g * head + d] = bf16_to_float(q[g * head + d]) * scale;
+  // scores, 16 positions at a time: a block's keys are column-major, so 16 positions of one d are contiguous
+  for (int64_t start = 0; start < count; start += block_size) {
+    const uint16_t* keys = key_base + blocks[start / block_size] * block_stride + kv_head * head_stride;
+    const int64_t end = std::min(block_size, count - start);
+    for (int64_t t0 = 0; t0 < end; t0 += 16) {
+      f32x16 acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = f32x16{};
+      for (int64_t d = 0; d < head; ++d) {
+        const f32x16 k = load_bf16x16(keys + d * block_size + t0);
+        for (int g = 0; g < G; ++g) acc[g] += qf[g * head + d] * k;
+      }
+      for (int g = 0; g < G; ++g) std::memcpy(scores + g * padded + start + t0, &acc[g], sizeof acc[g]);
+    }
+  }
+  // softmax over [0, count): the positions past it in the last 16 (keys not yet written) weigh 0
+  for (int g = 0; g < G; ++g) {
+    float* sc = scores + g * padded;
+    for (int64_t t = count; t < padded; ++t) sc[t] = -INFINITY;
+    f32x16 top, chunk;
+    std::memcpy(&top, sc, sizeof top);
+    for (int64_t t0 = 16; t0 < padded; t0 += 16) {
+      std::memcpy(&chunk, sc + t0, sizeof chunk);
+      top = top > chunk ? top : chunk;
+    }
+    float most = top[0];
+    for (int i = 1; i < 16; ++i) most = std::max(most, top[i]);
+    for (int64_t t = 0; t < padded; ++t) sc[t] = exp_nonpositive(sc[t] - most);
+    for (int64_t t = count; t < padded; ++t) sc[t] = 0.0f;
+    f32x16 total = f32x16{};
+    for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+      std::memcpy(&chunk, sc + t0, sizeof chunk);
+      total += chunk;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < 16; ++i) sum += total[i];
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < count; ++t) sc[t] *= inv;
+  }
+  // outputs, 16 dimensions at a time over every position: values are row-major in a block
+  for (int64_t c = 0; c < head; c += 16) {
+    f32x16 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = f32x16{};
+    for (int64_t start = 0; start < count; start += block_size) {
+      const uint16_t* values = value_base + blocks[start / block_size] * block_stride + kv_head * head_stride + c;
+      const int64_t end = std::min(block_size, count - start);
+      const float* p = scores + start;
+      for (int64_t t = 0; t < end; ++t) {
+        const f32x16 v = load_bf16x16(values + t * head);
+        for (int g = 0; g < G; ++g) acc[g] += p[g * padded + t] * v;
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int64_t i = 0; i < 16; ++i) out[g * head + c + i] = float_to_bf16(acc[g][i]);
+  }
+}
+
+using LeanRow = void (*)(const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, const int32_t*, int64_t,
+                         const uint16_t*, const uint16_t*, int64_t, int64_t, float, float*, float*);
+
+LeanRow lean_row_for(int64_t group) {
+  switch (group) {
+    case 1: return lean_row<1>;
+    case 2: return lean_row<2>;
+    case 3: return lean_row<3>;
+    case 4: return lean_row<4>;
+    case 5: return lean_row<5>;
+    case 6: return lean_row<6>;
+    case 7: return lean_row<7>;
+    case 8: return lean_row<8>;
+    default: return nullptr;
+  }
+}
+
+bool lean_attention(const at::Tensor& query, const at::Tensor& output, const Layer& layer, const Step& step) {
+  if (step.max_query > kLeanRows || !step.causal || step.dynamic_causal || query.scalar_type() != at::kBFloat16 ||
+      output.scalar_type() != at::kBFloat16 || query.dim() != 3 || output.dim() != 3 ||
+      step.seq_lens.scalar_type() != at::kInt || step.block_table.scalar_type() != at::kInt ||
+      !step.block_table.is_contiguous() || !step.seq_lens.is_contiguous())
+    return false;
+  const int64_t heads = query.size(1), head = query.size(2), kv_heads = layer.key_cache.size(1);
+  const int64_t block_size = layer.key_cache.size(2);
+  if (heads % kv_heads != 0 || layer.key_cache.size(3) != head || output.size(1) != heads ||
+      output.size(2) != head || query.stride(2) != 1 || query.stride(1) != head || output.stride(2) != 1 ||
+      output.stride(1) != head)
+    return false;
+  const int64_t group = heads / kv_heads, sequences = step.seq_lens.numel();
+  const LeanRow row_fn = lean_row_for(group);
+  if (row_fn == nullptr || head % 16 != 0) return false;
+  const int32_t* starts = step.query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = step.seq_lens.data_ptr<int32_t>();
+  const int32_t* table = step.block_table.data_ptr<int32_t>();
+  const int64_t table_width = step.block_table.size(1);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < sequences; ++i) longest = std::max<int64_t>(longest, lens[i]);
+  if (longest > table_width * block_size) return false;
+  const auto* key_base = reinterpret_cast<const uint16_t*>(layer.key_cache.data_ptr());
+  const auto* value_base = reinterpret_cast<const uint16_t*>(layer.value_cache.data_ptr());
+  const int64_t block_stride = layer.key_cache.stride(0), head_stride = layer.key_cache.stride(1);
+  const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  auto* out = reinterpret_cast<uint16_t*>(output.data_ptr());
+  thread_local std::vector<float> scores, qf;
+  const int64_t padded = (longest + 15) / 16 * 16;
+  if (scores.size() < static_cast<size_t>(group * padded)) scores.resize(static_cast<size_t>(group * padded));
+  if (qf.size() < static_cast<size_t>(group * head)) qf.resize(static_cast<size_t>(group * head));
+  const float scale = static_cast<float>(layer.scale);
+  for (int64_t i = 0; i < sequences; ++i) {
+    const int64_t rows = starts[i + 1] - starts[i];
+    for (int64_t j = 0; j < rows; ++j) {
+      const int64_t row = starts[i] + j, count = lens[i] - rows + j + 1;
+      if (count <= 0) return false;  // cannot be: vLLM's seq_lens count the rows run now
+      for (int64_t h = 0; h < kv_heads; ++h)
+        row_fn(q + row * query.stride(0) + h * group * head, out + row * output.stride(0) + h * group * head, head,
+               h, count, table + i * table_width, block_size, key_base, value_base, block_stride, head_stride, scale,
+               scores.data(), qf.data());
+    }
+  }
+  return true;
 }
 
 at::Tensor rows(const at::Tensor& t, int64_t n) { return t.size(0) == n ? t : t.narrow(0, 0, n); }
@@ -139,6 +365,11 @@ void attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor&
   std::vector<c10::IValue> stack{key, value, layer->key_cache, layer->value_cache, step->slot_mapping, layer->isa,
                                  layer->k_scale, layer->v_scale, layer->kv_dtype};
   write.callBoxed(&stack);
+  if (s.lean_on && layer->lean && lean_attention(rows(query, step->tokens), rows(output, step->tokens), *layer,
+                                                 *step)) {
+    ++s.lean_calls;
+    return;
+  }
   // CPUAttentionBackendImpl.forward: the rows without padding
   stack = {rows(query, step->tokens), layer->key_cache, layer->value_cache, rows(output, step->tokens),
            step->query_start_loc, step->seq_lens, layer->scale, step->causal,
@@ -163,6 +394,7 @@ TORCH_LIBRARY(edge_attn, m) {
   m.def("forget() -> ()", &forget);
   m.def("ready_group(int index) -> int", &ready_group);
   m.def("calls() -> int[]", &calls);
+  m.def("set_lean(bool on) -> ()", &set_lean);
 }
 
 TORCH_LIBRARY_IMPL(edge_attn, CPU, m) { m.impl("attention", &attention); }

@@ -8,11 +8,16 @@ compiled once (the compile cache) names the same layers on every start. `push` h
 Python ops would look up on every call: each metadata group's batch tensors once per step, and each layer's cache
 views and constants when they change (set_layer). Without a push (vLLM's dummy and warm-up runs, a step without
 metadata for every layer) the op calls vLLM's own Python ops (`vllm_attention` below).
+
+A step whose sequences have at most 8 query rows each (decode, a drafted verify pass) is attended by attention.cpp's
+own lean kernel where the layer allows it (vLLM's "vec" cache layout, bf16, no alibi, sinks, soft-cap or window):
+vLLM's kernel costs ~8 us a layer for one short decode row. EDGE_LEAN_ATTENTION=0 keeps vLLM's kernel for every row.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -26,7 +31,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("attention.cpp")
 EXTENSION = "edge_attention"
 WHAT = "the plugin's C++ attention"
-CFLAGS = ["-O2"]
+CFLAGS = ["-O3"]
+LEAN_ENV = "EDGE_LEAN_ATTENTION"  # "0": decode rows on vLLM's attention kernel too (attention.cpp lean_attention)
 INDEX = "_edge_select_attention_index"  # the attribute on an Attention layer that takes the op
 _MARK = "_edge_select_attention_cpp"
 
@@ -51,6 +57,7 @@ def load() -> str | None:
     torch.library.register_fake("edge_attn::attention")(_fake)
     torch.library.register_fake("edge_attn::vllm_attention")(_fake)
     torch.library.impl("edge_attn::vllm_attention", "CPU")(vllm_attention)
+    torch.ops.edge_attn.set_lean(os.environ.get(LEAN_ENV, "1") != "0")
     return None
 
 

@@ -28,15 +28,19 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"C++ attention not b
 LAYER = 5  # an index as the static forward context gives it: not the first
 
 
-def _run_cpp(steps, group=0):
+def _run_cpp(steps, group=0, lean=False):
     ops = torch.ops.edge_attn
     impl = _impl()
     cache = torch.zeros(BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
     ops.forget()
+    ops.set_lean(lean)
     ops.set_layer(LAYER, group, cache, impl.scale, None, -1, 0.0, None, 1.0, 1.0, "auto", impl.isa)
     outputs = []
     for start, tokens, padded, seed in steps:
-        q, k, v = _qkv(padded, seed)
+        if isinstance(seed, tuple):  # one row of each seed's: single-row steps' rows again, in one pass
+            q, k, v = (torch.cat(parts) for parts in zip(*(_qkv(1, one) for one in seed), strict=True))
+        else:
+            q, k, v = _qkv(padded, seed)
         meta = _metadata(impl.isa, start, tokens, padded)
         out = torch.zeros(padded, HEADS, HEAD_DIM, dtype=torch.bfloat16)
         ops.set_step(group, tokens, True, meta.query_start_loc, meta.seq_lens, meta.block_table,
@@ -60,7 +64,68 @@ def test_the_op_gives_vllms_outputs_and_cache_bit_for_bit():
     assert torch.equal(cache, expected_cache)
     for i, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(mine, theirs), f"step {i}"
-    assert torch.ops.edge_attn.calls() == [len(STEPS), 0]  # every call took the C++ way
+    assert torch.ops.edge_attn.calls() == [len(STEPS), 0, 0]  # every call took the C++ way, vLLM's kernel
+
+
+def _reference(q, cache, start, tokens):
+    """Attention in float64 over the cache as the "vec" layout holds it (keys column-major in a block, values
+    row-major): row j of `tokens` sees positions [0, start + j]."""
+    blocks = torch.arange(1, BLOCKS)
+    halves = cache.view(BLOCKS, KV_HEADS, 2 * BLOCK, HEAD_DIM).double()
+    keys = halves[:, :, :BLOCK].reshape(BLOCKS, KV_HEADS, HEAD_DIM, BLOCK)[blocks]  # [b, kv, d, t]
+    keys = keys.permute(1, 0, 3, 2).reshape(KV_HEADS, -1, HEAD_DIM)  # [kv, positions, d]
+    values = halves[:, :, BLOCK:][blocks].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM)
+    out = torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.float64)
+    group = HEADS // KV_HEADS
+    for j in range(tokens):
+        count = start + j + 1
+        for h in range(HEADS):
+            scores = keys[h // group, :count] @ q[j, h].double() * HEAD_DIM**-0.5
+            out[j, h] = torch.softmax(scores, 0) @ values[h // group, :count]
+    return out
+
+
+def test_decode_rows_take_the_lean_kernel_on_vllms_cache_as_vllm_writes_it():
+    """The lean kernel reads the cache vLLM's own write fills, in its "vec" layout: the cache must equal vLLM's bit
+    for bit, each decode step's output must be as close to float64 attention as vLLM's own (within one bf16 step of
+    it), and only the decode steps take it (the 20-row prompt is vLLM's)."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    if _impl().isa != "vec":
+        pytest.skip(f"the lean kernel reads vLLM's 'vec' cache layout; this host's is {_impl().isa!r}")
+    impl = cpu_attn.CPUAttentionBackendImpl
+    vllm_forward = getattr(impl.forward, "vllm_method", impl.forward)
+    vllm_update = getattr(impl.do_kv_cache_update, "vllm_method", impl.do_kv_cache_update)
+    expected, expected_cache = _run(vllm_forward, vllm_update, STEPS)
+    got, cache = _run_cpp(STEPS, lean=True)
+    assert torch.equal(cache, expected_cache)
+    assert torch.ops.edge_attn.calls() == [len(STEPS), 0, len(STEPS) - 1]
+    assert torch.equal(got[0], expected[0])  # the prompt: vLLM's kernel
+    for i, ((start, tokens, padded, seed), mine, theirs) in enumerate(zip(STEPS, got, expected, strict=True)):
+        if i == 0:
+            continue
+        # the cache as it stood after this step's write: positions past it are not read
+        reference = _reference(_qkv(padded, seed)[0], cache, start, tokens)
+        mine_error = (mine.double() - reference).abs().max().item()
+        theirs_error = (theirs.double() - reference).abs().max().item()
+        step = reference.abs().max().item() * 2**-8  # one bf16 step at the largest output
+        assert mine_error <= theirs_error + step, f"step {i}: {mine_error} against vLLM's {theirs_error}"
+    torch.ops.edge_attn.set_lean(True)
+
+
+def test_a_verify_pass_gives_each_row_what_the_row_alone_gives():
+    """A drafted verify pass (several rows of one sequence) attends each row as a decode step of that row alone
+    would: speculative decoding's greedy text is the undrafted one only if these are bit for bit equal."""
+    if _impl().isa != "vec":
+        pytest.skip(f"the lean kernel reads vLLM's 'vec' cache layout; this host's is {_impl().isa!r}")
+    prompt = [(0, 20, 24, 0)]
+    one_by_one = prompt + [(20 + i, 1, 1, 100 + i) for i in range(4)]
+    together = prompt + [(20, 4, 4, tuple(100 + i for i in range(4)))]
+    single, single_cache = _run_cpp(one_by_one, lean=True)
+    verify, verify_cache = _run_cpp(together, lean=True)
+    assert torch.ops.edge_attn.calls()[2] == 1  # the verify pass took the lean kernel
+    assert torch.equal(verify[1], torch.cat(single[1:]))
+    torch.ops.edge_attn.set_lean(True)
 
 
 def test_a_layer_is_ready_only_inside_a_step_it_was_handed():
@@ -101,6 +166,6 @@ def test_outside_a_step_the_op_calls_vllms_ops_for_the_layer_by_name(monkeypatch
     torch.ops.edge_attn.attention(q, k, v, out, LAYER)
     name = "model.layers.5.self_attn.attn"
     assert calls == [("update", name, k.shape), ("attention", name, q.shape)]
-    assert torch.ops.edge_attn.calls() == [0, 1]
+    assert torch.ops.edge_attn.calls() == [0, 1, 0]
     assert torch.equal(out, torch.ones_like(out))
 
