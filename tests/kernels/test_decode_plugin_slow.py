@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -37,14 +38,20 @@ NEW_TOKENS = 24
 FIRST_TOKENS = 3
 EAGER = {"enforce_eager": True}
 # label -> (environment, LLM keywords); COMPILED is the plan's compilation config (edge.plan.engine_config)
+# vLLM's attention kernel under the plugin's op everywhere (EDGE_LEAN_ATTENTION=0), so the plugin's plumbing is
+# compared token for token with vLLM's; "compiled-lean" runs the plugin's lean decode kernel, a different summation
+# whose greedy text may part from vLLM's at a near tie (it did at token 8 of one prompt, eager, on a Zen 5)
+VLLM_KERNEL = {"EDGE_LEAN_ATTENTION": "0"}
 VARIANTS = {
-    "plugin": ({}, EAGER),
+    "plugin": ({**VLLM_KERNEL}, EAGER),
     "python-attention": ({"EDGE_SELECT_ATTENTION": "python"}, EAGER),
     "vllm-attention": ({"EDGE_SELECT_ATTENTION": "vllm"}, EAGER),
-    "row-major": ({"EDGE_AVX2_DECODE_LAYOUT": "row-major"}, EAGER),
-    "compiled": ({**COMPILE_ENV}, {"compilation_config": COMPILATION_CONFIG}),
+    "row-major": ({"EDGE_AVX2_DECODE_LAYOUT": "row-major", **VLLM_KERNEL}, EAGER),
+    "compiled": ({**COMPILE_ENV, **VLLM_KERNEL}, {"compilation_config": COMPILATION_CONFIG}),
     "compiled-as-shipped": ({"EDGE_SELECT_ATTENTION": "vllm"}, {}),
-    "compiled-without-table": ({**COMPILE_ENV, "EDGE_LAYER_TABLE": "0"}, {"compilation_config": COMPILATION_CONFIG}),
+    "compiled-without-table": ({**COMPILE_ENV, "EDGE_LAYER_TABLE": "0", **VLLM_KERNEL},
+                               {"compilation_config": COMPILATION_CONFIG}),
+    "compiled-lean": ({**COMPILE_ENV}, {"compilation_config": COMPILATION_CONFIG}),
 }
 INT4_LINEARS = 4 * 30  # qkv, o, gate_up and down in each of the default model's 30 layers
 
@@ -69,7 +76,7 @@ def generate(model: str, out: Path, keywords: dict) -> None:
         "lean_attention": getattr(CPUAttentionBackendImpl.forward, attention._MARK, False),
         "layout": os.environ.get(avx2_int4.LAYOUT_ENV, "decode"),
         "cpp_layers": len(attention_cpp._Layers.names),
-        "cpp_calls": torch.ops.edge_attn.calls() if hasattr(torch.ops.edge_attn, "calls") else [0, 0],
+        "cpp_calls": torch.ops.edge_attn.calls() if hasattr(torch.ops.edge_attn, "calls") else [0, 0, 0],
         "table_layers": torch.ops.edge_avx2.layer_count(),
     }))  # fmt: skip
     llm.llm_engine.engine_core.shutdown()
@@ -99,17 +106,24 @@ def served(tmp_path_factory) -> dict:
 
 def test_each_variant_ran_what_it_names(served):
     lean = {label for label in VARIANTS if served[label]["lean_attention"]}
-    assert lean == {"plugin", "python-attention", "row-major", "compiled", "compiled-without-table"}
+    assert lean == {"plugin", "python-attention", "row-major", "compiled", "compiled-without-table", "compiled-lean"}
     assert [label for label in VARIANTS if served[label]["layout"] == "row-major"] == ["row-major"]
     # the default model's 30 layers took the C++ op ...
-    for label in ("plugin", "row-major", "compiled", "compiled-without-table"):
+    for label in ("plugin", "row-major", "compiled", "compiled-without-table", "compiled-lean"):
         assert served[label]["cpp_layers"] == 30
-        direct, fallen_back = served[label]["cpp_calls"]
+        direct, fallen_back, lean_kernel = served[label]["cpp_calls"]
         # ... and every step's forward called it: 30 layers x (one prompt step + NEW_TOKENS - 1 decode steps) at
         # least; vLLM's dummy and warm-up runs fell back to vLLM's ops
         assert direct >= 30 * NEW_TOKENS and direct % 30 == 0, served[label]["cpp_calls"]
+        # compiled-lean's decode steps took the lean kernel where vLLM's cache has the "vec" layout (x86 without
+        # AMX); the others none
+        import torch
+
+        vec_layout = platform.machine() == "x86_64" and not torch.cpu._is_amx_tile_supported()
+        leaned = label == "compiled-lean" and vec_layout
+        assert lean_kernel % 30 == 0 and (lean_kernel >= 30 * (NEW_TOKENS - 1)) == leaned, served[label]
     for label in ("python-attention", "vllm-attention", "compiled-as-shipped"):
-        assert served[label]["cpp_calls"] == [0, 0]
+        assert served[label]["cpp_calls"] == [0, 0, 0]
     # every int4 linear was called by its index in the layer table (kernels/vllm_plugin/layer_table.py) but where
     # EDGE_LAYER_TABLE=0
     assert {label: served[label]["table_layers"] for label in VARIANTS} == {
@@ -121,6 +135,13 @@ def test_each_variant_ran_what_it_names(served):
                                           ("compiled", "compiled-without-table")])  # fmt: skip
 def test_the_plugins_attention_and_layer_table_generate_vllms_greedy_text_token_for_token(served, mine, theirs):
     assert served[mine]["tokens"] == served[theirs]["tokens"], (served[mine]["text"], served[theirs]["text"])
+
+
+def test_the_lean_attention_kernel_generates_vllms_kernels_first_tokens_and_paris(served):
+    lean, vllm_kernel = served["compiled-lean"], served["compiled"]
+    for ours, theirs in zip(lean["tokens"], vllm_kernel["tokens"], strict=True):
+        assert ours[:FIRST_TOKENS] == theirs[:FIRST_TOKENS], (lean["text"], vllm_kernel["text"])
+    assert served["compiled-lean"]["text"][0].startswith(" Paris")
 
 
 def test_the_decode_layout_generates_the_row_major_layouts_first_tokens_and_paris(served):
