@@ -144,9 +144,10 @@ int64_t ready_group(int64_t index) {
 // vLLM's CPU attention costs ~8 us a layer for one decode row at a short context on this project's hosts (a boxed
 // call with 18 arguments, its scheduler's tiling, an OpenMP region), where the arithmetic is well under 1 us. For a
 // step whose every sequence has at most kLeanRows query rows (decode, and a drafted verify pass), on vLLM's "vec"
-// cache layout (x86 without AMX; kernels/vllm_plugin/attention.py checks it against vLLM's op), with a bf16 cache and
+// cache layout (x86 without AMX; tests/kernels/test_attention_cpp.py checks it against vLLM's), with a bf16 cache and
 // none of alibi, sinks, soft-capping or a window, the rows are attended here. Each row the same way whatever the
-// batch: a drafted token's logits equal an undrafted one's. Causal: row j of a sequence's n rows sees positions
+// batch: a drafted token's logits equal an undrafted one's. The step's keys and values are written here too, as
+// vLLM's write for that layout writes them (lean_write). Causal: row j of a sequence's n rows sees positions
 // [0, seq_len - n + j].
 // The "vec" layout (vLLM 0.28 csrc/cpu/cpu_attn_vec.hpp): a block's keys per KV head column-major [head, block_size],
 // its values row-major [block_size, head].
@@ -291,28 +292,68 @@ LeanRow lean_row_for(int64_t group) {
   }
 }
 
-bool lean_attention(const at::Tensor& query, const at::Tensor& output, const Layer& layer, const Step& step) {
-  if (step.max_query > kLeanRows || !step.causal || step.dynamic_causal || query.scalar_type() != at::kBFloat16 ||
-      output.scalar_type() != at::kBFloat16 || query.dim() != 3 || output.dim() != 3 ||
+// Whether lean_attention takes this call: the step's shape and every tensor as the kernel reads it.
+bool lean_fits(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
+               const Layer& layer, const Step& step) {
+  if (step.max_query > kLeanRows || !step.causal || step.dynamic_causal || step.tokens <= 0 ||
       step.seq_lens.scalar_type() != at::kInt || step.block_table.scalar_type() != at::kInt ||
-      !step.block_table.is_contiguous() || !step.seq_lens.is_contiguous())
+      !step.block_table.is_contiguous() || !step.seq_lens.is_contiguous() ||
+      step.slot_mapping.scalar_type() != at::kLong || !step.slot_mapping.is_contiguous() ||
+      step.slot_mapping.numel() < step.tokens)
     return false;
-  const int64_t heads = query.size(1), head = query.size(2), kv_heads = layer.key_cache.size(1);
+  const int64_t kv_heads = layer.key_cache.size(1), head = layer.key_cache.size(3);
+  for (const at::Tensor* t : {&query, &key, &value, &output})
+    if (t->scalar_type() != at::kBFloat16 || t->dim() != 3 || t->size(0) < step.tokens || t->size(2) != head ||
+        t->stride(2) != 1 || t->stride(1) != head)
+      return false;
+  const int64_t heads = query.size(1);
+  if (heads % kv_heads != 0 || output.size(1) != heads || key.size(1) != kv_heads || value.size(1) != kv_heads ||
+      head % 16 != 0 || lean_row_for(heads / kv_heads) == nullptr)
+    return false;
+  const int32_t* lens = step.seq_lens.data_ptr<int32_t>();
+  const int64_t room = step.block_table.size(1) * layer.key_cache.size(2);
+  for (int64_t i = 0; i < step.seq_lens.numel(); ++i)
+    if (lens[i] > room) return false;
+  return true;
+}
+
+// vLLM's "vec" write of the step's rows (cpu_attn_reshape_and_cache for this layout, bf16): each key column-major in
+// its block, each value a row; a negative slot (padding) is skipped.
+void lean_write(const at::Tensor& key, const at::Tensor& value, const Layer& layer, const Step& step) {
+  const int64_t kv_heads = layer.key_cache.size(1), block_size = layer.key_cache.size(2),
+                head = layer.key_cache.size(3);
+  const int64_t block_stride = layer.key_cache.stride(0), head_stride = layer.key_cache.stride(1);
+  auto* key_base = reinterpret_cast<uint16_t*>(layer.key_cache.data_ptr());
+  auto* value_base = reinterpret_cast<uint16_t*>(layer.value_cache.data_ptr());
+  const auto* k = reinterpret_cast<const uint16_t*>(key.data_ptr());
+  const auto* v = reinterpret_cast<const uint16_t*>(value.data_ptr());
+  const int64_t* slots = step.slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < step.tokens; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const uint16_t* key_row = k + i * key.stride(0) + h * head;
+      uint16_t* key_column = key_base + block * block_stride + h * head_stride + offset;
+      for (int64_t d = 0; d < head; ++d) key_column[d * block_size] = key_row[d];
+      std::memcpy(value_base + block * block_stride + h * head_stride + offset * head, v + i * value.stride(0) + h * head,
+                  static_cast<size_t>(head) * sizeof(uint16_t));
+    }
+  }
+}
+
+// The step's rows, each sequence's rows attended one by one (lean_row), after lean_fits said yes.
+void lean_attention(const at::Tensor& query, const at::Tensor& output, const Layer& layer, const Step& step) {
+  const int64_t heads = query.size(1), head = layer.key_cache.size(3), kv_heads = layer.key_cache.size(1);
   const int64_t block_size = layer.key_cache.size(2);
-  if (heads % kv_heads != 0 || layer.key_cache.size(3) != head || output.size(1) != heads ||
-      output.size(2) != head || query.stride(2) != 1 || query.stride(1) != head || output.stride(2) != 1 ||
-      output.stride(1) != head)
-    return false;
   const int64_t group = heads / kv_heads, sequences = step.seq_lens.numel();
   const LeanRow row_fn = lean_row_for(group);
-  if (row_fn == nullptr || head % 16 != 0) return false;
   const int32_t* starts = step.query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = step.seq_lens.data_ptr<int32_t>();
   const int32_t* table = step.block_table.data_ptr<int32_t>();
   const int64_t table_width = step.block_table.size(1);
   int64_t longest = 0;
   for (int64_t i = 0; i < sequences; ++i) longest = std::max<int64_t>(longest, lens[i]);
-  if (longest > table_width * block_size) return false;
   const auto* key_base = reinterpret_cast<const uint16_t*>(layer.key_cache.data_ptr());
   const auto* value_base = reinterpret_cast<const uint16_t*>(layer.value_cache.data_ptr());
   const int64_t block_stride = layer.key_cache.stride(0), head_stride = layer.key_cache.stride(1);
@@ -327,14 +368,12 @@ bool lean_attention(const at::Tensor& query, const at::Tensor& output, const Lay
     const int64_t rows = starts[i + 1] - starts[i];
     for (int64_t j = 0; j < rows; ++j) {
       const int64_t row = starts[i] + j, count = lens[i] - rows + j + 1;
-      if (count <= 0) return false;  // cannot be: vLLM's seq_lens count the rows run now
       for (int64_t h = 0; h < kv_heads; ++h)
         row_fn(q + row * query.stride(0) + h * group * head, out + row * output.stride(0) + h * group * head, head,
                h, count, table + i * table_width, block_size, key_base, value_base, block_stride, head_stride, scale,
                scores.data(), qf.data());
     }
   }
-  return true;
 }
 
 at::Tensor rows(const at::Tensor& t, int64_t n) { return t.size(0) == n ? t : t.narrow(0, 0, n); }
@@ -361,15 +400,16 @@ void attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor&
       c10::Dispatcher::singleton().findSchemaOrThrow("_C::cpu_attn_reshape_and_cache", "");
   static const c10::OperatorHandle attend =
       c10::Dispatcher::singleton().findSchemaOrThrow("_C::cpu_attention_with_kv_cache", "");
+  if (s.lean_on && layer->lean && lean_fits(query, key, value, output, *layer, *step)) {
+    lean_write(key, value, *layer, *step);
+    lean_attention(query, output, *layer, *step);
+    ++s.lean_calls;
+    return;
+  }
   // CPUAttentionBackendImpl.do_kv_cache_update: the whole key and value, the group's slot mapping
   std::vector<c10::IValue> stack{key, value, layer->key_cache, layer->value_cache, step->slot_mapping, layer->isa,
                                  layer->k_scale, layer->v_scale, layer->kv_dtype};
   write.callBoxed(&stack);
-  if (s.lean_on && layer->lean && lean_attention(rows(query, step->tokens), rows(output, step->tokens), *layer,
-                                                 *step)) {
-    ++s.lean_calls;
-    return;
-  }
   // CPUAttentionBackendImpl.forward: the rows without padding
   stack = {rows(query, step->tokens), layer->key_cache, layer->value_cache, rows(output, step->tokens),
            step->query_start_loc, step->seq_lens, layer->scale, step->causal,
