@@ -148,25 +148,10 @@ int64_t ready_group(int64_t index) {
 // none of alibi, sinks, soft-capping or a window, the rows are attended here. Each row the same way whatever the
 // batch: a drafted token's logits equal an undrafted one's. The step's keys and values are written here too, as
 // vLLM's write for that layout writes them (lean_write). Causal: row j of a sequence's n rows sees positions
-// [0, seq_len - n + j].
+// [0, seq_len - n + j]. bf16 is read and rounded by c10's own bit conversions.
 // The "vec" layout (vLLM 0.28 csrc/cpu/cpu_attn_vec.hpp): a block's keys per KV head column-major [head, block_size],
 // its values row-major [block_size, head].
 
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does (NaN kept a NaN)
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // e^x for x <= 0 (softmax after the max is taken), written so the compiler vectorizes it: 2^(x log2 e) split into
 // an integer power (the exponent bits) and a fraction's degree-6 polynomial; relative error < 2e-7, 0 below -87.
@@ -218,7 +203,7 @@ EDGE_LEAN_CLONES void lean_row(const uint16_t* q, uint16_t* out, int64_t head, i
                                float* scores, float* qf) {
   const int64_t padded = (count + 15) / 16 * 16;
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < head; ++d) qf[g * head + d] = bf16_to_float(q[g * head + d]) * scale;
+    for (int64_t d = 0; d < head; ++d) qf[g * head + d] = c10::detail::f32_from_bits(q[g * head + d]) * scale;
   // scores, 16 positions at a time: a block's keys are column-major, so 16 positions of one d are contiguous
   for (int64_t start = 0; start < count; start += block_size) {
     const uint16_t* keys = key_base + blocks[start / block_size] * block_stride + kv_head * head_stride;
@@ -271,7 +256,7 @@ EDGE_LEAN_CLONES void lean_row(const uint16_t* q, uint16_t* out, int64_t head, i
       }
     }
     for (int g = 0; g < G; ++g)
-      for (int64_t i = 0; i < 16; ++i) out[g * head + c + i] = float_to_bf16(acc[g][i]);
+      for (int64_t i = 0; i < 16; ++i) out[g * head + c + i] = c10::detail::round_to_nearest_even(acc[g][i]);
   }
 }
 
@@ -336,8 +321,8 @@ void lean_write(const at::Tensor& key, const at::Tensor& value, const Layer& lay
       const uint16_t* key_row = k + i * key.stride(0) + h * head;
       uint16_t* key_column = key_base + block * block_stride + h * head_stride + offset;
       for (int64_t d = 0; d < head; ++d) key_column[d * block_size] = key_row[d];
-      std::memcpy(value_base + block * block_stride + h * head_stride + offset * head, v + i * value.stride(0) + h * head,
-                  static_cast<size_t>(head) * sizeof(uint16_t));
+      uint16_t* value_row = value_base + block * block_stride + h * head_stride + offset * head;
+      std::memcpy(value_row, v + i * value.stride(0) + h * head, static_cast<size_t>(head) * sizeof(uint16_t));
     }
   }
 }

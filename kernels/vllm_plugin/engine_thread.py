@@ -113,7 +113,10 @@ class ThreadEngineClient:
                 outputs, executed = core.step_fn()
                 self._flush_held()  # a step that ran no forward: its predecessor's outputs go now, in order
                 for out in outputs.values() if outputs else ():
-                    self._hold(out) if hold else self._deliver(out)
+                    if hold:
+                        self._held.append(out)
+                    else:
+                        self._deliver(out)
                 if not core.scheduler.has_requests():
                     self._flush_held()  # no next forward to hand them over in
                 core.post_step(executed)
@@ -144,9 +147,6 @@ class ThreadEngineClient:
 
         runner._model_forward = _model_forward
         return True
-
-    def _hold(self, out: Any) -> None:
-        self._held.append(out)
 
     def _flush_held(self) -> None:
         if self._held:
