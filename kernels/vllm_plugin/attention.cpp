@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -153,9 +154,13 @@ int64_t ready_group(int64_t index) {
 // its values row-major [block_size, head].
 
 
+// The kernel's body is written once and compiled for each instruction set the host may have (lean_row_v4, _v3, _base
+// below): its helpers are always inlined into those, so their vectors take the caller's width.
+#define EDGE_LEAN_INLINE inline __attribute__((always_inline))
+
 // e^x for x <= 0 (softmax after the max is taken), written so the compiler vectorizes it: 2^(x log2 e) split into
 // an integer power (the exponent bits) and a fraction's degree-6 polynomial; relative error < 2e-7, 0 below -87.
-inline float exp_nonpositive(float x) {
+EDGE_LEAN_INLINE float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float t = x * 1.44269504088896341f;
   const float fi = std::floor(t);
@@ -174,17 +179,11 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define EDGE_LEAN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define EDGE_LEAN_CLONES
-#endif
-
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-inline f32x16 load_bf16x16(const uint16_t* p) {  // 16 bf16 from p as floats (unaligned)
+EDGE_LEAN_INLINE f32x16 load_bf16x16(const uint16_t* p) {  // 16 bf16 from p as floats (unaligned)
   u16x16 raw;
   std::memcpy(&raw, p, sizeof raw);
   const u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
@@ -194,10 +193,10 @@ inline f32x16 load_bf16x16(const uint16_t* p) {  // 16 bf16 from p as floats (un
 }
 
 // One query row's G heads (sharing KV head `kv_head`) against `count` cached positions of one sequence, in vectors
-// of 16 floats (the compiler's clones: one zmm on x86-64-v4, two ymm on v3). q: the row's [G, head] bf16 query;
+// of 16 floats (one zmm in lean_row_v4, two ymm in _v3, four xmm in _base). q: the row's [G, head] bf16 query;
 // out: its [G, head] bf16 output; scores: G rows of `padded` floats; qf: G * head floats.
 template <int G>
-EDGE_LEAN_CLONES void lean_row(const uint16_t* q, uint16_t* out, int64_t head, int64_t kv_head, int64_t count,
+EDGE_LEAN_INLINE void lean_row_body(const uint16_t* q, uint16_t* out, int64_t head, int64_t kv_head, int64_t count,
                                const int32_t* blocks, int64_t block_size, const uint16_t* key_base,
                                const uint16_t* value_base, int64_t block_stride, int64_t head_stride, float scale,
                                float* scores, float* qf) {
@@ -263,16 +262,107 @@ EDGE_LEAN_CLONES void lean_row(const uint16_t* q, uint16_t* out, int64_t head, i
 using LeanRow = void (*)(const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, const int32_t*, int64_t,
                          const uint16_t*, const uint16_t*, int64_t, int64_t, float, float*, float*);
 
+#define EDGE_LEAN_ARGS                                                                                               \
+  const uint16_t *q, uint16_t *out, int64_t head, int64_t kv_head, int64_t count, const int32_t *blocks,             \
+      int64_t block_size, const uint16_t *key_base, const uint16_t *value_base, int64_t block_stride,                \
+      int64_t head_stride, float scale, float *scores, float *qf
+#define EDGE_LEAN_CALL                                                                                               \
+  lean_row_body<G>(q, out, head, kv_head, count, blocks, block_size, key_base, value_base, block_stride, head_stride, \
+                   scale, scores, qf)
+
+template <int G>
+void lean_row_base(EDGE_LEAN_ARGS) { EDGE_LEAN_CALL; }
+#if defined(__x86_64__) && defined(__GNUC__)
+constexpr bool kLeanX86 = true;
+template <int G>
+__attribute__((target("avx2,fma,f16c,bmi,bmi2"))) void lean_row_v3(EDGE_LEAN_ARGS) { EDGE_LEAN_CALL; }
+template <int G>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2"))) void lean_row_v4(
+    EDGE_LEAN_ARGS) { EDGE_LEAN_CALL; }
+#else
+constexpr bool kLeanX86 = false;
+#endif
+
+// The instruction set the lean kernel runs: the best the CPU has (x86-64-v4: AVX-512 F/BW/VL/DQ; v3: AVX2 and FMA;
+// else the baseline), no higher than ATEN_CPU_CAPABILITY allows (avx512, avx2, default), so that a run with
+// ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host checks the AVX2 code as it checks ATen's. set_lean_isa picks one for a
+// test (never one the CPU lacks).
+enum class LeanIsa { base = 0, v3 = 1, v4 = 2 };
+
+LeanIsa host_lean_isa() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return LeanIsa::v4;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return LeanIsa::v3;
+#endif
+  return LeanIsa::base;
+}
+
+LeanIsa default_lean_isa() {
+  LeanIsa isa = host_lean_isa();
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  if (cap != nullptr) {
+    const std::string value(cap);
+    if (value == "default") isa = LeanIsa::base;
+    else if (value == "avx2" && isa > LeanIsa::v3) isa = LeanIsa::v3;
+  }
+  return isa;
+}
+
+LeanIsa& lean_isa_in_use() {
+  static LeanIsa isa = default_lean_isa();
+  return isa;
+}
+
+const char* lean_isa_name(LeanIsa isa) {
+  switch (isa) {
+    case LeanIsa::v4: return "x86-64-v4";
+    case LeanIsa::v3: return "x86-64-v3";
+    default: return "baseline";
+  }
+}
+
+std::string lean_isa() { return lean_isa_name(lean_isa_in_use()); }
+
+// "auto" (what the host and ATEN_CPU_CAPABILITY allow), "x86-64-v4", "x86-64-v3" or "baseline"; returns the one set
+std::string set_lean_isa(std::string name) {
+  LeanIsa want;
+  if (name == "auto") want = default_lean_isa();
+  else if (name == "x86-64-v4") want = LeanIsa::v4;
+  else if (name == "x86-64-v3") want = LeanIsa::v3;
+  else if (name == "baseline") want = LeanIsa::base;
+  else TORCH_CHECK(false, "edge_attn::set_lean_isa: name: expected auto, x86-64-v4, x86-64-v3 or baseline, got '",
+                   name, "'");
+  TORCH_CHECK(want <= host_lean_isa(), "edge_attn::set_lean_isa: name: '", name, "' needs instructions this CPU "
+              "lacks (it has ", lean_isa_name(host_lean_isa()), ")");
+  lean_isa_in_use() = want;
+  return lean_isa();
+}
+
+template <int G>
+LeanRow lean_row_isa() {
+  if constexpr (kLeanX86) {
+    switch (lean_isa_in_use()) {
+      case LeanIsa::v4: return lean_row_v4<G>;
+      case LeanIsa::v3: return lean_row_v3<G>;
+      default: break;
+    }
+  }
+  return lean_row_base<G>;
+}
+
 LeanRow lean_row_for(int64_t group) {
   switch (group) {
-    case 1: return lean_row<1>;
-    case 2: return lean_row<2>;
-    case 3: return lean_row<3>;
-    case 4: return lean_row<4>;
-    case 5: return lean_row<5>;
-    case 6: return lean_row<6>;
-    case 7: return lean_row<7>;
-    case 8: return lean_row<8>;
+    case 1: return lean_row_isa<1>();
+    case 2: return lean_row_isa<2>();
+    case 3: return lean_row_isa<3>();
+    case 4: return lean_row_isa<4>();
+    case 5: return lean_row_isa<5>();
+    case 6: return lean_row_isa<6>();
+    case 7: return lean_row_isa<7>();
+    case 8: return lean_row_isa<8>();
     default: return nullptr;
   }
 }
@@ -420,6 +510,8 @@ TORCH_LIBRARY(edge_attn, m) {
   m.def("ready_group(int index) -> int", &ready_group);
   m.def("calls() -> int[]", &calls);
   m.def("set_lean(bool on) -> ()", &set_lean);
+  m.def("lean_isa() -> str", &lean_isa);
+  m.def("set_lean_isa(str name) -> str", &set_lean_isa);
 }
 
 TORCH_LIBRARY_IMPL(edge_attn, CPU, m) { m.impl("attention", &attention); }

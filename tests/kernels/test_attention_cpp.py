@@ -26,6 +26,32 @@ from tests.kernels.test_attention_plugin import (  # noqa: E402
 REASON = attention_cpp.load()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"C++ attention not built here: {REASON}")
 LAYER = 5  # an index as the static forward context gives it: not the first
+LEAN_ISAS = ("x86-64-v4", "x86-64-v3", "baseline")  # attention.cpp's lean kernel builds, best first
+
+
+def _host_lean_isas() -> list[str]:
+    """The lean kernel's builds this CPU runs (set_lean_isa refuses one it lacks), so each is tested on every host
+    that has it: the AVX2 and baseline code on an AVX-512 host too."""
+    if REASON is not None:
+        return ["auto"]
+    runs = []
+    for name in LEAN_ISAS:
+        try:
+            runs.append(torch.ops.edge_attn.set_lean_isa(name))
+        except RuntimeError:
+            continue
+    torch.ops.edge_attn.set_lean_isa("auto")
+    return runs
+
+
+HOST_LEAN_ISAS = _host_lean_isas()
+
+
+@pytest.fixture(params=HOST_LEAN_ISAS)
+def lean_isa(request):
+    assert torch.ops.edge_attn.set_lean_isa(request.param) in (request.param, *LEAN_ISAS)
+    yield request.param
+    torch.ops.edge_attn.set_lean_isa("auto")
 
 
 def _run_cpp(steps, group=0, lean=False):
@@ -85,10 +111,10 @@ def _reference(q, cache, start, tokens):
     return out
 
 
-def test_decode_rows_take_the_lean_kernel_on_vllms_cache_as_vllm_writes_it():
+def test_decode_rows_take_the_lean_kernel_on_vllms_cache_as_vllm_writes_it(lean_isa):
     """The lean kernel reads the cache vLLM's own write fills, in its "vec" layout: the cache must equal vLLM's bit
     for bit, each decode step's output must be as close to float64 attention as vLLM's own (within one bf16 step of
-    it), and only the decode steps take it (the 20-row prompt is vLLM's)."""
+    it), and only the decode steps take it (the 20-row prompt is vLLM's). Each of its builds this CPU runs."""
     from vllm.v1.attention.backends import cpu_attn
 
     if _impl().isa != "vec":
@@ -113,7 +139,7 @@ def test_decode_rows_take_the_lean_kernel_on_vllms_cache_as_vllm_writes_it():
     torch.ops.edge_attn.set_lean(True)
 
 
-def test_a_verify_pass_gives_each_row_what_the_row_alone_gives():
+def test_a_verify_pass_gives_each_row_what_the_row_alone_gives(lean_isa):
     """A drafted verify pass (several rows of one sequence) attends each row as a decode step of that row alone
     would: speculative decoding's greedy text is the undrafted one only if these are bit for bit equal."""
     if _impl().isa != "vec":
@@ -126,6 +152,33 @@ def test_a_verify_pass_gives_each_row_what_the_row_alone_gives():
     assert torch.ops.edge_attn.calls()[2] == 1  # the verify pass took the lean kernel
     assert torch.equal(verify[1], torch.cat(single[1:]))
     torch.ops.edge_attn.set_lean(True)
+
+
+def test_the_lean_kernel_runs_the_best_build_the_cpu_and_aten_cpu_capability_allow():
+    """Unset, the best build the CPU has; ATEN_CPU_CAPABILITY=avx2 (how an AVX2 host's code is checked on an AVX-512
+    one) caps it at x86-64-v3 and =default at the baseline, each in a fresh process (the choice is made at load);
+    a build the CPU lacks, or an unknown name, is refused naming it."""
+    import os
+    import subprocess
+    import sys
+
+    best = HOST_LEAN_ISAS[0]
+    assert torch.ops.edge_attn.lean_isa() == best
+    capped = {None: best, "avx2": LEAN_ISAS[max(LEAN_ISAS.index(best), 1)], "default": "baseline"}
+    script = "from kernels.vllm_plugin import attention_cpp; import torch; attention_cpp.load(); " \
+             "print(torch.ops.edge_attn.lean_isa())"  # fmt: skip
+    for capability, expected in capped.items():
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        assert done.stdout.strip().splitlines()[-1] == expected, (capability, done.stdout, done.stderr)
+    with pytest.raises(RuntimeError, match="name: expected auto, x86-64-v4, x86-64-v3 or baseline, got 'avx9'"):
+        torch.ops.edge_attn.set_lean_isa("avx9")
+    for name in LEAN_ISAS[: LEAN_ISAS.index(best)]:  # above what the CPU has
+        with pytest.raises(RuntimeError, match=f"name: '{name}' needs instructions this CPU lacks"):
+            torch.ops.edge_attn.set_lean_isa(name)
+    assert torch.ops.edge_attn.lean_isa() == best
 
 
 def test_a_layer_is_ready_only_inside_a_step_it_was_handed():
