@@ -52,6 +52,9 @@ Variants:
                   engine schedules and prepares the next step
     edge:MODE+no-lean  the same with decode rows on vLLM's CPU attention kernel (EDGE_LEAN_ATTENTION=0) instead of
                   the plugin's lean one (kernels/vllm_plugin/attention.cpp lean_attention)
+    edge:MODE+no-hold-inputs  the same without the model's parameters and buffers held from C++
+                  (EDGE_HOLD_GRAPH_INPUTS=0): the compiled graph then takes the GIL ~64 times a step to release them,
+                  and in one-process serving waits for it while the event loop streams (attention_cpp.hold_model)
     edge:MODE+vllm-tokenizer-pool  the same with vLLM's tokenizer copies as it ships them: its renderer's pool
                   filled with 2 deep copies up front (EDGE_TOKENIZER_COPIES=2), and each copy of the cached tokenizer
                   building its cache again (EDGE_TOKENIZER_SHALLOW_COPY=0), instead of one copy sharing the cache
@@ -145,7 +148,7 @@ EDGE_MODIFIERS = {"vllm-sampler": {"EDGE_SELECT_SAMPLER": "vllm"}, "no-early": {
                   "two-copies": {"EDGE_DECODE_COPY_ONLY": "0"}, "no-trim": {"EDGE_HEAP_TRIM": "0"},
                   "no-map": {"EDGE_MAPPED_WEIGHTS": "0"}, "no-idle-trim": {"EDGE_IDLE_TRIM": "0"},
                   "no-premap": {"EDGE_PREMAP": "0"}, "no-hold": {"EDGE_HOLD_OUTPUTS": "0"},
-                  "no-lean": {"EDGE_LEAN_ATTENTION": "0"},
+                  "no-lean": {"EDGE_LEAN_ATTENTION": "0"}, "no-hold-inputs": {"EDGE_HOLD_GRAPH_INPUTS": "0"},
                   "vllm-tokenizer-pool": {"EDGE_TOKENIZER_COPIES": "2", "EDGE_TOKENIZER_SHALLOW_COPY": "0"}}
 # edge:MODE+NAME: the variant's edge-serve with these arguments (a pinned weight path beside the plan's own)
 EDGE_ARG_MODIFIERS = {"w4a16": ("--path", "w4a16-tinygemm"), "w4a8": ("--path", "w4a8-gptq"),

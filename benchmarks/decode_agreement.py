@@ -40,8 +40,8 @@ def child(model: str, kwargs: dict, prompts: list[list[int]], tokens: int) -> No
     runs = []
     for prompt in prompts:  # one at a time: a single stream's decode steps, as a user watches them
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-        runs.append({"tokens": list(out.token_ids),
-                     "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in out.logprobs]})  # fmt: skip
+        logprobs = [{str(t): lp.logprob for t, lp in step.items()} for step in out.logprobs]
+        runs.append({"tokens": list(out.token_ids), "logprobs": logprobs})
     print(json.dumps({"event": "runs", "runs": runs}), flush=True)
 
 

@@ -78,6 +78,9 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     "no-split-kv": {"VLLM_CPU_ATTN_SPLIT_KV": "0"},
     # decode rows on vLLM's attention kernel instead of the plugin's lean one (kernels/vllm_plugin/attention.cpp)
     "no-lean": {"EDGE_LEAN_ATTENTION": "0"},
+    # the model's parameters and buffers not held from C++ through the compiled graph
+    # (kernels/vllm_plugin/attention_cpp.py hold_model): the graph then takes the GIL to release them
+    "no-hold-inputs": {"EDGE_HOLD_GRAPH_INPUTS": "0"},
 }
 # variants that change the engine's arguments: the plan's compilation config without Inductor's C++ wrapper
 VARIANT_KWARGS: dict[str, dict] = {"python-wrapper": {"compilation_config": {}}}

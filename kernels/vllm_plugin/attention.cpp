@@ -451,6 +451,31 @@ void lean_attention(const at::Tensor& query, const at::Tensor& output, const Lay
   }
 }
 
+// ---- graph inputs held from C++ -----------------------------------------------------------------------------------
+// A compiled graph with Inductor's C++ wrapper runs without the GIL, and releases each input's handle once the graph
+// is done with it. An input Python owns alone (a model's parameter or buffer: its TensorImpl's only C++ reference
+// is its PyObject's) then falls from 2 C++ references to 1, and c10 hands the PyObject back (decref_pyobject), which
+// takes the GIL, in the middle of the forward: ~64 times a decode step on the default model. In one-process serving
+// the event loop holds the GIL exactly then (the step's outputs were handed over as the forward began), so the
+// engine's thread waited for it there: perf's sched_switch stacks put 54 % of its waits in
+// aoti_torch_delete_tensor_object -> decref_pyobject -> take_gil. A reference held here keeps every such input at
+// 2 or more through the graph, so no release inside it needs the GIL. The tensors are the model's own (no copy).
+std::vector<at::Tensor>& held_tensors() {
+  static auto* kept = new std::vector<at::Tensor>();  // never destroyed, as state()
+  return *kept;
+}
+
+int64_t hold_tensors(const std::vector<at::Tensor>& tensors) {
+  auto& kept = held_tensors();
+  kept.insert(kept.end(), tensors.begin(), tensors.end());
+  return static_cast<int64_t>(kept.size());
+}
+
+void release_tensors() {
+  std::vector<at::Tensor> gone;
+  gone.swap(held_tensors());
+}
+
 at::Tensor rows(const at::Tensor& t, int64_t n) { return t.size(0) == n ? t : t.narrow(0, 0, n); }
 
 void attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& output,
@@ -511,6 +536,8 @@ TORCH_LIBRARY(edge_attn, m) {
   m.def("calls() -> int[]", &calls);
   m.def("set_lean(bool on) -> ()", &set_lean);
   m.def("lean_isa() -> str", &lean_isa);
+  m.def("hold_tensors(Tensor[] tensors) -> int", &hold_tensors);
+  m.def("release_tensors() -> ()", &release_tensors);
   m.def("set_lean_isa(str name) -> str", &set_lean_isa);
 }
 

@@ -33,6 +33,7 @@ EXTENSION = "edge_attention"
 WHAT = "the plugin's C++ attention"
 CFLAGS = ["-O3"]
 LEAN_ENV = "EDGE_LEAN_ATTENTION"  # "0": decode rows on vLLM's attention kernel too (attention.cpp lean_attention)
+HOLD_ENV = "EDGE_HOLD_GRAPH_INPUTS"  # "0": the model's tensors not held from C++ (hold_model), for comparisons
 INDEX = "_edge_select_attention_index"  # the attribute on an Attention layer that takes the op
 _MARK = "_edge_select_attention_cpp"
 
@@ -44,6 +45,7 @@ class _Layers:
     context: dict | None = None
     names: dict[int, str] = {}
     handed: dict[int, tuple[int, torch.Tensor]] = {}  # index -> (group, cache) last given to set_layer
+    held_model: int | None = None  # id() of the model whose parameters and buffers attention.cpp holds
 
 
 @cache
@@ -141,6 +143,20 @@ def push(context: Any) -> bool:
     return True
 
 
+def hold_model(model: torch.nn.Module) -> int:
+    """Hold a C++ reference to each of the model's parameters and buffers (attention.cpp `hold_tensors`), once per
+    model: then the compiled graph, which runs without the GIL, never releases the last C++ reference to one of its
+    inputs, and so never takes the GIL in the middle of a forward to hand a PyObject back. Returns how many are
+    held (0: this model's already were). A new model (a test's next engine) replaces the last one's."""
+    if _Layers.held_model == id(model) or not isinstance(model, torch.nn.Module) or os.environ.get(HOLD_ENV) == "0":
+        return 0
+    ops = torch.ops.edge_attn
+    ops.release_tensors()
+    tensors = [*model.parameters(), *model.buffers()]
+    _Layers.held_model = id(model)
+    return ops.hold_tensors(tensors)
+
+
 def install() -> bool:
     """Patch Attention.__init__ and .forward and GPUModelRunner._model_forward once per process; False (vLLM's
     ops kept, the reason logged) when the extension cannot be built here."""
@@ -174,6 +190,7 @@ def install() -> bool:
         return output
 
     def _model_forward(self, *args, **kwargs):
+        hold_model(self.model)
         pushed = forward_context.is_forward_context_available() and push(forward_context.get_forward_context())
         try:
             return vllm_model_forward(self, *args, **kwargs)
