@@ -46,6 +46,7 @@ class _Layers:
     names: dict[int, str] = {}
     handed: dict[int, tuple[int, torch.Tensor]] = {}  # index -> (group, cache) last given to set_layer
     held_model: int | None = None  # id() of the model whose parameters and buffers attention.cpp holds
+    steady: dict[tuple, torch.Tensor] = {}  # steady_input's views, held from C++ too
 
 
 @cache
@@ -152,9 +153,32 @@ def hold_model(model: torch.nn.Module) -> int:
         return 0
     ops = torch.ops.edge_attn
     ops.release_tensors()
+    _Layers.steady = {}
     tensors = [*model.parameters(), *model.buffers()]
     _Layers.held_model = id(model)
     return ops.hold_tensors(tensors)
+
+
+STEADY_VIEWS = 64  # steady_input keeps at most this many views (a decode step's few shapes, not every prompt's)
+
+
+def steady_input(tensor: Any) -> Any:
+    """The same view of the same memory as `tensor` (vLLM slices its persistent input buffers anew each step, so each
+    step's input_ids and positions are new tensors Python alone owns), but one kept from step to step and held from
+    C++ (hold_model's reason): the compiled graph then releases no last C++ reference to it. Anything not a tensor,
+    or past STEADY_VIEWS kept, is returned as it is."""
+    if _Layers.held_model is None or not isinstance(tensor, torch.Tensor):
+        return tensor
+    key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+           tensor.dtype)  # fmt: skip
+    kept = _Layers.steady.get(key)
+    if kept is None:
+        if len(_Layers.steady) >= STEADY_VIEWS:
+            return tensor
+        kept = tensor.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+        torch.ops.edge_attn.hold_tensors([kept])
+        _Layers.steady[key] = kept
+    return kept
 
 
 def install() -> bool:
@@ -191,6 +215,9 @@ def install() -> bool:
 
     def _model_forward(self, *args, **kwargs):
         hold_model(self.model)
+        for name in ("input_ids", "positions"):
+            if name in kwargs:
+                kwargs[name] = steady_input(kwargs[name])
         pushed = forward_context.is_forward_context_available() and push(forward_context.get_forward_context())
         try:
             return vllm_model_forward(self, *args, **kwargs)

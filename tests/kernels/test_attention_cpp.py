@@ -222,3 +222,43 @@ def test_outside_a_step_the_op_calls_vllms_ops_for_the_layer_by_name(monkeypatch
     assert torch.ops.edge_attn.calls() == [0, 1, 0]
     assert torch.equal(out, torch.ones_like(out))
 
+
+
+def test_the_models_tensors_are_held_from_cpp_once_per_model():
+    """hold_model gives each parameter and buffer one C++ reference more (so the compiled graph, running without
+    the GIL, never releases the last one and needs the GIL for its PyObject), once per model; a new model's replace
+    the last one's, which go back to what they were."""
+    first = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    first.register_buffer("table", torch.zeros(5))
+    tensors = [*first.parameters(), *first.buffers()]
+    before = [t._use_count() for t in tensors]
+    assert attention_cpp.hold_model(first) == len(tensors) == 5
+    assert [t._use_count() for t in tensors] == [n + 1 for n in before]
+    assert attention_cpp.hold_model(first) == 0  # already held
+    assert [t._use_count() for t in tensors] == [n + 1 for n in before]
+    second = torch.nn.Linear(2, 2)
+    assert attention_cpp.hold_model(second) == 2
+    assert [t._use_count() for t in tensors] == before
+    torch.ops.edge_attn.release_tensors()
+    attention_cpp._Layers.held_model = None
+
+
+def test_a_steps_input_views_are_kept_from_step_to_step():
+    """vLLM slices its persistent input buffers anew each step; steady_input gives the same tensor for the same view
+    of the same memory (written through: the buffer's new contents show), held from C++, and another for another
+    view; a new model's hold starts over."""
+    model = torch.nn.Linear(2, 2)
+    attention_cpp.hold_model(model)
+    buffer = torch.zeros(16, dtype=torch.int64)
+    first = attention_cpp.steady_input(buffer[:1])
+    assert attention_cpp.steady_input(buffer[:1]) is first  # the next step's new slice of the same row
+    assert first._use_count() == 2  # held from C++
+    buffer[0] = 7
+    assert first.tolist() == [7]
+    other = attention_cpp.steady_input(buffer[:3])
+    assert other is not first and other.shape == (3,) and other.data_ptr() == buffer.data_ptr()
+    assert attention_cpp.steady_input(None) is None
+    attention_cpp.hold_model(torch.nn.Linear(2, 2))
+    assert attention_cpp.steady_input(buffer[:1]) is not first and first._use_count() == 1
+    torch.ops.edge_attn.release_tensors()
+    attention_cpp._Layers.held_model = None
