@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -151,12 +152,18 @@ def hold_model(model: torch.nn.Module) -> int:
     held (0: this model's already were). A new model (a test's next engine) replaces the last one's."""
     if _Layers.held_model == id(model) or not isinstance(model, torch.nn.Module) or os.environ.get(HOLD_ENV) == "0":
         return 0
-    ops = torch.ops.edge_attn
-    ops.release_tensors()
-    _Layers.steady = {}
+    _release(_Layers.held_model)
     tensors = [*model.parameters(), *model.buffers()]
     _Layers.held_model = id(model)
-    return ops.hold_tensors(tensors)
+    weakref.finalize(model, _release, id(model))  # an engine shut down gives its weights back with its model
+    return torch.ops.edge_attn.hold_tensors(tensors)
+
+
+def _release(model_id: int | None) -> None:
+    """Drop what attention.cpp holds for the model of this id(), if it is still the one held."""
+    if model_id is not None and _Layers.held_model == model_id:
+        torch.ops.edge_attn.release_tensors()
+        _Layers.held_model, _Layers.steady = None, {}
 
 
 STEADY_VIEWS = 64  # steady_input keeps at most this many views (a decode step's few shapes, not every prompt's)

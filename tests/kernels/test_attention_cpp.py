@@ -4,6 +4,8 @@ handed over once, each step's metadata pushed before the call and cleared after.
 a prompt's prefill in a padded batch, then decode steps. Outputs and the whole cache must equal vLLM's bit for bit.
 Outside a step the op must call vLLM's own Python ops for the layer, by its name."""
 
+import gc
+
 import pytest
 import torch
 
@@ -239,15 +241,20 @@ def test_the_models_tensors_are_held_from_cpp_once_per_model():
     second = torch.nn.Linear(2, 2)
     assert attention_cpp.hold_model(second) == 2
     assert [t._use_count() for t in tensors] == before
-    torch.ops.edge_attn.release_tensors()
-    attention_cpp._Layers.held_model = None
+    del first  # collected: its finalizer must not release the model held now
+    gc.collect()
+    weights = second.weight
+    assert weights._use_count() == 2
+    del second  # an engine shut down: its model goes, and what was held for it with it
+    gc.collect()
+    assert weights._use_count() == 1 and attention_cpp._Layers.held_model is None
 
 
 def test_a_steps_input_views_are_kept_from_step_to_step():
     """vLLM slices its persistent input buffers anew each step; steady_input gives the same tensor for the same view
     of the same memory (written through: the buffer's new contents show), held from C++, and another for another
     view; a new model's hold starts over."""
-    model = torch.nn.Linear(2, 2)
+    model, next_model = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     attention_cpp.hold_model(model)
     buffer = torch.zeros(16, dtype=torch.int64)
     first = attention_cpp.steady_input(buffer[:1])
@@ -258,7 +265,6 @@ def test_a_steps_input_views_are_kept_from_step_to_step():
     other = attention_cpp.steady_input(buffer[:3])
     assert other is not first and other.shape == (3,) and other.data_ptr() == buffer.data_ptr()
     assert attention_cpp.steady_input(None) is None
-    attention_cpp.hold_model(torch.nn.Linear(2, 2))
+    attention_cpp.hold_model(next_model)
     assert attention_cpp.steady_input(buffer[:1]) is not first and first._use_count() == 1
-    torch.ops.edge_attn.release_tensors()
-    attention_cpp._Layers.held_model = None
+    attention_cpp._release(attention_cpp._Layers.held_model)
