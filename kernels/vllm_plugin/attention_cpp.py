@@ -155,7 +155,8 @@ def hold_model(model: torch.nn.Module) -> int:
     _release(_Layers.held_model)
     tensors = [*model.parameters(), *model.buffers()]
     _Layers.held_model = id(model)
-    weakref.finalize(model, _release, id(model))  # an engine shut down gives its weights back with its model
+    # an engine shut down gives its weights back with its model; nothing to give back as the interpreter exits
+    weakref.finalize(model, _release, id(model)).atexit = False
     return torch.ops.edge_attn.hold_tensors(tensors)
 
 
