@@ -273,14 +273,11 @@ using LeanRow = void (*)(const uint16_t*, uint16_t*, int64_t, int64_t, int64_t, 
 template <int G>
 void lean_row_base(EDGE_LEAN_ARGS) { EDGE_LEAN_CALL; }
 #if defined(__x86_64__) && defined(__GNUC__)
-constexpr bool kLeanX86 = true;
 template <int G>
 __attribute__((target("avx2,fma,f16c,bmi,bmi2"))) void lean_row_v3(EDGE_LEAN_ARGS) { EDGE_LEAN_CALL; }
 template <int G>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2"))) void lean_row_v4(
     EDGE_LEAN_ARGS) { EDGE_LEAN_CALL; }
-#else
-constexpr bool kLeanX86 = false;
 #endif
 
 // The instruction set the lean kernel runs: the best the CPU has (x86-64-v4: AVX-512 F/BW/VL/DQ; v3: AVX2 and FMA;
@@ -343,13 +340,13 @@ std::string set_lean_isa(std::string name) {
 
 template <int G>
 LeanRow lean_row_isa() {
-  if constexpr (kLeanX86) {
-    switch (lean_isa_in_use()) {
-      case LeanIsa::v4: return lean_row_v4<G>;
-      case LeanIsa::v3: return lean_row_v3<G>;
-      default: break;
-    }
+#if defined(__x86_64__) && defined(__GNUC__)  // the x86 builds exist only there (a discarded if constexpr still names them)
+  switch (lean_isa_in_use()) {
+    case LeanIsa::v4: return lean_row_v4<G>;
+    case LeanIsa::v3: return lean_row_v3<G>;
+    default: break;
   }
+#endif
   return lean_row_base<G>;
 }
 
@@ -457,8 +454,8 @@ void lean_attention(const at::Tensor& query, const at::Tensor& output, const Lay
 // is its PyObject's) then falls from 2 C++ references to 1, and c10 hands the PyObject back (decref_pyobject), which
 // takes the GIL, in the middle of the forward: ~64 times a decode step on the default model. In one-process serving
 // the event loop holds the GIL exactly then (the step's outputs were handed over as the forward began), so the
-// engine's thread waited for it there: perf's sched_switch stacks put 54 % of its waits in
-// aoti_torch_delete_tensor_object -> decref_pyobject -> take_gil. A reference held here keeps every such input at
+// engine's thread waited for it there: 90 % of its context switches had aoti_torch_delete_tensor_object ->
+// decref_pyobject -> take_gil in their stacks (perf sched_switch, docs/reports/2026-12-08-gil-in-the-graph.md). A reference held here keeps every such input at
 // 2 or more through the graph, so no release inside it needs the GIL. The tensors are the model's own (no copy).
 std::vector<at::Tensor>& held_tensors() {
   static auto* kept = new std::vector<at::Tensor>();  // never destroyed, as state()

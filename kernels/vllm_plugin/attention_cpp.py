@@ -12,6 +12,9 @@ metadata for every layer) the op calls vLLM's own Python ops (`vllm_attention` b
 A step whose sequences have at most 8 query rows each (decode, a drafted verify pass) is attended by attention.cpp's
 own lean kernel where the layer allows it (vLLM's "vec" cache layout, bf16, no alibi, sinks, soft-cap or window):
 vLLM's kernel costs ~8 us a layer for one short decode row. EDGE_LEAN_ATTENTION=0 keeps vLLM's kernel for every row.
+
+The same _model_forward holds the compiled graph's inputs from C++ (hold_model, steady_input), so the graph, which
+runs without the GIL, never takes it to hand a PyObject back mid-forward (EDGE_HOLD_GRAPH_INPUTS=0 turns that off).
 """
 
 from __future__ import annotations

@@ -225,7 +225,6 @@ def test_outside_a_step_the_op_calls_vllms_ops_for_the_layer_by_name(monkeypatch
     assert torch.equal(out, torch.ones_like(out))
 
 
-
 def test_the_models_tensors_are_held_from_cpp_once_per_model():
     """hold_model gives each parameter and buffer one C++ reference more (so the compiled graph, running without
     the GIL, never releases the last one and needs the GIL for its PyObject), once per model; a new model's replace
